@@ -1,0 +1,30 @@
+"""Errors raised by unitscale.
+
+Every error the library raises on bad input derives from :class:`UnitScaleError`, so that
+``except unitscale.UnitScaleError`` catches them all. Messages name the op, node, module,
+format or argument concerned and say what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UnitScaleError", "UnsupportedArgumentError", "CaptureError"]
+
+
+class UnitScaleError(Exception):
+    """Base class of every error unitscale raises on bad input."""
+
+
+class UnsupportedArgumentError(UnitScaleError, ValueError):
+    """An argument of a unit-scaled op has a value the op does not support."""
+
+    def __init__(self, op: str, argument: str, value: object, fix: str = "") -> None:
+        message = f"unitscale.functional.{op}: argument {argument!r}={value!r} is not supported"
+        if fix:
+            message += f"; {fix}"
+        super().__init__(message)
+        self.op = op
+        self.argument = argument
+
+
+class CaptureError(UnitScaleError, RuntimeError):
+    """A module's forward pass could not be captured as a graph."""

@@ -1,0 +1,112 @@
+"""Forward and backward scaling: the one primitive every unit-scaled op is built from.
+
+Unit scaling multiplies an op's output by one factor in the forward pass and the gradients
+of its inputs by other factors in the backward pass. Both are done by a single autograd
+function, :func:`scale_fwd_bwd`, which multiplies its input by ``fwd_scale`` and the incoming
+gradient by ``bwd_scale``. When the two differ, the gradient it passes back is *not* the true
+gradient of its forward computation; constraints (:mod:`unitscale.constraints`) decide where
+that is allowed.
+
+Design constraints: scales are Python floats, so that they fold into compiled graphs as
+constants; a scale of exactly 1 costs nothing (the tensor is returned as a view).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["scale_bwd", "scale_fwd", "scale_fwd_bwd"]
+
+
+class _ScaleFwdBwd(torch.autograd.Function):
+    """``y = x * fwd_scale``; ``grad_x = grad_y * bwd_scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
+        ctx.bwd_scale = bwd_scale
+        if fwd_scale == 1.0:
+            return x.view_as(x)
+        return x * fwd_scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.bwd_scale == 1.0:
+            return grad, None, None
+        return grad * ctx.bwd_scale, None, None
+
+
+def _check_scale(name: str, scale: float) -> float:
+    if isinstance(scale, Tensor):
+        raise TypeError(
+            f"unitscale.scale: {name} must be a Python number, got a Tensor; use float(...)"
+        )
+    return float(scale)
+
+
+def scale_fwd_bwd(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
+    """Multiply ``x`` by ``fwd_scale`` in the forward pass and its gradient by ``bwd_scale``.
+
+    Args:
+        x: the tensor to scale.
+        fwd_scale: factor applied to ``x`` in the forward pass.
+        bwd_scale: factor applied to the gradient of the result in the backward pass.
+
+    Returns:
+        ``x * fwd_scale``, whose backward multiplies the incoming gradient by ``bwd_scale``.
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> y = scale_fwd_bwd(x, 2.0, 0.5)
+        >>> y.sum().backward()
+        >>> y.tolist(), x.grad.tolist()
+        ([2.0, 2.0, 2.0], [0.5, 0.5, 0.5])
+    """
+    fwd = _check_scale("fwd_scale", fwd_scale)
+    bwd = _check_scale("bwd_scale", bwd_scale)
+    if fwd == 1.0 and bwd == 1.0:
+        return x
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x if fwd == 1.0 else x * fwd
+    return _ScaleFwdBwd.apply(x, fwd, bwd)  # type: ignore[no-any-return]
+
+
+def scale_fwd(x: Tensor, scale: float) -> Tensor:
+    """Multiply ``x`` by ``scale`` in the forward pass only; the gradient passes unchanged.
+
+    Args:
+        x: the tensor to scale.
+        scale: forward factor.
+
+    Returns:
+        ``x * scale`` with an identity backward.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> scale_fwd(x, 3.0).sum().backward()
+        >>> x.grad.tolist()
+        [1.0, 1.0]
+    """
+    return scale_fwd_bwd(x, scale, 1.0)
+
+
+def scale_bwd(x: Tensor, scale: float) -> Tensor:
+    """Leave ``x`` unchanged in the forward pass; multiply its gradient by ``scale``.
+
+    Args:
+        x: the tensor whose gradient is scaled.
+        scale: backward factor.
+
+    Returns:
+        ``x`` (a view), whose backward multiplies the incoming gradient by ``scale``.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = scale_bwd(x, 0.25)
+        >>> y.sum().backward()
+        >>> y.tolist(), x.grad.tolist()
+        ([1.0, 1.0], [0.25, 0.25])
+    """
+    return scale_fwd_bwd(x, 1.0, scale)
