@@ -75,6 +75,8 @@ def tensor_stats(x: Tensor) -> Tensor:
         out = torch.zeros(_N_STATS, dtype=torch.float64, device=device)
         return out
     a = x.abs()
+    if not a.is_contiguous():  # bucketize needs contiguous input (it would copy and warn)
+        a = a.contiguous()
     var, mean = torch.var_mean(x, correction=0)
     amin, amax = torch.aminmax(a)
     head = torch.stack(

@@ -1,0 +1,352 @@
+"""TorchDynamo capture shared by every unitscale transform.
+
+A :class:`TransformedModule` wraps an independent copy of a user's module and runs its
+forward through TorchDynamo with a backend of ours. Dynamo inlines ``torch.nn`` modules, so
+each captured piece is a graph of functional ops (``embedding``, ``linear``, ``softmax``...)
+whose nodes are named after the variables in the user's source. Every piece Dynamo hands us
+(one per graph break) goes through the module's chain of :class:`GraphPass` objects, in order;
+the last pass may compile it. At run time the core records which pieces ran, in which order,
+and which tensors they received and returned, so that a pass such as scale tracking can join
+the pieces of one call into a single graph, connected where a tensor crosses a break.
+
+Design constraints:
+
+- the user's module is never touched: the wrapper owns a deep copy;
+- the wrapper keeps the original's ``state_dict()`` keys, deep-copies and pickles (runtime
+  state such as compiled code is rebuilt on the next call), moves with ``.to()`` and follows
+  ``.train()``/``.eval()`` (Dynamo guards on both and recompiles);
+- per call the core does O(number of pieces) Python work, never per op.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.fx as fx
+from torch import Tensor, nn
+
+from ..errors import CaptureError, UnitScaleError
+
+__all__ = [
+    "GraphPass",
+    "Invocation",
+    "Piece",
+    "TransformedModule",
+    "module_path_of",
+    "transformed",
+]
+
+# Dynamo compiles a frame again for every new input shape, train/eval mode and tracked copy;
+# the default limit of 8 would silently fall back to eager (and lose the graph) in ordinary use.
+_RECOMPILE_LIMIT = 512
+
+
+class GraphPass:
+    """One step of a transform chain, applied to every piece Dynamo captures.
+
+    Subclasses override :meth:`transform` (and :meth:`reset` if they hold per-call state).
+    A pass must be picklable: it is configuration, plus runtime state it can rebuild.
+    """
+
+    #: A pass that compiles must come last; nothing can be applied after it.
+    compiles: bool = False
+
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+        """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
+        return gm
+
+    def finish(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], piece: Piece
+    ) -> Callable[..., Any] | None:
+        """Return a compiled callable for the final graph, or None to run it as Python."""
+        return None
+
+    def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        """Called before every forward of the transformed module."""
+
+    def fresh(self) -> GraphPass:
+        """A copy of this pass with no runtime state, for a new transformed module."""
+        clone = copy.copy(self)
+        clone.__dict__.update(
+            {k: None for k in getattr(self, "_runtime_attrs", ())}  # type: ignore[attr-defined]
+        )
+        return clone
+
+
+@dataclass
+class Piece:
+    """One graph Dynamo captured (one per graph break and per recompilation)."""
+
+    index: int
+    #: The graph as Dynamo gave it (before any pass), with Dynamo's node meta.
+    graph: fx.Graph
+    #: Per placeholder: ``("param", qualified_name)``, ``("buffer", name)`` or ``("input", name)``.
+    placeholders: list[tuple[str, str]]
+    #: Free-form per-pass data (e.g. the tracking pass's slot of each node).
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Invocation:
+    """One run of a piece during a call of the transformed module."""
+
+    piece: Piece
+    inputs: list[Any]
+    outputs: list[Any]
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
+    """Qualified name of the innermost module that produced ``node`` ("" at top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    key, (path, _cls) = list(stack.items())[-1]
+    try:
+        name = module_names.get(int(key))
+    except (TypeError, ValueError):
+        name = None
+    if name is not None:
+        return name
+    path = str(path)
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def _placeholder_kind(
+    node: fx.Node, value: Any, params: dict[int, str], buffers: dict[int, str]
+) -> tuple[str, str]:
+    if isinstance(value, Tensor):
+        if id(value) in params:
+            return ("param", params[id(value)])
+        if id(value) in buffers:
+            return ("buffer", buffers[id(value)])
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    local = getattr(source, "local_name", None)
+    if isinstance(local, str):
+        return ("input", local)
+    name = re.sub(r"^L_|_$", "", node.target if isinstance(node.target, str) else node.name)
+    return ("input", name)
+
+
+class _Capture:
+    """Runtime state of one transformed module: compiled code, pieces and the call trace.
+
+    Never pickled or deep-copied: rebuilt on the first call after either.
+    """
+
+    def __init__(self, owner: TransformedModule) -> None:
+        self.owner_ref = weakref.ref(owner)
+        self.pieces: list[Piece] = []
+        self.trace: list[Invocation] = []
+        self.last_trace: list[Invocation] = []
+        self.current: Invocation | None = None
+        self.compiled: Callable[..., Any] = torch.compile(
+            owner.module, backend=self.backend, dynamic=False
+        )
+
+    # Dynamo backend: called once per captured piece.
+    def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        owner = self.owner_ref()
+        if owner is None:  # pragma: no cover - the owner holds us
+            return gm.forward
+        module = owner.module
+        # First name wins for shared tensors (tied weights), as named_parameters() gives it.
+        params: dict[int, str] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            params.setdefault(id(p), n)
+        buffers: dict[int, str] = {}
+        for n, b in module.named_buffers(remove_duplicate=False):
+            buffers.setdefault(id(b), n)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        kinds = [
+            _placeholder_kind(node, value, params, buffers)
+            for node, value in zip(placeholders, example_inputs, strict=False)
+        ]
+        original = copy.deepcopy(gm.graph)
+        piece = Piece(index=len(self.pieces), graph=original, placeholders=kinds)
+        self.pieces.append(piece)
+        for graph_pass in owner.passes:
+            gm = graph_pass.transform(gm, piece, self)
+        gm.recompile()
+        run: Callable[..., Any] = gm.forward
+        if owner.passes:
+            compiled = owner.passes[-1].finish(gm, example_inputs, piece)
+            if compiled is not None:
+                run = compiled
+
+        def invoke(*args: Any) -> Any:
+            invocation = Invocation(piece, list(args), [])
+            previous, self.current = self.current, invocation
+            self.trace.append(invocation)
+            try:
+                out = run(*args)
+            finally:
+                self.current = previous
+            invocation.outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+            return out
+
+        return invoke
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.trace = []
+        try:
+            with torch._dynamo.config.patch(
+                recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT
+            ):
+                out = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            inner = error.inner_exception
+            if isinstance(inner, CaptureError):
+                raise inner from None
+            raise CaptureError(
+                f"unitscale could not transform a graph of {type(self.owner_module).__name__}: "
+                f"{type(inner).__name__}: {inner}"
+            ) from inner
+        except torch._dynamo.exc.TorchDynamoException as error:
+            raise CaptureError(
+                f"TorchDynamo could not capture {type(self.owner_module).__name__}.forward: "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. "
+                "Run the module eagerly to check it works; if it does, please report this"
+            ) from error
+        self.last_trace = self.trace
+        return out
+
+    @property
+    def owner_module(self) -> nn.Module:
+        owner = self.owner_ref()
+        return owner.module if owner is not None else nn.Module()
+
+
+class TransformedModule(nn.Module):
+    """A copy of a module whose forward runs through a chain of graph passes.
+
+    Returned by :func:`~unitscale.transforms.track_scales`, :func:`~unitscale.transforms.unit_scale`,
+    :func:`~unitscale.transforms.simulate_format` and :func:`~unitscale.transforms.compile`.
+    Behaves like the module it wraps: same ``state_dict()`` keys, same attributes (looked up on
+    the wrapped module), deep-copyable and picklable.
+    """
+
+    def __init__(self, module: nn.Module, passes: Sequence[GraphPass]) -> None:
+        super().__init__()
+        self.module = module
+        self.passes: tuple[GraphPass, ...] = tuple(passes)
+        self._capture: _Capture | None = None
+
+    # -- running ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for graph_pass in self.passes:
+            graph_pass.before_call(self, args, kwargs)
+        if self._capture is None:
+            self._capture = _Capture(self)
+        return self._capture.call(args, kwargs)
+
+    @property
+    def capture(self) -> _Capture | None:
+        """Runtime capture state (None before the first call)."""
+        return self._capture
+
+    def scales_graph(self) -> fx.Graph:
+        """The tracked graph of the last call (see :func:`~unitscale.transforms.track_scales`).
+
+        Raises:
+            UnitScaleError: the module is not tracked.
+        """
+        for graph_pass in self.passes:
+            build = getattr(graph_pass, "scales_graph", None)
+            if build is not None:
+                return build(self)  # type: ignore[no-any-return]
+        raise UnitScaleError(
+            "scales_graph(): this module is not tracked; wrap it with "
+            "unitscale.transforms.track_scales(module) first"
+        )
+
+    def pass_of_type(self, cls: type[GraphPass]) -> GraphPass | None:
+        """The first pass in the chain that is an instance of ``cls``."""
+        return next((p for p in self.passes if isinstance(p, cls)), None)
+
+    # -- behaving like the wrapped module --------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "passes", "_capture"):
+                raise
+            return getattr(self._modules["module"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The wrapped module's ``state_dict()``: keys are the original's."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a checkpoint of the original module (same keys)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_capture"] = None
+        state["passes"] = tuple(p.fresh() for p in self.passes)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TransformedModule:
+        clone = TransformedModule.__new__(type(self))
+        memo[id(self)] = clone
+        state = self.__getstate__()
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        return clone
+
+    def extra_repr(self) -> str:
+        return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
+
+
+def _strip(module: nn.Module) -> tuple[nn.Module, tuple[GraphPass, ...]]:
+    """The user module inside ``module`` and the passes already applied to it."""
+    if isinstance(module, TransformedModule):
+        return module.module, module.passes
+    return module, ()
+
+
+def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
+    """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
+
+    Raises:
+        CaptureError: ``module`` is not an ``nn.Module``, or it was already compiled.
+    """
+    if not isinstance(module, nn.Module):
+        raise CaptureError(
+            f"unitscale.{op}: expected a torch.nn.Module, got {type(module).__name__}"
+        )
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        raise CaptureError(
+            f"unitscale.{op}: the module is already torch.compile'd; pass the original module "
+            "(module._orig_mod) and apply unitscale.transforms.compile last"
+        )
+    inner, passes = _strip(module)
+    if passes and passes[-1].compiles:
+        raise CaptureError(
+            f"unitscale.{op}: the module is already compiled by unitscale.transforms.compile; "
+            "apply compile last, e.g. compile(simulate_fp8(unit_scale(model)))"
+        )
+    copied = copy.deepcopy(inner)
+    return TransformedModule(copied, (*(p.fresh() for p in passes), new_pass))
+
+
+def iter_tensors(tree: Any) -> Iterator[Tensor]:
+    """Every tensor in a nested structure of args (lists, tuples, dicts, dataclasses)."""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            yield leaf

@@ -1,0 +1,299 @@
+"""The scale-tracking pass: instrument captured graphs, then join and read their statistics.
+
+:class:`TrackScalesPass` is a :class:`~unitscale.capture.GraphPass`. For every piece Dynamo
+captures it inserts, after each node whose value is a floating-point tensor, one call to
+:meth:`TrackScalesPass.record` with the node's slot number. At run time ``record`` computes the
+tensor's statistics on its device (:func:`~unitscale.tracking.metrics.tensor_stats`) and, when a
+gradient will flow, registers a tensor hook that does the same for the gradient. Nothing is
+copied to the host until :func:`build_scales_graph` reads the whole call at once.
+
+Node meta written on the joined graph (see DESIGN.md section 3): ``metrics``
+(:class:`Metrics`), ``clean_name``, ``module_path``, ``outputs_float_tensor``,
+``requires_grad``, ``subgraph`` (index of the piece, in execution order), ``shape``, ``dtype``,
+and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it had them.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from ..capture._core import (
+    GraphPass,
+    Invocation,
+    Piece,
+    TransformedModule,
+    _Capture,
+    iter_tensors,
+    module_path_of,
+)
+from .metrics import Metrics, stats_to_data, tensor_stats
+
+__all__ = ["TrackScalesPass", "build_scales_graph"]
+
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def _example_value(node: fx.Node) -> Any:
+    value = node.meta.get("example_value")
+    if value is None and "grapharg" in node.meta:
+        value = getattr(node.meta["grapharg"], "fake_tensor", None)
+    return value
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+class TrackScalesPass(GraphPass):
+    """Record forward and backward scale statistics of every floating-point tensor.
+
+    Reads: Dynamo's ``example_value`` meta (which nodes output float tensors).
+    Writes: ``piece.data["slots"]`` (node name -> slot); per invocation,
+    ``invocation.data["fwd"]``/``["bwd"]`` (slot -> statistics vector on the device).
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self._param_grads: dict[int, Tensor] = {}
+        self._capture: _Capture | None = None
+
+    def fresh(self) -> TrackScalesPass:
+        return TrackScalesPass()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    # -- capture time ------------------------------------------------------------------------
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+        self._capture = capture
+        slots: dict[str, int] = {}
+        graph = gm.graph
+        nodes = list(graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        # Records for inputs go after the last placeholder so the signature stays intact.
+        after_inputs = placeholders[-1] if placeholders else None
+        for node in nodes:
+            if node.op in ("output", "get_attr") or not _is_float_tensor(_example_value(node)):
+                continue
+            slot = len(slots)
+            slots[node.name] = slot
+            anchor = after_inputs if node.op == "placeholder" else node
+            if anchor is None:  # pragma: no cover - placeholders always precede
+                continue
+            with graph.inserting_after(anchor):
+                record = graph.call_function(self.record, (node, slot))
+            if node.op == "placeholder":
+                after_inputs = record
+        piece.data["slots"] = slots
+        return gm
+
+    def scales_graph(self, module: TransformedModule) -> fx.Graph:
+        """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
+        return build_scales_graph(module, self)
+
+    # -- run time (the hot path) -------------------------------------------------------------
+    def record(self, x: Any, slot: int) -> None:
+        """Store the statistics of ``x`` for ``slot`` of the running invocation."""
+        capture = self._capture
+        invocation = capture.current if capture is not None else None
+        if invocation is None or not isinstance(x, Tensor):
+            return
+        invocation.data.setdefault("fwd", {})[slot] = tensor_stats(x)
+        if x.requires_grad and torch.is_grad_enabled():
+            if x.is_leaf:
+                # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
+                if id(x) in self._hooked:
+                    return
+                self._hooked.add(id(x))
+                self._handles.append(x.register_hook(self._leaf_hook(id(x))))
+            else:
+                self._handles.append(x.register_hook(self._grad_hook(invocation, slot)))
+
+    def _grad_hook(self, invocation: Invocation, slot: int) -> Any:
+        def hook(grad: Tensor) -> None:
+            invocation.data.setdefault("bwd", {})[slot] = tensor_stats(grad)
+
+        return hook
+
+    def _leaf_hook(self, key: int) -> Any:
+        def hook(grad: Tensor) -> None:
+            self._param_grads[key] = tensor_stats(grad)
+
+        return hook
+
+    def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked = set()
+        self._param_grads = {}
+        if torch.is_grad_enabled():
+            for tensor in iter_tensors((args, kwargs)):
+                if tensor.is_floating_point() and tensor.is_leaf and not tensor.requires_grad:
+                    tensor.requires_grad_()
+
+
+def _sanitize(name: str) -> str:
+    name = re.sub(r"\W", "_", name)
+    return name if name and not name[0].isdigit() else f"_{name}"
+
+
+def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.Graph:
+    """Join the pieces of the last call into one graph carrying metrics meta.
+
+    One host synchronisation per device: every statistics vector is stacked and read at once.
+    """
+    graph = fx.Graph()
+    capture = module.capture
+    if capture is None or not capture.last_trace:
+        return graph
+    inner = module.module
+    module_names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
+    trainable = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
+    shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
+    produced: dict[int, tuple[Any, fx.Node]] = {}  # id(tensor) -> (weakref, node)
+    pending: list[tuple[fx.Node, str, Tensor]] = []  # (node, "fwd"/"bwd", stats vector)
+    last_outputs: Any = ()
+    input_names: set[str] = set()
+
+    # Placeholders first: fx requires them at the top of the graph.
+    placeholder_plan: list[list[tuple[str, str, Any]]] = []
+    for invocation in capture.last_trace:
+        plan = []
+        values = iter(invocation.inputs)
+        for kind, name in invocation.piece.placeholders:
+            plan.append((kind, name, next(values, None)))
+        placeholder_plan.append(plan)
+
+    for k, invocation in enumerate(capture.last_trace):
+        piece = invocation.piece
+        slots: dict[str, int] = piece.data.get("slots", {})
+        fwd = invocation.data.get("fwd", {})
+        bwd = invocation.data.get("bwd", {})
+        env: dict[fx.Node, fx.Node] = {}
+        plan = iter(placeholder_plan[k])
+        for node in piece.graph.nodes:
+            if node.op == "placeholder":
+                kind, name, value = next(plan)
+                if kind in ("param", "buffer"):
+                    new = shared.get(name)
+                    if new is None:
+                        new = _new_placeholder(graph, _sanitize(name), name, node, k)
+                        new.meta["module_path"] = name.rpartition(".")[0]
+                        new.meta["requires_grad"] = kind == "param" and name in trainable
+                        shared[name] = new
+                        grad = track._param_grads.get(id(value))
+                        if grad is not None:
+                            pending.append((new, "bwd", grad))
+                        stats = fwd.get(slots.get(node.name, -1))
+                        if stats is not None:
+                            pending.append((new, "fwd", stats))
+                    env[node] = new
+                    continue
+                source = produced.get(id(value)) if isinstance(value, Tensor) else None
+                if source is not None and source[0]() is value:
+                    env[node] = source[1]
+                    continue
+                clean = name if name not in input_names else f"{name}_{k}"
+                input_names.add(clean)
+                new = _new_placeholder(graph, _sanitize(clean), clean, node, k)
+                new.meta["module_path"] = ""
+                new.meta["requires_grad"] = False
+                env[node] = new
+                _queue_stats(pending, new, node, slots, fwd, bwd, track, value)
+            elif node.op == "output":
+                outs = node.args[0]
+                flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                for arg, value in zip(flat, invocation.outputs, strict=False):
+                    if isinstance(arg, fx.Node) and isinstance(value, Tensor):
+                        produced[id(value)] = (weakref.ref(value), env[arg])
+                last_outputs = fx.node.map_arg(outs, lambda n: env[n])
+            else:
+                new = graph.node_copy(node, lambda n: env[n])
+                _set_meta(new, node, k, module_path_of(node, module_names))
+                new.meta["clean_name"] = new.name
+                new.meta["requires_grad"] = False
+                env[node] = new
+                _queue_stats(pending, new, node, slots, fwd, bwd, track, None)
+    graph.output(last_outputs)
+
+    # Nodes with float outputs get Metrics (bwd stays None where no gradient flowed).
+    for node in graph.nodes:
+        if node.op != "output":
+            node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
+    _read_stats(pending)
+    return graph
+
+
+def _new_placeholder(
+    graph: fx.Graph, name: str, clean_name: str, original: fx.Node, k: int
+) -> fx.Node:
+    # Placeholders are inserted before the first non-placeholder node.
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first is None:
+        new = graph.placeholder(name)
+    else:
+        with graph.inserting_before(first):
+            new = graph.placeholder(name)
+    _set_meta(new, original, k, "")
+    new.meta["clean_name"] = clean_name
+    return new
+
+
+def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None:
+    new.meta = {key: original.meta[key] for key in _KEPT_META if key in original.meta}
+    value = _example_value(original)
+    new.meta["outputs_float_tensor"] = _is_float_tensor(value)
+    if isinstance(value, Tensor):
+        new.meta["shape"] = tuple(int(s) for s in value.shape)
+        new.meta["dtype"] = value.dtype
+    new.meta["module_path"] = module_path
+    new.meta["subgraph"] = k
+
+
+def _queue_stats(
+    pending: list[tuple[fx.Node, str, Tensor]],
+    new: fx.Node,
+    node: fx.Node,
+    slots: dict[str, int],
+    fwd: dict[int, Tensor],
+    bwd: dict[int, Tensor],
+    track: TrackScalesPass,
+    value: Any,
+) -> None:
+    slot = slots.get(node.name)
+    if slot is None:
+        return
+    if slot in fwd:
+        pending.append((new, "fwd", fwd[slot]))
+    grad = bwd.get(slot)
+    if grad is None and isinstance(value, Tensor) and value.is_leaf:
+        grad = track._param_grads.get(id(value))
+    if grad is not None:
+        pending.append((new, "bwd", grad))
+
+
+def _read_stats(pending: Sequence[tuple[fx.Node, str, Tensor]]) -> None:
+    """Copy every statistics vector to the host in one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, stats) in enumerate(pending):
+        by_device.setdefault(stats.device, []).append(i)
+    for indices in by_device.values():
+        rows = torch.stack([pending[i][2] for i in indices]).tolist()
+        for i, row in zip(indices, rows, strict=True):
+            node, direction, _ = pending[i]
+            metrics = node.meta.get("metrics")
+            if metrics is None:
+                continue
+            setattr(metrics, direction, stats_to_data(row))

@@ -1,0 +1,40 @@
+"""``track_scales``: the public entry point of scale tracking."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..capture._core import TransformedModule, transformed
+from ..tracking._recorder import TrackScalesPass
+
+__all__ = ["track_scales"]
+
+
+def track_scales(module: nn.Module) -> TransformedModule:
+    """Return a tracked copy of ``module`` that records the scale of every tensor.
+
+    The copy has independent parameters; ``module`` is not touched. Call the copy as you
+    would the module (float tensor inputs get ``requires_grad_()`` so that their gradients
+    are tracked), optionally call ``backward()``, then read ``tracked.scales_graph()``: a
+    ``torch.fx.Graph`` of the whole forward pass (every Dynamo graph break joined in order)
+    whose nodes carry ``meta["metrics"]`` and the meta described in DESIGN.md section 3.
+
+    Args:
+        module: any ``torch.nn.Module`` that runs eagerly.
+
+    Returns:
+        The tracked copy.
+
+    Raises:
+        CaptureError: ``module`` is not a module, or TorchDynamo cannot capture it (raised
+            at the first call).
+
+    Example:
+        >>> import torch
+        >>> tracked = track_scales(torch.nn.Linear(16, 4))
+        >>> tracked(torch.randn(8, 16)).sum().backward()
+        >>> graph = tracked.scales_graph()
+        >>> [n.meta["clean_name"] for n in graph.nodes if n.op != "output"]
+        ['weight', 'bias', 'input', 'linear']
+    """
+    return transformed(module, TrackScalesPass(), "track_scales")
