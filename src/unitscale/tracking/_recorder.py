@@ -15,6 +15,7 @@ and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it ha
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 from collections.abc import Sequence
@@ -79,6 +80,8 @@ class TrackScalesPass(GraphPass):
         self._capture = capture
         slots: dict[str, int] = {}
         graph = gm.graph
+        # The graph as this pass sees it (after earlier passes such as unit_scale), uninstrumented.
+        piece.data["tracked_graph"] = copy.deepcopy(graph)
         nodes = list(graph.nodes)
         placeholders = [n for n in nodes if n.op == "placeholder"]
         # Records for inputs go after the last placeholder so the signature stays intact.
@@ -183,7 +186,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         bwd = invocation.data.get("bwd", {})
         env: dict[fx.Node, fx.Node] = {}
         plan = iter(placeholder_plan[k])
-        for node in piece.graph.nodes:
+        for node in piece.data.get("tracked_graph", piece.graph).nodes:
             if node.op == "placeholder":
                 kind, name, value = next(plan)
                 if kind in ("param", "buffer"):
