@@ -21,6 +21,7 @@ Design constraints:
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -72,12 +73,11 @@ class GraphPass:
         """Called before every forward of the transformed module."""
 
     def fresh(self) -> GraphPass:
-        """A copy of this pass with no runtime state, for a new transformed module."""
-        clone = copy.copy(self)
-        clone.__dict__.update(
-            {k: None for k in getattr(self, "_runtime_attrs", ())}  # type: ignore[attr-defined]
-        )
-        return clone
+        """A copy of this pass with no runtime state, for a new transformed module.
+
+        Passes that hold runtime state override this.
+        """
+        return copy.copy(self)
 
 
 @dataclass
@@ -122,8 +122,31 @@ def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
     return path.lstrip(".")
 
 
+def _source_name(source: Any, arg_names: Sequence[str]) -> str | None:
+    """A readable name for a Dynamo input source: ``x``, ``batch.input_ids``, ``args[0]``."""
+    base = getattr(source, "base", None)
+    local = getattr(source, "local_name", None)
+    if isinstance(local, str) and base is None:
+        return local
+    index = getattr(source, "index", getattr(source, "member", None))
+    if base is None or index is None:
+        return None
+    base_local = getattr(base, "local_name", None)
+    if base_local == "args" and isinstance(index, int) and getattr(base, "base", None) is None:
+        # torch.compile of a built-in module traces fn(*args, **kwargs): use forward's names.
+        return arg_names[index] if index < len(arg_names) else f"args_{index}"
+    if base_local == "kwargs" and getattr(base, "base", None) is None:
+        return str(index)
+    parent = _source_name(base, arg_names)
+    return None if parent is None else f"{parent}.{index}"
+
+
 def _placeholder_kind(
-    node: fx.Node, value: Any, params: dict[int, str], buffers: dict[int, str]
+    node: fx.Node,
+    value: Any,
+    params: dict[int, str],
+    buffers: dict[int, str],
+    arg_names: Sequence[str],
 ) -> tuple[str, str]:
     if isinstance(value, Tensor):
         if id(value) in params:
@@ -131,12 +154,20 @@ def _placeholder_kind(
         if id(value) in buffers:
             return ("buffer", buffers[id(value)])
     grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    local = getattr(source, "local_name", None)
-    if isinstance(local, str):
-        return ("input", local)
-    name = re.sub(r"^L_|_$", "", node.target if isinstance(node.target, str) else node.name)
+    name = _source_name(getattr(grapharg, "source", None), arg_names)
+    if name is None:
+        target = node.target if isinstance(node.target, str) else node.name
+        name = re.sub(r"^L_|_$", "", target)
     return ("input", name)
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
 
 
 class _Capture:
@@ -169,8 +200,9 @@ class _Capture:
         for n, b in module.named_buffers(remove_duplicate=False):
             buffers.setdefault(id(b), n)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        arg_names = _positional_names(module)
         kinds = [
-            _placeholder_kind(node, value, params, buffers)
+            _placeholder_kind(node, value, params, buffers, arg_names)
             for node, value in zip(placeholders, example_inputs, strict=False)
         ]
         original = copy.deepcopy(gm.graph)
@@ -231,8 +263,8 @@ class _Capture:
 class TransformedModule(nn.Module):
     """A copy of a module whose forward runs through a chain of graph passes.
 
-    Returned by :func:`~unitscale.transforms.track_scales`, :func:`~unitscale.transforms.unit_scale`,
-    :func:`~unitscale.transforms.simulate_format` and :func:`~unitscale.transforms.compile`.
+    Returned by ``track_scales``, ``unit_scale``, ``simulate_format`` and ``compile`` in
+    :mod:`unitscale.transforms`.
     Behaves like the module it wraps: same ``state_dict()`` keys, same attributes (looked up on
     the wrapped module), deep-copyable and picklable.
     """
@@ -265,7 +297,7 @@ class TransformedModule(nn.Module):
         for graph_pass in self.passes:
             build = getattr(graph_pass, "scales_graph", None)
             if build is not None:
-                return build(self)  # type: ignore[no-any-return]
+                return build(self)
         raise UnitScaleError(
             "scales_graph(): this module is not tracked; wrap it with "
             "unitscale.transforms.track_scales(module) first"
@@ -284,7 +316,7 @@ class TransformedModule(nn.Module):
                 raise
             return getattr(self._modules["module"], name)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's ``state_dict()``: keys are the original's."""
         return self.module.state_dict(*args, **kwargs)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..capture._core import (
     GraphPass,
@@ -170,25 +170,17 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     last_outputs: Any = ()
     input_names: set[str] = set()
 
-    # Placeholders first: fx requires them at the top of the graph.
-    placeholder_plan: list[list[tuple[str, str, Any]]] = []
-    for invocation in capture.last_trace:
-        plan = []
-        values = iter(invocation.inputs)
-        for kind, name in invocation.piece.placeholders:
-            plan.append((kind, name, next(values, None)))
-        placeholder_plan.append(plan)
-
     for k, invocation in enumerate(capture.last_trace):
         piece = invocation.piece
         slots: dict[str, int] = piece.data.get("slots", {})
         fwd = invocation.data.get("fwd", {})
         bwd = invocation.data.get("bwd", {})
         env: dict[fx.Node, fx.Node] = {}
-        plan = iter(placeholder_plan[k])
+        lookup = env.__getitem__
+        plan = zip(piece.placeholders, invocation.inputs, strict=False)
         for node in piece.data.get("tracked_graph", piece.graph).nodes:
             if node.op == "placeholder":
-                kind, name, value = next(plan)
+                (kind, name), value = next(plan, (("input", node.name), None))
                 if kind in ("param", "buffer"):
                     new = shared.get(name)
                     if new is None:
@@ -221,9 +213,9 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 for arg, value in zip(flat, invocation.outputs, strict=False):
                     if isinstance(arg, fx.Node) and isinstance(value, Tensor):
                         produced[id(value)] = (weakref.ref(value), env[arg])
-                last_outputs = fx.node.map_arg(outs, lambda n: env[n])
+                last_outputs = fx.node.map_arg(outs, lookup)
             else:
-                new = graph.node_copy(node, lambda n: env[n])
+                new = graph.node_copy(node, lookup)
                 _set_meta(new, node, k, module_path_of(node, module_names))
                 new.meta["clean_name"] = new.name
                 new.meta["requires_grad"] = False

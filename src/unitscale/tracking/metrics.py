@@ -95,7 +95,9 @@ def tensor_stats(x: Tensor) -> Tensor:
     # use right=False: bucket i holds boundaries[i-1] < a <= boundaries[i].
     buckets = torch.bucketize(a, _boundaries(device, torch.float64), right=False)
     counts = torch.bincount(buckets.flatten(), minlength=_N_BUCKETS)[:_N_BUCKETS].double()
-    return torch.cat([torch.full((1,), float(numel), dtype=torch.float64, device=device), head, counts])
+    return torch.cat(
+        [torch.full((1,), float(numel), dtype=torch.float64, device=device), head, counts]
+    )
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,11 @@ class _Data:
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``{metric: value}``, with ``underflow_<fmt>``/``overflow_<fmt>`` keys."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)
-                                 if f.name not in ("underflow", "overflow")}
+        out: dict[str, float] = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("underflow", "overflow")
+        }
         for key in FORMAT_KEYS:
             out[f"underflow_{key}"] = self.underflow.get(key, 0.0)
             out[f"overflow_{key}"] = self.overflow.get(key, 0.0)
