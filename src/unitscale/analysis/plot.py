@@ -1,0 +1,303 @@
+"""A static picture of a tracked graph: every tensor's forward and backward scale on a log2 axis.
+
+Design constraints: matplotlib is imported inside :func:`plot` and used through its
+object-oriented API with the Agg canvas (no pyplot state, no GUI backend, no global figure
+registry), so it is safe in scripts, servers and the command; the figure grows with the
+number of rows and thins its labels so that a model with hundreds of tensors stays legible;
+it emits no warnings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from torch.fx import Graph
+
+from ._prepare import TensorRow, prepare_rows
+from .dataframe import METRIC_NAMES, AnalysisError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["FORMAT_GUIDES", "plot"]
+
+#: ``label -> (smallest subnormal, smallest normal, largest finite, colour)`` of the formats
+#: drawn as guide lines.
+FORMAT_GUIDES: dict[str, tuple[float, float, float, str]] = {
+    "E4M3": (2.0**-9, 2.0**-6, 448.0, "tab:red"),
+    "E5M2": (2.0**-16, 2.0**-14, 57344.0, "tab:purple"),
+    "FP16": (2.0**-24, 2.0**-14, 65504.0, "tab:gray"),
+}
+
+_SCALAR_METRICS = tuple(m for m in METRIC_NAMES if not m.endswith(("_count",)) and m != "numel")
+_ROW_HEIGHT_IN = 0.17
+_MAX_HEIGHT_IN = 100.0
+_LABEL_PT = 7.0
+_COLOURS = {"fwd": "tab:blue", "bwd": "tab:orange"}
+_OFFSET = {"fwd": -0.17, "bwd": 0.17}
+
+
+def _log2(value: float) -> float | None:
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return math.log2(value)
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def plot(
+    graph: Graph,
+    title: str = "",
+    metric: str = "mean_abs",
+    prune_same_scale: bool = True,
+    show_arrows: bool = True,
+    show_error_bars: bool = True,
+    show_zero_tensors: bool = False,
+    xmin: float | None = None,
+    xmax: float | None = None,
+) -> Axes:
+    """Plot the forward and backward scale of every tensor in a tracked graph.
+
+    One row per tensor, in graph (execution) order from top to bottom, labelled with its module
+    path and variable (parameters by their qualified name, drawn as diamonds). Forward values
+    are blue, gradients orange; the x-axis is log2 of ``metric``. Error bars span
+    ``abs_min``..``abs_max``; arrows follow the data flow (forward: input to output;
+    backward: output gradient to input gradient). Vertical guides mark the smallest subnormal
+    (dashed), smallest normal (dotted) and largest value (solid) of E4M3, E5M2 and FP16.
+
+    Args:
+        graph: ``tracked.scales_graph()`` (see :func:`unitscale.transforms.track_scales`).
+        title: figure title.
+        metric: which statistic to place on the axis (``"mean_abs"``, ``"rms"``, ``"std"``,
+            ``"abs_max"``, ...).
+        prune_same_scale: hide tensors whose scale equals their single input's in both
+            directions (views, reshapes; :func:`unitscale.transforms.prune_same_scale_tensors`).
+        show_arrows: draw data-flow arrows.
+        show_error_bars: draw min/max bars.
+        show_zero_tensors: keep tensors whose ``metric`` is 0 in every direction (drawn at the
+            left edge with an ``x``); hidden by default.
+        xmin: left limit in log2 units (default: fits the data and every guide).
+        xmax: right limit in log2 units.
+
+    Returns:
+        The matplotlib Axes; save it with ``ax.figure.savefig("scales.png")`` (or ``.svg``).
+
+    Raises:
+        AnalysisError: for an unknown ``metric``, an empty range or a graph without metrics.
+
+    Example:
+        >>> from torch.fx import Graph
+        >>> from unitscale.tracking.metrics import Metrics
+        >>> g = Graph()
+        >>> x = g.placeholder("x")
+        >>> x.meta.update(clean_name="x", metrics=Metrics(
+        ...     fwd=Metrics.Data(1.0, 0.0, 1.2, 3.0, 0.0, 1.2, 16)))
+        >>> ax = plot(g, prune_same_scale=False)
+        >>> [t.get_text() for t in ax.get_yticklabels()]
+        ['x']
+    """
+    if metric not in _SCALAR_METRICS:
+        raise AnalysisError(
+            f"plot: metric={metric!r} is not a scale metric; use one of {list(_SCALAR_METRICS)}"
+        )
+    if xmin is not None and xmax is not None and xmin >= xmax:
+        raise AnalysisError(f"plot: xmin={xmin} must be smaller than xmax={xmax}")
+
+    rows = prepare_rows(graph, prune_same_scale, "plot")
+
+    def value(row: TensorRow, direction: str) -> float | None:
+        rec = row.record(direction)
+        return None if rec is None else float(rec.metrics[metric])
+
+    if not show_zero_tensors:
+        rows = [
+            r
+            for r in rows
+            if any(_positive(v) for v in (value(r, "fwd"), value(r, "bwd")) if v is not None)
+        ]
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    n = max(len(rows), 1)
+    labels = [r.label for r in rows]
+    longest = max((len(s) for s in labels), default=10)
+    width_in = 11.0
+    left_in = min(0.3 + 0.055 * longest, 4.5)
+    top_in, bottom_in, right_in = 1.1, 0.6, 0.3
+    height_in = min(max(_ROW_HEIGHT_IN * n + top_in + bottom_in, 4.0), _MAX_HEIGHT_IN)
+    fig = Figure(figsize=(width_in, height_in))
+    FigureCanvasAgg(fig)
+    fig.subplots_adjust(
+        left=left_in / width_in,
+        right=1 - right_in / width_in,
+        top=1 - top_in / height_in,
+        bottom=bottom_in / height_in,
+    )
+    ax = fig.add_subplot()
+
+    # Points (log2) per row and direction.
+    points: dict[tuple[str, str], tuple[float, float]] = {}
+    zeros: list[tuple[float, str]] = []
+    for i, row in enumerate(rows):
+        for direction in ("fwd", "bwd"):
+            v = value(row, direction)
+            if v is None:
+                continue
+            lv = _log2(v)
+            if lv is None:
+                if v == 0:
+                    zeros.append((i + _OFFSET[direction], direction))
+                continue
+            points[(row.node, direction)] = (lv, i + _OFFSET[direction])
+
+    # Axis limits: the data (including error bars) and every guide line.
+    candidates = [p[0] for p in points.values()]
+    if show_error_bars:
+        for row in rows:
+            for rec in (row.fwd, row.bwd):
+                if rec is not None:
+                    # The maximum widens the axis; a minimum near zero is clipped at the edge.
+                    top = _log2(rec.metrics["abs_max"])
+                    if top is not None:
+                        candidates.append(top)
+    guides = [math.log2(v) for lo, nm, hi, _ in FORMAT_GUIDES.values() for v in (lo, nm, hi)]
+    lo = math.floor(min(candidates + guides)) - 1 if xmin is None else xmin
+    hi = math.ceil(max(candidates + guides)) + 1 if xmax is None else xmax
+    if lo >= hi:
+        raise AnalysisError(f"plot: empty x range [{lo}, {hi}]; pass a smaller xmin or larger xmax")
+
+    for sub, normal, top, colour in FORMAT_GUIDES.values():
+        for v, style in ((sub, "--"), (normal, ":"), (top, "-")):
+            ax.axvline(math.log2(v), color=colour, linestyle=style, linewidth=0.8, alpha=0.55)
+
+    if show_error_bars:
+        for i, row in enumerate(rows):
+            for direction in ("fwd", "bwd"):
+                rec = row.record(direction)
+                if rec is None:
+                    continue
+                a = _log2(rec.metrics["abs_min"])
+                b = _log2(rec.metrics["abs_max"])
+                if b is None:
+                    continue
+                a = lo if a is None else a
+                ax.hlines(
+                    i + _OFFSET[direction],
+                    max(a, lo),
+                    min(b, hi),
+                    color=_COLOURS[direction],
+                    linewidth=0.6,
+                    alpha=0.45,
+                )
+
+    if show_arrows:
+        weights = {r.node for r in rows if r.weight}
+        for row in rows:
+            if row.weight:
+                continue
+            # Arrows from parameters would cross the whole figure; their row sits just above
+            # the op that reads them instead.
+            for source in (s for s in row.sources if s not in weights):
+                for direction in ("fwd", "bwd"):
+                    start = points.get((source, direction))
+                    end = points.get((row.node, direction))
+                    if start is None or end is None:
+                        continue
+                    if direction == "bwd":  # gradients flow from a node back to its inputs
+                        start, end = end, start
+                    ax.add_patch(
+                        FancyArrowPatch(
+                            start,
+                            end,
+                            arrowstyle="-|>",
+                            mutation_scale=5,
+                            linewidth=0.4,
+                            color=_COLOURS[direction],
+                            alpha=0.3,
+                            shrinkA=2,
+                            shrinkB=2,
+                        )
+                    )
+
+    for direction in ("fwd", "bwd"):
+        for weight, marker in ((False, "o"), (True, "D")):
+            xy = [
+                points[(r.node, direction)]
+                for r in rows
+                if r.weight == weight and (r.node, direction) in points
+            ]
+            if xy:
+                ax.scatter(
+                    [p[0] for p in xy],
+                    [p[1] for p in xy],
+                    s=14 if not weight else 16,
+                    marker=marker,
+                    color=_COLOURS[direction],
+                    edgecolors="black" if weight else "none",
+                    linewidths=0.4,
+                    zorder=3,
+                )
+    if zeros:
+        ax.scatter(
+            [lo + 0.3] * len(zeros),
+            [y for y, _ in zeros],
+            marker="x",
+            s=14,
+            color=[_COLOURS[d] for _, d in zeros],
+            zorder=3,
+        )
+
+    # Rows: top to bottom in graph order; thin the labels when rows are denser than the font.
+    ax.set_ylim(n - 0.5, -0.5)
+    row_pt = (height_in - top_in - bottom_in) * 72 / n
+    step = max(1, math.ceil((_LABEL_PT + 1.5) / row_pt))
+    ticks = list(range(0, len(rows), step))
+    ax.set_yticks(ticks, labels=[labels[i] for i in ticks], fontsize=_LABEL_PT)
+    for i, tick in zip(ticks, ax.get_yticklabels(), strict=True):
+        if rows[i].weight:
+            tick.set_color("darkgreen")
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 4, 5, 10]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$2^{{{round(v)}}}$"))
+    ax.tick_params(axis="x", labelsize=8, top=True, labeltop=True)
+    ax.grid(axis="x", color="0.92", linewidth=0.6)
+    ax.set_axisbelow(True)
+    ax.set_xlabel(f"{metric} (log2 scale)", fontsize=9)
+
+    handles = [
+        Line2D([], [], marker="o", linestyle="", color=_COLOURS["fwd"], label="forward (value)"),
+        Line2D([], [], marker="o", linestyle="", color=_COLOURS["bwd"], label="backward (grad)"),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            linestyle="",
+            color="white",
+            markeredgecolor="black",
+            label="weight",
+        ),
+    ]
+    handles += [
+        Line2D([], [], color=c, linewidth=1.2, label=f"{name} [2^{math.log2(s):.0f}, {t:g}]")
+        for name, (s, _, t, c) in FORMAT_GUIDES.items()
+    ]
+    ax.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0 + 0.45 / max(height_in - top_in - bottom_in, 1.0)),
+        ncol=6,
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
+    heading = f"{title}: {metric}" if title else metric
+    fig.suptitle(f"{heading}  ({len(rows)} tensors)", fontsize=10, y=1 - 0.15 / height_in, va="top")
+    return ax

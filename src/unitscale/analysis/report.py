@@ -1,0 +1,161 @@
+"""A self-contained interactive HTML report of one or more tracked graphs.
+
+Design constraints: one file, with every script, style and datum inline (see
+:mod:`unitscale.analysis._report_assets`); it opens with no network (a Content-Security-Policy
+forbids any fetch). The data come from :func:`unitscale.analysis.dataframe.graph_records`, the
+same records as the table and the plot.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch.fx import Graph
+
+from .._version import __version__
+from ..tracking.metrics import FORMAT_KEYS, FORMAT_RANGES
+from ._prepare import TensorRow, prepare_rows
+from ._report_assets import CSS, JS, PAGE
+from .dataframe import METRIC_NAMES, AnalysisError, ScaleRecord
+from .plot import FORMAT_GUIDES
+
+__all__ = ["RISK_FRACTION", "write_report"]
+
+#: A tensor is counted "at risk" of underflow in a format when more than this fraction of its
+#: values would underflow (overflow counts from the first value, since it saturates or breaks).
+RISK_FRACTION = 0.01
+
+_MIN_NORMAL = {"e4m3": 2.0**-6, "e5m2": 2.0**-14, "fp16": 2.0**-14, "bf16": 2.0**-126}
+_COLOURS = {"e4m3": "#d62728", "e5m2": "#9467bd", "fp16": "#7f7f7f", "bf16": "#8c564b"}
+
+
+def _json_number(value: float) -> float | str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value).replace("inf", "Infinity").replace("nan", "NaN")
+    return value
+
+
+def _record_json(rec: ScaleRecord | None) -> dict[str, Any] | None:
+    if rec is None:
+        return None
+    out: dict[str, Any] = {k: _json_number(v) for k, v in rec.metrics.items()}
+    out["tensor_type"] = rec.tensor_type
+    return out
+
+
+def _row_json(row: TensorRow) -> dict[str, Any]:
+    return {
+        "node": row.node,
+        "label": row.label,
+        "name": row.name,
+        "module": row.module,
+        "op": row.op,
+        "weight": row.weight,
+        "shape": row.shape,
+        "dtype": row.dtype,
+        "sources": row.sources,
+        "fwd": _record_json(row.fwd),
+        "bwd": _record_json(row.bwd),
+    }
+
+
+def write_report(
+    graph: Graph | Mapping[str, Graph],
+    path: str | os.PathLike[str],
+    title: str = "unitscale: tensor scales",
+    prune_same_scale: bool = True,
+) -> Path:
+    """Write an interactive, self-contained HTML report of tracked scales.
+
+    The page shows every tensor's forward and backward scale on a log2 axis (one mark per
+    tensor and direction) with the E4M3, E5M2 and FP16 ranges; hovering a mark shows its module
+    path, op, shape, dtype and every metric including per-format underflow and overflow.
+    Controls toggle forward/backward, filter by name, pick the metric and (for several graphs)
+    the model; a sortable table lists the tensors most at risk in a chosen format.
+
+    Args:
+        graph: ``tracked.scales_graph()``, or ``{"model name": graph, ...}`` to compare models
+            in one page.
+        path: the ``.html`` file to write (parent folders are created).
+        title: page title.
+        prune_same_scale: hide tensors whose scale equals their single input's in both
+            directions (as :func:`unitscale.analysis.plot` does).
+
+    Returns:
+        The path written.
+
+    Raises:
+        AnalysisError: when a graph has no metrics or no graph is given.
+
+    Example:
+        >>> import tempfile
+        >>> from unitscale.tracking.metrics import Metrics
+        >>> g = Graph()
+        >>> x = g.placeholder("x")
+        >>> x.meta.update(clean_name="x", metrics=Metrics(
+        ...     fwd=Metrics.Data(1.0, 0.0, 1.2, 3.0, 0.0, 1.2, 16)))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = write_report(g, f"{d}/scales.html", prune_same_scale=False)
+        ...     "<script" in out.read_text() and "http://" not in out.read_text().replace(
+        ...         "http://www.w3.org/2000/svg", "")
+        True
+    """
+    graphs = {"model": graph} if isinstance(graph, Graph) else dict(graph)
+    if not graphs:
+        raise AnalysisError("write_report: no graph given; pass a graph or {name: graph}")
+    models = []
+    for name, g in graphs.items():
+        rows = prepare_rows(g, prune_same_scale, f"write_report (model {name!r})")
+        models.append({"name": str(name), "rows": [_row_json(r) for r in rows]})
+    guide_labels = {k.lower() for k in FORMAT_GUIDES}
+    formats = {
+        key: {
+            "label": key.upper(),
+            "min_subnormal": FORMAT_RANGES[key][0],
+            "min_normal": _MIN_NORMAL[key],
+            "max": FORMAT_RANGES[key][1],
+            "colour": _COLOURS[key],
+            "guide": key in guide_labels,
+        }
+        for key in FORMAT_KEYS
+    }
+    data = {
+        "title": title,
+        "version": __version__,
+        "risk_fraction": RISK_FRACTION,
+        "metrics": list(METRIC_NAMES),
+        "scale_metrics": ["mean_abs", "rms", "std", "abs_max", "abs_min", "abs_mean"],
+        "formats": formats,
+        "models": models,
+    }
+    payload = json.dumps(data, allow_nan=False, separators=(",", ":"))
+    # Inside <script>, "</script" or "<!--" in a name would end or confuse the element;
+    # "\u003c" is the same JSON string with no "<" left in the page source.
+    payload = payload.replace("<", "\\u003c")
+    guide_legend = " of " + ", ".join(
+        f'<b style="color:{f["colour"]}">{html.escape(str(f["label"]))}</b>'
+        for f in formats.values()
+        if f["guide"]
+    )
+    values = {
+        "title": html.escape(title),
+        "css": CSS,
+        "js": JS,
+        "data": payload,
+        "guide_legend": guide_legend,
+        "footer": html.escape(
+            f"Written by unitscale {__version__}. Self-contained: no network needed."
+        ),
+    }
+    page = re.sub(r"\{(title|css|js|data|guide_legend|footer)\}", lambda m: values[m[1]], PAGE)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out
