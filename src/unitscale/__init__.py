@@ -1,14 +1,50 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, scale
+from . import constraints, functional, scale
+from ._modules import (
+    GELU,
+    MHSA,
+    MLP,
+    Conv1d,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    LinearReadout,
+    RMSNorm,
+    SiLU,
+    Softmax,
+    TransformerDecoder,
+    TransformerLayer,
+)
 from ._version import __version__
 from .errors import UnitScaleError
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
     "UnitScaleError",
     "__version__",
     # submodules
     "constraints",
+    "functional",
     "scale",
+    # unit-scaled layers
+    "Conv1d",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
+    "LinearReadout",
+    "RMSNorm",
+    # unit-scaled activations, dropout, loss
+    "CrossEntropyLoss",
+    "Dropout",
+    "GELU",
+    "SiLU",
+    "Softmax",
+    # unit-scaled transformer blocks
+    "MHSA",
+    "MLP",
+    "TransformerDecoder",
+    "TransformerLayer",
 ]

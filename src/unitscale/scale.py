@@ -8,7 +8,8 @@ gradient of its forward computation; constraints (:mod:`unitscale.constraints`) 
 that is allowed.
 
 Design constraints: scales are Python floats, so that they fold into compiled graphs as
-constants; a scale of exactly 1 costs nothing (the tensor is returned as a view).
+constants; a scale of exactly 1 costs nothing (the tensor itself, or a view, is returned), and
+equal forward and backward scales are a plain multiplication (no autograd function).
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def scale_fwd_bwd(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
     """
     fwd = _check_scale("fwd_scale", fwd_scale)
     bwd = _check_scale("bwd_scale", bwd_scale)
-    if fwd == 1.0 and bwd == 1.0:
-        return x
+    if fwd == bwd:
+        # Equal scales are an ordinary multiplication, whose true gradient is grad * bwd: no
+        # autograd.Function needed (cheaper in eager, and nothing for Dynamo to trace).
+        return x if fwd == 1.0 else x * fwd
     if not (x.requires_grad and torch.is_grad_enabled()):
         return x if fwd == 1.0 else x * fwd
-    return _ScaleFwdBwd.apply(x, fwd, bwd)  # type: ignore[no-any-return]
+    return _ScaleFwdBwd.apply(x, fwd, bwd)
 
 
 def scale_fwd(x: Tensor, scale: float) -> Tensor:
