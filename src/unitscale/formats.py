@@ -1,0 +1,578 @@
+"""Number formats and quantisation: simulate FP8/FP16/BF16 (or any small float) in PyTorch.
+
+An :class:`FPFormat` describes a binary floating-point format by its exponent and mantissa
+widths, how its top exponent is used (:data:`SpecialValues`) and how values are rounded into
+it. ``quantise(x)`` returns the nearest values of the format (or a random neighbour, for
+stochastic rounding), still in ``x``'s dtype, so that low-precision arithmetic can be
+simulated with ordinary tensors.
+
+Presets: :data:`E4M3` (OCP FP8 E4M3, ``torch.float8_e4m3fn``), :data:`E5M2` (OCP FP8 E5M2,
+``torch.float8_e5m2``), :data:`FP16` and :data:`BF16`. They round stochastically by default,
+like every :class:`FPFormat`: the formats mostly serve to simulate low-precision training,
+where stochastic rounding keeps small updates unbiased. For hardware-cast semantics use
+``dataclasses.replace(E4M3, rounding="nearest")`` (what ``simulate_fp8`` does).
+
+Semantics, for every format and both roundings:
+
+- ``rounding="nearest"`` is round-to-nearest, ties-to-even, bit-identical to PyTorch's casts
+  (``x.to(torch.float8_e4m3fn).to(x.dtype)`` etc.) for every finite input within range,
+  subnormals and signed zeros included;
+- ``rounding="stochastic"`` returns one of the two representable neighbours of ``x``, the
+  upper one with probability equal to ``x``'s distance from the lower one in units of their
+  gap, so that ``E[quantise(x)] = x``. For float32 inputs that is exact in the format's
+  normal range; in its subnormal range the decision is made on ``x`` rounded to float32 at
+  the scale of the format's smallest normal, a bias below ``2**-(24 - mantissa_bits)`` of
+  one step. Random bits come from torch's generator on ``x``'s device (or ``generator=``),
+  so ``torch.manual_seed`` makes results reproducible;
+- values beyond the largest finite value saturate to it, and so do ``±inf`` (a format used
+  to simulate training should not turn an overflow into an infinity that poisons the whole
+  step; ``tracking`` reports overflow separately); NaN stays NaN;
+- the result has ``x``'s dtype (float16, bfloat16, float32 or float64). Where the format's
+  largest value is not representable in that dtype (FP16's 65504 in bfloat16), values
+  saturate to the largest value representable in both;
+- float64 inputs are rounded once, correctly. (PyTorch's casts from float64 round through
+  float32, so they can differ from ours in rare double-rounding cases.)
+
+Design constraints: everything is vectorised tensor arithmetic (integer bit manipulation on
+the float32/float64 view, plus one float addition for the subnormal range) with no Python
+loop over elements and no CPU-only op, so it runs on any device and under ``torch.compile``.
+For ``rounding="nearest"`` with a preset that has a native torch dtype, the eager path uses
+that dtype's cast (exact, and fewer passes over memory) plus a clamp for saturation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .errors import UnitScaleError
+
+__all__ = [
+    # formats
+    "BF16",
+    "E4M3",
+    "E5M2",
+    "FP16",
+    "PRESETS",
+    "FPFormat",
+    "FormatError",
+    "Rounding",
+    "SpecialValues",
+    "get_format",
+]
+
+Rounding = Literal["stochastic", "nearest"]
+"""How :meth:`FPFormat.quantise` rounds: ``"stochastic"`` or ``"nearest"`` (ties to even)."""
+
+SpecialValues = Literal["ieee", "nan_only", "none"]
+"""How a format uses its top exponent.
+
+- ``"ieee"``: reserved for ±inf and NaN, as in IEEE-754 (FP16, BF16, OCP FP8 E5M2);
+- ``"nan_only"``: no infinities; the top exponent holds finite values except the all-ones
+  mantissa, which is NaN (OCP FP8 E4M3, ``torch.float8_e4m3fn``);
+- ``"none"``: no infinities and no NaN; every code is a finite value (OCP MX FP6/FP4).
+"""
+
+_ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
+_SPECIAL_VALUES: tuple[str, ...] = ("ieee", "nan_only", "none")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class FormatError(UnitScaleError, ValueError):
+    """A number format was given impossible parameters, or quantise a tensor it cannot take."""
+
+
+class _Work(NamedTuple):
+    """The float dtype a quantisation is computed in, and its layout."""
+
+    float_dtype: torch.dtype
+    int_dtype: torch.dtype
+    mantissa_bits: int
+    min_normal_exponent: int
+
+
+_WORK32 = _Work(torch.float32, torch.int32, 23, -126)
+_WORK64 = _Work(torch.float64, torch.int64, 52, -1022)
+
+# (exponent_bits, mantissa_bits, min normal exponent) of the dtypes quantise accepts, used
+# to find the largest value representable both in a format and in the input's dtype.
+_DTYPE_LAYOUT: dict[torch.dtype, tuple[int, int]] = {
+    torch.float16: (10, -14),
+    torch.bfloat16: (7, -126),
+    torch.float32: (23, -126),
+    torch.float64: (52, -1022),
+}
+
+
+def _floor_to_grid(value: float, mantissa_bits: int, min_normal_exponent: int) -> float:
+    """Largest float with ``mantissa_bits`` and the given exponent floor that is <= value > 0."""
+    _, exponent = math.frexp(value)  # value = m * 2**exponent, m in [0.5, 1)
+    quantum = 2.0 ** (max(exponent - 1, min_normal_exponent) - mantissa_bits)
+    return math.floor(value / quantum) * quantum
+
+
+def _check_int(name: str, value: object, low: int, high: int, why: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(
+            f"unitscale.formats.FPFormat: argument {name!r}={value!r} must be an int "
+            f"in {low}..{high} ({why})"
+        )
+    if not low <= value <= high:
+        raise FormatError(
+            f"unitscale.formats.FPFormat: argument {name!r}={value!r} is out of range; "
+            f"use {low}..{high} ({why})"
+        )
+    return value
+
+
+@dataclass(frozen=True, repr=False)
+class FPFormat:
+    """A binary floating-point format: 1 sign bit, ``exponent_bits``, ``mantissa_bits``.
+
+    The exponent bias is ``2**(exponent_bits - 1) - 1`` and the smallest exponent field
+    encodes subnormals, as in IEEE-754; ``special_values`` says how the top exponent is used
+    (see :data:`SpecialValues`). Every value of a format is a float32 value, so quantisation
+    is simulated exactly in float32 (or float64) arithmetic.
+
+    Args:
+        exponent_bits: width of the exponent field, 1..8.
+        mantissa_bits: width of the mantissa (fraction) field, 0..23.
+        rounding: ``"stochastic"`` (the default) or ``"nearest"`` (ties to even).
+        special_values: ``"ieee"`` (default), ``"nan_only"`` or ``"none"``.
+
+    Raises:
+        FormatError: for bits out of range, an unknown ``rounding`` or ``special_values``,
+            or a format with no normal numbers or beyond float32's range.
+
+    Example:
+        >>> fmt = FPFormat(4, 3, rounding="nearest", special_values="nan_only")
+        >>> fmt.bits, fmt.max_absolute_value, fmt.min_absolute_subnormal
+        (8, 448.0, 0.001953125)
+        >>> fmt.quantise(torch.tensor([0.3, 1000.0, -1e-5])).tolist()
+        [0.3125, 448.0, -0.0]
+    """
+
+    exponent_bits: int
+    mantissa_bits: int
+    rounding: Rounding = "stochastic"
+    special_values: SpecialValues = "ieee"
+    # Derived in __post_init__: (largest finite value, {dtype: saturation bound}).
+    _max: float = field(init=False, repr=False, compare=False, hash=False)
+    _bounds: dict[torch.dtype, float] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        e = _check_int("exponent_bits", self.exponent_bits, 1, 8, "values must fit float32")
+        m = _check_int("mantissa_bits", self.mantissa_bits, 0, 23, "values must fit float32")
+        if self.rounding not in _ROUNDINGS:
+            raise FormatError(
+                f"unitscale.formats.FPFormat: argument 'rounding'={self.rounding!r} is not "
+                f"supported; use one of {_ROUNDINGS}"
+            )
+        if self.special_values not in _SPECIAL_VALUES:
+            raise FormatError(
+                f"unitscale.formats.FPFormat: argument 'special_values'="
+                f"{self.special_values!r} is not supported; use one of {_SPECIAL_VALUES}"
+            )
+        # The largest finite code: (exponent field, mantissa field).
+        if self.special_values == "ieee":
+            top_field, top_mantissa = 2**e - 2, 2**m - 1
+        elif self.special_values == "nan_only":
+            top_field, top_mantissa = 2**e - 1, 2**m - 2
+            if top_mantissa < 0:  # no mantissa bits: the whole top exponent is NaN
+                top_field, top_mantissa = 2**e - 2, 0
+        else:
+            top_field, top_mantissa = 2**e - 1, 2**m - 1
+        if top_field < 1:
+            raise FormatError(
+                f"unitscale.formats.FPFormat: exponent_bits={e} with "
+                f"special_values={self.special_values!r} leaves no normal numbers; use "
+                "exponent_bits >= 2, or special_values='none'"
+            )
+        max_value = 2.0 ** (top_field - self._bias) * (1 + top_mantissa / 2**m)
+        if max_value > _FLOAT32_MAX:
+            raise FormatError(
+                f"unitscale.formats.FPFormat: exponent_bits={e} with "
+                f"special_values={self.special_values!r} has values beyond float32's range, "
+                "which quantisation cannot simulate; use special_values='ieee' or fewer "
+                "exponent bits"
+            )
+        bounds = {}
+        for dtype, (dtype_mantissa, dtype_min_exponent) in _DTYPE_LAYOUT.items():
+            bound = min(max_value, float(torch.finfo(dtype).max))
+            bound = _floor_to_grid(bound, m, self._min_normal_exponent)
+            bounds[dtype] = _floor_to_grid(bound, dtype_mantissa, dtype_min_exponent)
+        object.__setattr__(self, "_max", max_value)
+        object.__setattr__(self, "_bounds", bounds)
+
+    def __repr__(self) -> str:
+        extra = "" if self.special_values == "ieee" else f", special_values={self.special_values!r}"
+        return (
+            f"FPFormat({self.exponent_bits}, {self.mantissa_bits}, "
+            f"rounding={self.rounding!r}{extra})"
+        )
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def _bias(self) -> int:
+        return int(2 ** (self.exponent_bits - 1) - 1)
+
+    @property
+    def _min_normal_exponent(self) -> int:
+        return 1 - self._bias
+
+    @property
+    def bits(self) -> int:
+        """Total width in bits: sign, exponent and mantissa."""
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def max_absolute_value(self) -> float:
+        """Largest finite value (the saturation point)."""
+        return self._max
+
+    @property
+    def min_absolute_normal(self) -> float:
+        """Smallest positive normal value, ``2**(1 - bias)``."""
+        return 2.0**self._min_normal_exponent
+
+    @property
+    def min_absolute_subnormal(self) -> float:
+        """Smallest positive (subnormal) value, ``2**(1 - bias - mantissa_bits)``."""
+        return 2.0 ** (self._min_normal_exponent - self.mantissa_bits)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype holding exactly this format's values, or None if there is none."""
+        return _NATIVE_DTYPES.get((self.exponent_bits, self.mantissa_bits, self.special_values))
+
+    # -- quantisation -----------------------------------------------------------------------
+
+    def quantise(self, x: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
+        """Round ``x`` to this format, keeping its dtype (see the module docstring).
+
+        No gradient flows through ``quantise`` (rounding is flat almost everywhere); use
+        :meth:`quantise_fwd` or :meth:`quantise_bwd` for straight-through gradients.
+
+        Args:
+            x: a float16, bfloat16, float32 or float64 tensor, on any device.
+            generator: random source for stochastic rounding (default: torch's global one
+                on ``x``'s device). Ignored for ``rounding="nearest"``.
+
+        Returns:
+            A new tensor of ``x``'s dtype, shape and device holding values of this format.
+
+        Raises:
+            FormatError: if ``x`` is not a tensor of one of those dtypes.
+
+        Example:
+            >>> fmt = FPFormat(2, 1, rounding="nearest")
+            >>> fmt.max_absolute_value
+            3.0
+            >>> fmt.quantise(torch.tensor([1.25, 1.75, 0.25, 9.0, float("nan")])).tolist()
+            [1.0, 2.0, 0.0, 3.0, nan]
+        """
+        x = self._check_input(x, "quantise")
+        with torch.no_grad():
+            return _quantise(self, x.detach(), generator)
+
+    def quantise_fwd(self, x: Tensor) -> Tensor:
+        """Quantise ``x`` in the forward pass; pass its gradient through unchanged.
+
+        Args:
+            x: a floating-point tensor (see :meth:`quantise`).
+
+        Returns:
+            ``quantise(x)``, whose backward is the identity (straight-through estimator).
+
+        Example:
+            >>> x = torch.tensor([0.3, 2.6], requires_grad=True)
+            >>> y = FPFormat(2, 1, rounding="nearest").quantise_fwd(x)
+            >>> y.backward(torch.tensor([0.3, 2.6]))
+            >>> y.tolist(), x.grad.tolist()
+            ([0.25, 3.0], [0.30000001192092896, 2.5999999046325684])
+        """
+        x = self._check_input(x, "quantise_fwd")
+        return _QuantiseForward.apply(x, self)
+
+    def quantise_bwd(self, x: Tensor) -> Tensor:
+        """Leave ``x`` unchanged in the forward pass; quantise its gradient in the backward.
+
+        Args:
+            x: a floating-point tensor (see :meth:`quantise`).
+
+        Returns:
+            ``x`` (a view), whose backward rounds the incoming gradient to this format.
+
+        Example:
+            >>> x = torch.tensor([0.3, 2.6], requires_grad=True)
+            >>> y = FPFormat(2, 1, rounding="nearest").quantise_bwd(x)
+            >>> y.backward(torch.tensor([0.3, 2.6]))
+            >>> y.tolist() == x.tolist(), x.grad.tolist()
+            (True, [0.25, 3.0])
+        """
+        x = self._check_input(x, "quantise_bwd")
+        return _QuantiseBackward.apply(x, self)
+
+    def _check_input(self, x: object, method: str) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise FormatError(
+                f"unitscale.formats.{self!r}.{method}: x must be a torch.Tensor, "
+                f"got {type(x).__name__}"
+            )
+        if x.dtype not in _DTYPE_LAYOUT:
+            raise FormatError(
+                f"unitscale.formats.{self!r}.{method}: x has dtype {x.dtype}; quantise "
+                "takes float16, bfloat16, float32 or float64 tensors (convert first)"
+            )
+        return x
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+E4M3 = FPFormat(4, 3, special_values="nan_only")
+"""OCP FP8 E4M3 (``torch.float8_e4m3fn``): max 448, min normal 2**-6, min subnormal 2**-9,
+no infinities. Stochastic rounding by default."""
+
+E5M2 = FPFormat(5, 2)
+"""OCP FP8 E5M2 (``torch.float8_e5m2``), IEEE-like: max 57344, min normal 2**-14, min
+subnormal 2**-16. Stochastic rounding by default."""
+
+FP16 = FPFormat(5, 10)
+"""IEEE-754 half precision (``torch.float16``): max 65504. Stochastic rounding by default."""
+
+BF16 = FPFormat(8, 7)
+"""bfloat16 (``torch.bfloat16``): float32's range, 8 bits of precision. Stochastic rounding
+by default."""
+
+PRESETS: MappingProxyType[str, FPFormat] = MappingProxyType(
+    {"e4m3": E4M3, "e5m2": E5M2, "fp16": FP16, "bf16": BF16}
+)
+"""The presets by key; the keys match ``unitscale.tracking.metrics.FORMAT_KEYS``."""
+
+_NATIVE_DTYPES: dict[tuple[int, int, str], torch.dtype] = {
+    (4, 3, "nan_only"): torch.float8_e4m3fn,
+    (5, 2, "ieee"): torch.float8_e5m2,
+    (5, 10, "ieee"): torch.float16,
+    (8, 7, "ieee"): torch.bfloat16,
+}
+_PRESET_BY_DTYPE = {fmt.torch_dtype: fmt for fmt in PRESETS.values()}
+
+
+def get_format(spec: str | torch.dtype | FPFormat, rounding: Rounding | None = None) -> FPFormat:
+    """Look up a format by preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``) or dtype.
+
+    Args:
+        spec: a preset key (case-insensitive), a torch dtype with a matching preset
+            (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.float16``,
+            ``torch.bfloat16``), or an :class:`FPFormat` (returned as is).
+        rounding: if given, the returned format rounds this way.
+
+    Returns:
+        The format.
+
+    Raises:
+        FormatError: for an unknown key or dtype.
+
+    Example:
+        >>> get_format("E4M3", rounding="nearest")
+        FPFormat(4, 3, rounding='nearest', special_values='nan_only')
+        >>> get_format(torch.bfloat16).max_absolute_value == torch.finfo(torch.bfloat16).max
+        True
+    """
+    if isinstance(spec, FPFormat):
+        fmt = spec
+    elif isinstance(spec, str) and spec.lower() in PRESETS:
+        fmt = PRESETS[spec.lower()]
+    elif isinstance(spec, torch.dtype) and spec in _PRESET_BY_DTYPE:
+        fmt = _PRESET_BY_DTYPE[spec]
+    else:
+        raise FormatError(
+            f"unitscale.formats.get_format: unknown format {spec!r}; use one of "
+            f"{tuple(PRESETS)}, a dtype among {tuple(_PRESET_BY_DTYPE)}, or build an "
+            "FPFormat(exponent_bits, mantissa_bits)"
+        )
+    if rounding is not None and rounding != fmt.rounding:
+        fmt = dataclasses.replace(fmt, rounding=rounding)
+    return fmt
+
+
+# -- implementation --------------------------------------------------------------------------
+
+
+class _QuantiseForward(torch.autograd.Function):
+    """``y = fmt.quantise(x)``; ``grad_x = grad_y``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+        return _quantise(fmt, x, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _QuantiseBackward(torch.autograd.Function):
+    """``y = x``; ``grad_x = fmt.quantise(grad_y)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+        ctx.fmt = fmt
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _quantise(ctx.fmt, grad, None), None
+
+
+def _quantise(
+    fmt: FPFormat, x: Tensor, generator: torch.Generator | None, allow_native: bool = True
+) -> Tensor:
+    bound = fmt._bounds[x.dtype]
+    if fmt.rounding == "nearest":
+        native = fmt.torch_dtype
+        if (
+            allow_native
+            and native is not None
+            and x.dtype != torch.float64  # torch's float64 casts round twice, via float32
+            and x.device.type in ("cpu", "cuda")
+            and not torch.compiler.is_compiling()
+        ):
+            return _nearest_native(x, native, bound)
+        work = _WORK64 if x.dtype == torch.float64 else _WORK32
+        xf = x.to(work.float_dtype).clamp(-bound, bound)
+        return _nearest_bits(xf, fmt, work).to(x.dtype)
+    # Stochastic rounding draws (work mantissa - format mantissa) random bits: float32 has
+    # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
+    wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
+    work = _WORK64 if wide else _WORK32
+    xf = x.to(work.float_dtype).clamp(-bound, bound)
+    return _stochastic_bits(xf, fmt, work, generator).to(x.dtype)
+
+
+# (device type, dtype) -> whether torch's cast to dtype saturates out-of-range values to
+# ±max and keeps NaN. When it does, the clamp before the cast can be skipped.
+_CAST_SATURATES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _cast_saturates(device: torch.device, dtype: torch.dtype, max_value: float) -> bool:
+    key = (device.type, dtype)
+    known = _CAST_SATURATES.get(key)
+    if known is None:
+        big = [max_value * 1.0001, max_value * 1.07, max_value * 1.2, 1e30, math.inf]
+        probe = torch.tensor(big + [-v for v in big] + [math.nan], device=device)
+        cast = probe.to(dtype).float().tolist()
+        n = len(big)
+        known = (
+            cast[:n] == [max_value] * n
+            and cast[n : 2 * n] == [-max_value] * n
+            and math.isnan(cast[-1])
+        )
+        _CAST_SATURATES[key] = known
+    return known
+
+
+def _nearest_native(x: Tensor, native: torch.dtype, bound: float) -> Tensor:
+    """Round to nearest with torch's own cast to ``native``, saturating at ``±bound``."""
+    if native.itemsize >= 2:
+        # The cast overflows to ±inf at worst; clamp the (narrower) result in place.
+        y = x.to(native)
+        y = y.clamp(-bound, bound) if y is x else y.clamp_(-bound, bound)
+        return y.to(x.dtype)
+    # Float8 tensors support no arithmetic: clamp before the cast, unless the cast saturates.
+    if not _cast_saturates(x.device, native, bound):
+        x = x.clamp(-bound, bound)
+    return x.to(native).to(x.dtype)
+
+
+def _nearest_bits(xf: Tensor, fmt: FPFormat, work: _Work) -> Tensor:
+    """Round ``xf`` (float32/64, already clamped to range) to nearest, ties to even."""
+    drop = work.mantissa_bits - fmt.mantissa_bits
+    # Normal range: round the bit pattern at `drop` bits, ties to even. A carry out of the
+    # mantissa moves into the exponent, which is exactly the next binade's first value.
+    bits = xf.view(work.int_dtype)
+    if drop > 0:
+        rounded = bits >> drop
+        rounded &= 1
+        rounded += bits
+        rounded += (1 << (drop - 1)) - 1
+        rounded &= -(1 << drop)
+        normal = rounded.view(work.float_dtype)
+    else:
+        normal = xf
+    # Subnormal range: one float addition rounds to nearest-even at the step of a number
+    # whose ulp is the format's subnormal step. NaN takes this branch and stays NaN.
+    emin = fmt._min_normal_exponent
+    magnitude = xf.abs()
+    magic = 2.0 ** (emin + drop)
+    subnormal = magnitude + magic
+    subnormal -= magic
+    return torch.where(magnitude >= 2.0**emin, normal, subnormal.copysign_(xf))
+
+
+def _stochastic_bits(
+    xf: Tensor, fmt: FPFormat, work: _Work, generator: torch.Generator | None
+) -> Tensor:
+    """Round ``xf`` (float32/64, already clamped to range) stochastically."""
+    drop = work.mantissa_bits - fmt.mantissa_bits
+    if drop == 0:
+        return xf  # every float of the working dtype in range is representable
+    emin = fmt._min_normal_exponent
+    magnitude = xf.abs()
+    # Below the format's smallest normal, shift the value into the binade [2**emin,
+    # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after.
+    offset = None
+    if emin > work.min_normal_exponent:
+        offset = torch.where(magnitude < 2.0**emin, 2.0**emin, 0.0).to(work.float_dtype)
+        magnitude += offset
+    # Adding uniform random bits below the kept mantissa, then truncating, rounds up with
+    # probability equal to the dropped fraction; a carry moves into the exponent correctly.
+    if torch.compiler.is_compiling() and work.mantissa_bits == 23:
+        noise = _hashed_random_bits(xf, drop, generator)
+    else:
+        noise = torch.randint(
+            0, 1 << drop, xf.shape, dtype=work.int_dtype, device=xf.device, generator=generator
+        )
+    bits = magnitude.view(work.int_dtype)
+    bits += noise
+    bits &= -(1 << drop)
+    result = bits.view(work.float_dtype)
+    if offset is not None:
+        result -= offset
+    result.copysign_(xf)
+    # NaN payloads may have been carried out of the NaN range above: restore them.
+    return torch.where(torch.isnan(xf), xf, result)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """One xorshift-multiply round of a 32-bit integer hash, on int64 holding [0, 2**32)."""
+    # The multiplier is below 2**31, so the int64 product cannot overflow.
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _hashed_random_bits(x: Tensor, bits: int, generator: torch.Generator | None) -> Tensor:
+    """``bits`` (<= 32) uniform random bits per element of ``x``, as int32.
+
+    Used under ``torch.compile``, where it fuses into the rounding kernel: inductor's own
+    random numbers (Philox per element) cost several times a copy of the tensor on CPU.
+    The bits are a counter-based hash of the element index keyed by two 32-bit seeds drawn
+    from torch's generator, so results stay reproducible under ``torch.manual_seed``.
+    """
+    seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=x.device, generator=generator)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(x.shape)
+    h = _mix32((index + seeds[0]) & _MASK32)
+    h = _mix32(h ^ seeds[1])
+    return (h >> (32 - bits)).to(torch.int32)
