@@ -9,7 +9,14 @@ import torch
 
 from unitscale.data import example_batch
 from unitscale.errors import UnitScaleError
-from unitscale.models import GPTConfig, ModelConfigError, PlainGPT, plain_gpt
+from unitscale.models import (
+    GPTConfig,
+    ModelConfigError,
+    PlainGPT,
+    UnitScaledGPT,
+    plain_gpt,
+    unit_scaled_gpt,
+)
 
 SMALL = GPTConfig(hidden_size=32, depth=2, heads=4, seq_len=32)
 
@@ -100,3 +107,44 @@ def test_inputs_are_checked() -> None:
     with pytest.raises(ModelConfigError, match=r"must have shape \(batch, seq_len\)"):
         model(torch.zeros(40, dtype=torch.long))
     assert isinstance(model, PlainGPT)
+
+
+def _scales(model: torch.nn.Module) -> object:
+    from unitscale.analysis import graph_to_dataframe
+    from unitscale.transforms import track_scales
+
+    tracked = track_scales(model)
+    tracked(**example_batch(4, 32, seed=0)).backward()
+    df = graph_to_dataframe(tracked.scales_graph())
+    ops = ("linear", "layer_norm", "add", "gelu", "scaled_dot_product_attention")
+    return df[~df.weight & df.op.isin(ops)]
+
+
+def test_unit_scaled_twin_matches_the_plain_layout() -> None:
+    plain, twin = plain_gpt(SMALL, seed=0), unit_scaled_gpt(SMALL, seed=0)
+    assert isinstance(twin, UnitScaledGPT)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in twin.named_parameters()]
+    assert all(
+        a.shape == b.shape for a, b in zip(plain.parameters(), twin.parameters(), strict=True)
+    )
+    batch = example_batch(4, 32, seed=0)
+    assert twin(batch.input_ids).shape == (4, 32, 256)
+    loss = twin(**batch)
+    assert loss.shape == () and abs(loss.item() - math.log(256)) < 0.5
+    state = torch.get_rng_state()
+    again = unit_scaled_gpt(SMALL, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(again.lm_head.weight, twin.lm_head.weight)
+    with pytest.raises(ModelConfigError, match="attention_mask has zeros"):
+        twin(batch.input_ids, attention_mask=torch.zeros_like(batch.input_ids))
+
+
+def test_unit_scaled_twin_keeps_activations_and_gradients_near_unit_scale() -> None:
+    config = GPTConfig(hidden_size=64, depth=1, seq_len=32)
+    twin = _scales(unit_scaled_gpt(config, seed=0))
+    plain = _scales(plain_gpt(config, seed=0))
+    assert len(twin) >= 2 * 8  # embedding add, norms, linears, attention, gelu, residual adds
+    # Unit scaling: every op's output and gradient rms within a factor ~2.5 of 1 ...
+    assert twin.rms.between(0.4, 2.5).all(), twin[["name", "direction", "rms"]]
+    # ... where the plain model's gradients are orders of magnitude smaller.
+    assert plain[plain.direction == "bwd"].rms.max() < 0.05

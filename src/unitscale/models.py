@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .errors import UnitScaleError
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # configuration
     "GPTConfig",
     "ModelConfigError",
@@ -32,6 +32,7 @@ __all__ = [
     "PlainGPT",
     "plain_gpt",
     # unit-scaled twin
+    "UnitScaledGPT",
     "unit_scaled_gpt",
 ]
 
@@ -52,8 +53,10 @@ class GPTConfig:
         seq_len: the longest sequence the position embedding supports.
         mlp_ratio: MLP hidden width as a multiple of ``hidden_size``.
         dropout: dropout probability after attention and MLP (0 keeps steps deterministic).
-        residual_tau: the unit-scaled twin's residual weighting ``tau`` (see
-            :func:`unitscale.functional.residual_add`); unused by the plain model.
+        residual_tau: the unit-scaled twin's residual share ``tau`` in every block (see
+            :func:`unitscale.functional.residual_add`), or None (default) for
+            :class:`unitscale.TransformerDecoder`'s running-mean schedule
+            ``tau_k = 1 / (k + 1)`` over the ``k``-th residual block; unused by the plain model.
 
     Example:
         >>> GPTConfig(hidden_size=64).head_size
@@ -67,7 +70,7 @@ class GPTConfig:
     seq_len: int = 128
     mlp_ratio: int = 4
     dropout: float = 0.0
-    residual_tau: float = 0.2
+    residual_tau: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "depth", "heads", "seq_len", "mlp_ratio"):
@@ -81,7 +84,7 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ModelConfigError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
-        if not 0.0 < self.residual_tau < 1.0:
+        if self.residual_tau is not None and not 0.0 < self.residual_tau < 1.0:
             raise ModelConfigError(
                 f"GPTConfig: residual_tau={self.residual_tau!r} must be in (0, 1)"
             )
@@ -128,7 +131,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.heads = config.heads
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
@@ -140,7 +143,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(batch, seq, self.heads, -1).transpose(1, 2)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         attn = attn.transpose(1, 2).reshape(batch, seq, width)
-        return self.dropout(self.proj(attn))
+        return self.dropout(self.out(attn))
 
 
 class MLP(nn.Module):
@@ -201,7 +204,7 @@ class PlainGPT(nn.Module):
                 nn.init.zeros_(param)
             elif "norm" in name:
                 nn.init.ones_(param)
-            elif name.endswith(("proj.weight", "down.weight")):
+            elif name.endswith(("attn.out.weight", "down.weight")):
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.depth))
             else:
                 nn.init.normal_(param, std=0.02)
@@ -258,24 +261,113 @@ def plain_gpt(config: GPTConfig | None = None, seed: int = 0) -> PlainGPT:
         return PlainGPT(config)
 
 
-def unit_scaled_gpt(config: GPTConfig | None = None, seed: int = 0) -> nn.Module:
+class UnitScaledGPT(nn.Module):
+    """The unit-scaled twin of :class:`PlainGPT`, built from unitscale's modules.
+
+    Same layout and parameter names as :class:`PlainGPT`: :class:`unitscale.Embedding` for
+    tokens and positions combined by :func:`unitscale.functional.add`, ``config.depth``
+    :class:`unitscale.TransformerLayer` blocks (pre-norm, causal :class:`unitscale.MHSA`,
+    :class:`unitscale.MLP`, ``residual_split``/``residual_add`` with the ``tau`` of
+    ``config.residual_tau``), a final :class:`unitscale.LayerNorm` and a
+    :class:`unitscale.LinearReadout` head; the loss is
+    :func:`unitscale.functional.cross_entropy`. Weights are N(0, 1) and every op keeps its
+    output and gradients near unit scale at initialisation. Build it with
+    :func:`unit_scaled_gpt` for a seeded initialisation.
+
+    Attention is causal only: an ``attention_mask`` with zeros (padding) is rejected, since
+    the unit-scaled attention does not take arbitrary masks.
+
+    Args:
+        config: the model size.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        import unitscale as us
+
+        super().__init__()
+        self.config = config
+        depth = config.depth
+        self.token_embedding = us.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = us.Embedding(config.seq_len, config.hidden_size)
+        self.dropout = us.Dropout(config.dropout)
+        tau = config.residual_tau
+        self.blocks = nn.ModuleList(
+            us.TransformerLayer(
+                config.hidden_size,
+                config.heads,
+                mlp_expansion_factor=config.mlp_ratio,
+                dropout_p=config.dropout,
+                is_causal=True,
+                # As unitscale.TransformerDecoder: the k-th residual block gets 1 / (k + 1).
+                attn_tau=1.0 / (2 * i + 2) if tau is None else tau,
+                mlp_tau=1.0 / (2 * i + 3) if tau is None else tau,
+                bias=True,
+            )
+            for i in range(depth)
+        )
+        self.final_norm = us.LayerNorm(config.hidden_size)
+        self.lm_head = us.LinearReadout(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """Return the loss when ``labels`` are given, the ``(batch, seq, vocab)`` logits otherwise.
+
+        Args:
+            input_ids: ``(batch, seq)`` token ids.
+            attention_mask: optional ``(batch, seq)`` of ones (padding is not supported).
+            labels: optional ``(batch, seq)`` next-token targets; -100 marks ignored positions.
+
+        Raises:
+            ModelConfigError: for a sequence longer than ``config.seq_len`` or a padding mask.
+        """
+        from . import functional as U
+
+        _check_inputs("UnitScaledGPT", input_ids, self.config)
+        if (
+            attention_mask is not None
+            and not torch.compiler.is_compiling()
+            and not bool(attention_mask.all())
+        ):
+            raise ModelConfigError(
+                "UnitScaledGPT: attention_mask has zeros (padding), but the unit-scaled "
+                "attention is causal only; pass unpadded sequences or attention_mask=None"
+            )
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = U.add(self.token_embedding(input_ids), self.position_embedding(positions))
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_norm(x)
+        logits = self.lm_head(x)
+        if labels is None:
+            return logits
+        return U.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def unit_scaled_gpt(config: GPTConfig | None = None, seed: int = 0) -> UnitScaledGPT:
     """Build the unit-scaled twin of :func:`plain_gpt` from unitscale's modules.
 
-    Same configuration and calling convention as :class:`PlainGPT`; weights have unit variance
-    and every op is unit-scaled (see :class:`unitscale.TransformerDecoder`).
+    Same configuration, calling convention and parameter names as :class:`PlainGPT`.
 
     Args:
         config: model size (default :class:`GPTConfig()`).
         seed: initialisation seed; the global RNG is left as it was.
 
     Returns:
-        A unit-scaled decoder in training mode.
+        A :class:`UnitScaledGPT` in training mode.
+
+    Example:
+        >>> from unitscale.data import example_batch
+        >>> model = unit_scaled_gpt(GPTConfig(hidden_size=64, depth=1), seed=0)
+        >>> logits = model(example_batch(4, 32).input_ids)
+        >>> logits.shape
+        torch.Size([4, 32, 256])
     """
     config = GPTConfig() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _build_unit_scaled(config)
-
-
-def _build_unit_scaled(config: GPTConfig) -> nn.Module:
-    raise NotImplementedError  # replaced once unitscale.TransformerDecoder lands
+        return UnitScaledGPT(config)
