@@ -1,0 +1,83 @@
+"""unitscale.scale: the forward/backward scaling primitive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unitscale.scale import scale_bwd, scale_fwd, scale_fwd_bwd
+
+
+def _grad(y: torch.Tensor, x: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
+    (grad,) = torch.autograd.grad(y, x, upstream)
+    return grad
+
+
+@pytest.mark.parametrize(("fwd", "bwd"), [(2.0, 0.5), (0.25, 3.0), (1.0, 0.125), (8.0, 1.0)])
+def test_scale_fwd_bwd_is_exact(fwd: float, bwd: float) -> None:
+    x = torch.randn(5, 7, requires_grad=True)
+    upstream = torch.randn(5, 7)
+    y = scale_fwd_bwd(x, fwd, bwd)
+    assert torch.equal(y, x * fwd)
+    assert torch.equal(_grad(y, x, upstream), upstream * bwd)
+
+
+def test_scale_fwd_and_scale_bwd() -> None:
+    x = torch.randn(6, requires_grad=True)
+    upstream = torch.randn(6)
+    y = scale_fwd(x, 3.0)
+    assert torch.equal(y, x * 3.0)
+    assert torch.equal(_grad(y, x, upstream), upstream)
+    y = scale_bwd(x, 0.5)
+    assert torch.equal(y, x)
+    assert torch.equal(_grad(y, x, upstream), upstream * 0.5)
+
+
+def test_unit_scales_cost_nothing() -> None:
+    x = torch.randn(3, requires_grad=True)
+    assert scale_fwd_bwd(x, 1.0, 1.0) is x
+
+
+def test_equal_scales_are_a_plain_multiplication() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = scale_fwd_bwd(x, 0.5, 0.5)
+    assert y.grad_fn is not None and y.grad_fn.name() == "MulBackward0"
+    assert torch.equal(_grad(y, x, torch.ones(3)), torch.full((3,), 0.5))
+
+
+def test_without_grad_only_the_forward_scale_applies() -> None:
+    x = torch.randn(4)
+    assert torch.equal(scale_fwd_bwd(x, 2.0, 5.0), 2.0 * x)
+    assert scale_bwd(x, 5.0) is x
+    with torch.no_grad():
+        assert torch.equal(scale_fwd_bwd(x.requires_grad_(), 2.0, 5.0), 2.0 * x)
+
+
+def test_input_is_not_mutated() -> None:
+    x = torch.randn(4, requires_grad=True)
+    before = x.detach().clone()
+    scale_fwd_bwd(x, 3.0, 0.5).sum().backward()
+    assert torch.equal(x.detach(), before)
+
+
+def test_tensor_scale_is_rejected() -> None:
+    with pytest.raises(TypeError, match="fwd_scale must be a Python number"):
+        scale_fwd_bwd(torch.ones(2), torch.tensor(2.0), 1.0)  # type: ignore[arg-type]
+
+
+def test_compiles_to_one_graph_with_the_same_gradient() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda t: scale_fwd_bwd(t, 2.0, 0.25) * t, backend=counter, fullgraph=True
+    )
+    x = torch.randn(8, requires_grad=True)
+    y = compiled(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    # d/dx [s(x) * x] with s scaling forward by 2 and backward by 0.25: 0.25 x + 2 x
+    assert counter.frame_count == 1
+    assert torch.allclose(y, 2.0 * x * x)
+    assert torch.allclose(grad, 2.25 * x)
+    torch._dynamo.reset()
