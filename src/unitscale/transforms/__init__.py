@@ -6,13 +6,25 @@ from ..tracking import (
     prune_same_scale_tensors,
     prune_selected_nodes,
 )
+from ._compile import compile
+from ._simulate import simulate_format, simulate_fp8
 from ._track import track_scales
+from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     # scale tracking
     "Metrics",
     "prune_non_float_tensors",
     "prune_same_scale_tensors",
     "prune_selected_nodes",
     "track_scales",
+    # automatic unit scaling
+    "ResidualTau",
+    "UnknownOpError",
+    "unit_scale",
+    # number-format simulation
+    "simulate_format",
+    "simulate_fp8",
+    # compilation
+    "compile",
 ]

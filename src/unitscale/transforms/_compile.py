@@ -1,0 +1,83 @@
+"""``compile``: the last step of a transform chain, compiling its graphs with Inductor.
+
+:class:`CompilePass` is a :class:`~unitscale.capture.GraphPass` with ``compiles=True``: it
+changes no graph, and its :meth:`~CompilePass.finish` hands each captured piece, as the
+earlier passes left it, to TorchInductor. So ``compile(simulate_fp8(unit_scale(m)))`` runs the
+unit-scaled, FP8-simulating graph as fused kernels, with the same results as the eager chain
+up to floating-point reassociation.
+
+Design constraints: nothing can be applied after ``compile`` (the capture core refuses), and
+``compile`` refuses a chain that records statistics (``track_scales``), whose Python
+side effects cannot run inside compiled code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from ..capture._core import GraphPass, Piece, TransformedModule, transformed
+from ..errors import CaptureError
+
+__all__ = ["CompilePass", "compile"]
+
+
+class CompilePass(GraphPass):
+    """Compile each captured graph with TorchInductor (``compile_fx``).
+
+    Reads: the graph the earlier passes produced. Writes: nothing.
+    """
+
+    compiles = True
+
+    def __repr__(self) -> str:
+        return "CompilePass()"
+
+    def finish(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], piece: Piece
+    ) -> Callable[..., Any] | None:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled: Callable[..., Any] = compile_fx(gm, list(example_inputs))  # type: ignore[assignment]
+        return compiled
+
+
+def compile(module: nn.Module) -> TransformedModule:
+    """Return a copy of ``module`` (or of a transform chain) compiled with TorchInductor.
+
+    Apply it last: ``compile(simulate_fp8(unit_scale(model)))``. Each graph TorchDynamo
+    captures (one per graph break) is transformed by the earlier steps, then compiled.
+    Compilation happens at the first call and again for new input shapes, dtypes or
+    ``train()``/``eval()`` modes, as with ``torch.compile``.
+
+    Args:
+        module: a ``torch.nn.Module``, or a module returned by ``unit_scale`` or
+            ``simulate_format``/``simulate_fp8``.
+
+    Returns:
+        The compiled copy (``module`` is not touched).
+
+    Raises:
+        CaptureError: ``module`` is not a module; is already compiled (by this function or
+            by ``torch.compile``); or is tracked by ``track_scales``, whose statistics cannot
+            be gathered from compiled code (compile the untracked module instead).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 2)
+        >>> fast = compile(model)  # doctest: +SKIP
+        >>> torch.allclose(fast(torch.ones(1, 4)), model(torch.ones(1, 4)))  # doctest: +SKIP
+        True
+    """
+    if isinstance(module, TransformedModule) and any(
+        hasattr(graph_pass, "scales_graph") for graph_pass in module.passes
+    ):
+        raise CaptureError(
+            "unitscale.compile: the module is tracked by track_scales, whose statistics "
+            "cannot be gathered from compiled code; compile the untracked module, or track "
+            "it without compile"
+        )
+    return transformed(module, CompilePass(), "compile")

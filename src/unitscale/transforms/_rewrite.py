@@ -1,0 +1,133 @@
+"""Small helpers shared by the graph-rewriting transforms (``unit_scale``, ``simulate_format``).
+
+Every node a pass inserts must look to later passes like a node Dynamo made: it carries an
+``example_value`` meta (a tensor of the right shape and dtype; the tracking pass uses it to
+decide what to record) and Dynamo's source meta (``nn_module_stack``, ``stack_trace``) copied
+from the node it belongs to, so that reports attribute it to the right module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+from torch import Tensor, nn
+
+from ..capture._core import Piece, TransformedModule
+from ..errors import CaptureError
+
+__all__ = [
+    "ancestors",
+    "descendants",
+    "example_value",
+    "insert_call",
+    "is_float_node",
+    "parameter_nodes",
+    "placeholder_names",
+    "refuse_after_tracking",
+    "sanitize",
+]
+
+_SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+def example_value(node: Any) -> Any:
+    """The value Dynamo recorded for ``node`` (a FakeTensor, tuple...), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value")
+    if value is None and "grapharg" in node.meta:
+        value = getattr(node.meta["grapharg"], "fake_tensor", None)
+    return value
+
+
+def is_float_node(node: Any) -> bool:
+    """Whether ``node`` is an fx node whose value is a floating-point tensor."""
+    value = example_value(node)
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+def placeholder_names(gm: fx.GraphModule, piece: Piece) -> dict[fx.Node, tuple[str, str]]:
+    """Placeholder node -> ``(kind, name)`` as the capture core classified it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(placeholders, piece.placeholders, strict=False))
+
+
+def parameter_nodes(gm: fx.GraphModule, piece: Piece) -> set[fx.Node]:
+    """Nodes holding parameters: ``param`` placeholders and ``get_attr`` nodes."""
+    params = {n for n, (kind, _) in placeholder_names(gm, piece).items() if kind == "param"}
+    params.update(n for n in gm.graph.nodes if n.op == "get_attr")
+    return params
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node ``node`` depends on (transitively), excluding itself."""
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return seen
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that depends on ``node`` (transitively), excluding itself."""
+    seen: set[fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(current.users)
+    return seen
+
+
+def sanitize(name: str) -> str:
+    """A valid Python identifier derived from ``name`` (dots become underscores)."""
+    name = re.sub(r"\W", "_", name)
+    return name if name and not name[0].isdigit() else f"_{name}"
+
+
+def insert_call(
+    graph: fx.Graph,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    name: str,
+    value: Any,
+    meta_from: fx.Node,
+) -> fx.Node:
+    """Create a ``call_function`` node at the graph's insertion point, with Dynamo-like meta.
+
+    Args:
+        graph: the graph (use ``graph.inserting_before/after`` to place the node).
+        target: the function to call.
+        args: its arguments.
+        name: name candidate (made unique by fx).
+        value: the ``example_value`` meta (same shape/dtype as the runtime value).
+        meta_from: node whose source meta (module stack, stack trace) the new node shares.
+    """
+    node = graph.create_node("call_function", target, args, {}, name=sanitize(name))
+    for key in _SOURCE_META:
+        if key in meta_from.meta:
+            node.meta[key] = meta_from.meta[key]
+    node.meta["example_value"] = value
+    return node
+
+
+def refuse_after_tracking(module: nn.Module, op: str) -> None:
+    """Raise if ``module`` is tracked: a graph rewrite after ``track_scales`` would change
+    values behind the tracked graph's back, so tracking must come last."""
+    if isinstance(module, TransformedModule) and any(
+        hasattr(graph_pass, "scales_graph") for graph_pass in module.passes
+    ):
+        raise CaptureError(
+            f"unitscale.{op}: the module is already tracked by track_scales; apply "
+            f"track_scales last, e.g. track_scales({op}(model))"
+        )

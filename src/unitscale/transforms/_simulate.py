@@ -1,0 +1,366 @@
+"""``simulate_format`` and ``simulate_fp8``: run matmul-like ops on low-precision operands.
+
+:class:`SimulateFormatPass` rewrites each captured graph so that every floating-point
+operand of a matmul-like op goes through :func:`quantise_operand` first: the operand is
+rounded to ``fwd_format`` in the forward pass and the gradient with respect to it is rounded
+to ``bwd_format`` in the backward pass. That is what an FP8 matmul unit sees: its inputs
+(weights included) in E4M3, and the gradients it produces for them in E5M2.
+
+Matmul-like ops (:data:`MATMUL_OPERANDS`): ``F.linear`` (input and weight, not bias),
+``matmul``/``mm``/``bmm``/``@``, ``addmm``/``baddbmm``/``addbmm`` (the two matrices),
+``einsum`` (every tensor operand), ``conv1d/2d/3d`` and their transposes (input and weight),
+``F.scaled_dot_product_attention`` (query, key and value, not the mask), and their
+unit-scaled equivalents in :mod:`unitscale.functional`, so that ``simulate_fp8(unit_scale(m))``
+quantises the same tensors as ``simulate_fp8(m)``. Every other op runs in the model's own
+precision.
+
+Design constraints: an inserted node carries the ``example_value`` of the operand it
+quantises, so that ``track_scales`` applied on top records it (as ``<operand>_quantised``);
+the pass holds only its two formats, so it pickles and deep-copies as configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
+from ..formats import E4M3, E5M2, FormatError, FPFormat, get_format
+from ._rewrite import (
+    example_value,
+    insert_call,
+    is_float_node,
+    placeholder_names,
+    refuse_after_tracking,
+)
+
+__all__ = [
+    "MATMUL_OPERANDS",
+    "FormatSpec",
+    "SimulateFormatPass",
+    "format_spec",
+    "quantise_operand",
+    "simulate_format",
+    "simulate_fp8",
+]
+
+# (position, keyword) of each operand that a matmul unit reads.
+_Operands = tuple[tuple[int, str], ...]
+_LINEAR: _Operands = ((0, "input"), (1, "weight"))
+_MATMUL: _Operands = ((0, "input"), (1, "other"))
+_MM: _Operands = ((0, "input"), (1, "mat2"))
+_ADDMM: _Operands = ((1, "mat1"), (2, "mat2"))
+_BADDBMM: _Operands = ((1, "batch1"), (2, "batch2"))
+_ATTENTION: _Operands = ((0, "query"), (1, "key"), (2, "value"))
+
+MATMUL_OPERANDS: dict[Callable[..., Any], _Operands] = {
+    F.linear: _LINEAR,
+    torch.matmul: _MATMUL,
+    operator.matmul: _MATMUL,
+    operator.imatmul: _MATMUL,
+    torch.mm: _MM,
+    torch.bmm: _MM,
+    torch.addmm: _ADDMM,
+    torch.baddbmm: _BADDBMM,
+    torch.addbmm: _BADDBMM,
+    F.conv1d: _LINEAR,
+    F.conv2d: _LINEAR,
+    F.conv3d: _LINEAR,
+    F.conv_transpose1d: _LINEAR,
+    F.conv_transpose2d: _LINEAR,
+    F.conv_transpose3d: _LINEAR,
+    F.scaled_dot_product_attention: _ATTENTION,
+}
+"""Matmul-like torch functions and the ``(position, keyword)`` of the operands quantised."""
+
+# Tensor methods (``x.matmul(y)``: ``self`` is argument 0) that are matmul-like.
+_METHOD_OPERANDS: dict[str, _Operands] = {
+    "matmul": _MATMUL,
+    "__matmul__": _MATMUL,
+    "mm": _MM,
+    "bmm": _MM,
+    "addmm": _ADDMM,
+    "baddbmm": _BADDBMM,
+}
+
+# unitscale.functional ops that are matmul-like, and how many leading operands they quantise.
+_UNIT_SCALED_OPERANDS = {
+    "linear": 2,
+    "linear_readout": 2,
+    "matmul": 2,
+    "conv1d": 2,
+    "scaled_dot_product_attention": 3,
+}
+_unit_scaled_cache: dict[Callable[..., Any], _Operands] | None = None
+
+
+def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
+    """The matmul-like ops of :mod:`unitscale.functional` (imported lazily: it is heavier)."""
+    global _unit_scaled_cache
+    if _unit_scaled_cache is None:
+        table: dict[Callable[..., Any], _Operands] = {}
+        try:
+            from .. import functional as U
+        except ImportError:  # pragma: no cover - functional ships with the package
+            U = None  # type: ignore[assignment]
+        for name, count in _UNIT_SCALED_OPERANDS.items():
+            fn = getattr(U, name, None)
+            if fn is None:
+                continue
+            params = list(inspect.signature(fn).parameters)[:count]
+            table[fn] = tuple((i, p) for i, p in enumerate(params))
+        from ._attention import masked_scaled_dot_product_attention
+
+        table[masked_scaled_dot_product_attention] = _ATTENTION
+        _unit_scaled_cache = table
+    return _unit_scaled_cache
+
+
+def matmul_operands(node: fx.Node) -> list[tuple[int, str]]:
+    """The ``(position, keyword)`` slots of ``node``'s matmul operands ([] if not matmul-like)."""
+    if node.op == "call_method":
+        return list(_METHOD_OPERANDS.get(str(node.target), ()))
+    if node.op != "call_function":
+        return []
+    target = node.target
+    if target is torch.einsum:
+        if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)):
+            return []  # list form: handled by the caller
+        return [(i, "") for i in range(1, len(node.args))]
+    try:
+        operands = MATMUL_OPERANDS.get(target) or _unit_scaled_operands().get(target)  # type: ignore[arg-type]
+    except TypeError:  # unhashable target
+        return []
+    return list(operands or ())
+
+
+FormatSpec = tuple[int, int, str, str]
+"""An :class:`FPFormat` as plain data, ``(exponent_bits, mantissa_bits, rounding,
+special_values)``: what an inserted graph node holds, since generated graph code can only
+embed Python literals."""
+
+
+def format_spec(fmt: FPFormat) -> FormatSpec:
+    """The :data:`FormatSpec` of ``fmt``."""
+    return (fmt.exponent_bits, fmt.mantissa_bits, fmt.rounding, fmt.special_values)
+
+
+@functools.lru_cache(maxsize=64)
+def _format_of(spec: FormatSpec) -> FPFormat:
+    exponent_bits, mantissa_bits, rounding, special_values = spec
+    return FPFormat(exponent_bits, mantissa_bits, rounding, special_values)  # type: ignore[arg-type]
+
+
+def quantise_operand(
+    x: Tensor, fwd_format: FPFormat | FormatSpec, bwd_format: FPFormat | FormatSpec
+) -> Tensor:
+    """Round ``x`` to ``fwd_format``, and the gradient with respect to ``x`` to ``bwd_format``.
+
+    Args:
+        x: a floating-point tensor (an operand of a matmul-like op).
+        fwd_format: the format of the forward value (an ``FPFormat`` or its
+            :data:`FormatSpec`).
+        bwd_format: the format of the gradient, likewise.
+
+    Returns:
+        ``fwd_format.quantise(x)``, whose backward rounds the incoming gradient to
+        ``bwd_format`` (straight through otherwise).
+
+    Example:
+        >>> import dataclasses
+        >>> from unitscale.formats import E4M3, E5M2
+        >>> e4m3, e5m2 = (dataclasses.replace(f, rounding="nearest") for f in (E4M3, E5M2))
+        >>> x = torch.tensor([0.3, 1000.0], requires_grad=True)
+        >>> y = quantise_operand(x, e4m3, e5m2)
+        >>> y.backward(torch.tensor([0.3, 1e6]))
+        >>> y.tolist(), x.grad.tolist()
+        ([0.3125, 448.0], [0.3125, 57344.0])
+    """
+    fwd = fwd_format if isinstance(fwd_format, FPFormat) else _format_of(tuple(fwd_format))
+    bwd = bwd_format if isinstance(bwd_format, FPFormat) else _format_of(tuple(bwd_format))
+    return bwd.quantise_bwd(fwd.quantise_fwd(x))
+
+
+class SimulateFormatPass(GraphPass):
+    """Quantise the operands of matmul-like ops (forward values and their gradients).
+
+    Reads: node targets and Dynamo's ``example_value`` meta (only floating-point operands
+    are quantised). Writes: one :func:`quantise_operand` node per (op, operand), inserted just
+    before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
+    ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
+
+    Args:
+        fwd_format: format of the operands in the forward pass.
+        bwd_format: format of their gradients in the backward pass.
+    """
+
+    def __init__(self, fwd_format: FPFormat, bwd_format: FPFormat) -> None:
+        self.fwd_format = fwd_format
+        self.bwd_format = bwd_format
+
+    def __repr__(self) -> str:
+        return f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format})"
+
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+        graph = gm.graph
+        names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
+        quantised: list[tuple[str, str]] = []
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.einsum:
+                self._quantise_einsum(graph, node, names, quantised)
+                continue
+            done: dict[fx.Node, fx.Node] = {}  # x @ x: quantise once
+            for position, keyword in matmul_operands(node):
+                if position < len(node.args):
+                    operand = node.args[position]
+                elif keyword:
+                    operand = node.kwargs.get(keyword)
+                else:
+                    operand = None
+                if not is_float_node(operand):
+                    continue
+                new = done.get(operand)
+                if new is None:
+                    new = self._insert(graph, node, operand, names)
+                    done[operand] = new
+                    quantised.append((node.name, operand.name))
+                if position < len(node.args):
+                    args = list(node.args)
+                    args[position] = new
+                    node.args = tuple(args)
+                else:
+                    node.kwargs = {**node.kwargs, keyword: new}
+        piece.data["simulate_format"] = quantised
+        return gm
+
+    def _quantise_einsum(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        names: dict[fx.Node, str],
+        quantised: list[tuple[str, str]],
+    ) -> None:
+        listed = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+        operands: list[Any] = list(node.args[1] if listed else node.args[1:])  # type: ignore[arg-type]
+        done: dict[fx.Node, fx.Node] = {}
+        for i, operand in enumerate(operands):
+            if not is_float_node(operand):
+                continue
+            if operand not in done:
+                done[operand] = self._insert(graph, node, operand, names)
+                quantised.append((node.name, operand.name))
+            operands[i] = done[operand]
+        if listed:
+            node.args = (node.args[0], list(operands))
+        else:
+            node.args = (node.args[0], *operands)
+
+    def _insert(
+        self, graph: fx.Graph, consumer: fx.Node, operand: fx.Node, names: dict[fx.Node, str]
+    ) -> fx.Node:
+        base = names.get(operand, operand.name)
+        with graph.inserting_before(consumer):
+            return insert_call(
+                graph,
+                quantise_operand,
+                (operand, format_spec(self.fwd_format), format_spec(self.bwd_format)),
+                name=f"{base}_quantised",
+                value=example_value(operand),
+                meta_from=consumer,
+            )
+
+
+def _check_format(argument: str, value: Any) -> FPFormat:
+    if isinstance(value, FPFormat):
+        return value
+    try:
+        return get_format(value)
+    except FormatError as error:
+        raise FormatError(
+            f"unitscale.transforms.simulate_format: argument {argument!r}={value!r} is not a "
+            "format; pass a unitscale.formats.FPFormat (e.g. unitscale.formats.E4M3, or "
+            "FPFormat(exponent_bits, mantissa_bits)) or a preset key such as 'e4m3'"
+        ) from error
+
+
+def simulate_format(
+    module: nn.Module, fwd_format: FPFormat | str, bwd_format: FPFormat | str
+) -> TransformedModule:
+    """Return a copy of ``module`` whose matmul-like ops see operands in low precision.
+
+    Every floating-point operand of a matmul-like op (``F.linear`` input and weight,
+    ``matmul``/``bmm``/``@``, ``addmm``, ``einsum``, convolutions, the query, key and value
+    of ``F.scaled_dot_product_attention``, and their :mod:`unitscale.functional`
+    equivalents) is rounded to ``fwd_format`` in the forward pass, and the gradient with
+    respect to it is rounded to ``bwd_format`` in the backward pass. Nothing else changes:
+    the arithmetic inside each op, and every other op, runs in the model's own dtype.
+
+    Args:
+        module: any ``torch.nn.Module`` (or an already transformed one, e.g.
+            ``unit_scale(m)``) that TorchDynamo can capture.
+        fwd_format: format of forward operands: an :class:`~unitscale.formats.FPFormat`
+            or a preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``).
+        bwd_format: format of the gradients, likewise.
+
+    Returns:
+        The transformed copy (``module`` is not touched).
+
+    Raises:
+        FormatError: a format argument is neither an ``FPFormat`` nor a preset key.
+        CaptureError: ``module`` is not a module, is already compiled (see
+            :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
+            last), or TorchDynamo cannot capture it (at the first call).
+
+    Example:
+        >>> from unitscale.formats import FPFormat
+        >>> tiny = FPFormat(2, 1, rounding="nearest")  # values 0, 0.5, 1, 1.5, 2, 3
+        >>> model = simulate_format(nn.Linear(4, 1, bias=False), tiny, tiny)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.copy_(torch.tensor([[0.3, 1.1, 1.6, 5.0]]))
+        >>> model(torch.ones(1, 4)).item()  # weights round to 0.5, 1, 1.5, 3
+        6.0
+    """
+    fwd = _check_format("fwd_format", fwd_format)
+    bwd = _check_format("bwd_format", bwd_format)
+    refuse_after_tracking(module, "simulate_format")
+    return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_format")
+
+
+def simulate_fp8(module: nn.Module) -> TransformedModule:
+    """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
+
+    ``simulate_format(module, E4M3, E5M2)`` with round-to-nearest-even in both directions,
+    as hardware casts do: matmul operands (weights included) in OCP FP8 E4M3 in the forward
+    pass, the gradients with respect to them in OCP FP8 E5M2 in the backward pass. Values
+    beyond a format's range saturate to its largest value. For stochastic rounding, call
+    :func:`simulate_format` with the presets of :mod:`unitscale.formats`.
+
+    Args:
+        module: any ``torch.nn.Module`` (or a transformed one) that TorchDynamo can capture.
+
+    Returns:
+        The transformed copy (``module`` is not touched).
+
+    Raises:
+        CaptureError: as for :func:`simulate_format`.
+
+    Example:
+        >>> model = simulate_fp8(nn.Linear(2, 1, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
+        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
+        448.3125
+    """
+    fwd = dataclasses.replace(E4M3, rounding="nearest")
+    bwd = dataclasses.replace(E5M2, rounding="nearest")
+    refuse_after_tracking(module, "simulate_fp8")
+    return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_fp8")

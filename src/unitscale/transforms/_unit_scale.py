@@ -1,0 +1,495 @@
+"""``unit_scale``: turn an ordinary PyTorch model into a unit-scaled one, graph by graph.
+
+:class:`UnitScalePass` rewrites each graph TorchDynamo captures, in three steps:
+
+1. **Residual adds.** An addition ``skip + branch`` is a residual add when ``skip`` also feeds
+   the computation of ``branch`` (``skip`` is an ancestor of ``branch`` in the graph) and that
+   computation uses a parameter (so ``x + 0.04 * x**3`` inside a GELU is not one). The
+   branch's uses of ``skip`` are redirected to the first output of
+   :func:`~unitscale.functional.residual_split`, and the add becomes
+   :func:`~unitscale.functional.residual_add`. A branch that contains an attention op
+   (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
+   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`).
+2. **Op replacement.** Every call of a function in ``unitscale.functional.torch_map``
+   (updated with ``replace``) whose result is a floating-point tensor is replaced by its
+   unit-scaled equivalent; ``Tensor`` methods are looked up as ``getattr(torch.Tensor, name)``.
+   Attention with an explicit ``attn_mask`` uses
+   :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
+   the number of visible keys from the mask.
+3. **Unconstrained head.** Ops downstream of the graph's last residual add get
+   ``constraint=None`` (where they take one): there the graph is a chain, so a gradient scale
+   that is off by a constant factor only rescales every upstream gradient by the same
+   factor, which Adam-style optimisers ignore; in exchange the head's output and gradients
+   are all unit.
+
+Each replacement is logged at INFO on the ``"unitscale"`` logger as ``unit scaling function:
+<node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>)``.
+
+Design constraints: the pass holds only configuration (``replace``, taus) and pickles as such;
+new and rewritten nodes keep Dynamo's ``example_value`` and source meta, so ``track_scales``
+applied on top records and names them; ``unit_scale`` itself re-initialises the copy's
+weights (never the user's module) so that they have unit scale.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
+from ..errors import CaptureError, UnitScaleError
+from ._attention import masked_scaled_dot_product_attention
+from ._rewrite import (
+    ancestors,
+    descendants,
+    example_value,
+    insert_call,
+    is_float_node,
+    parameter_nodes,
+    refuse_after_tracking,
+)
+
+__all__ = [
+    "ResidualTau",
+    "UnitScalePass",
+    "UnknownOpError",
+    "unit_scale",
+]
+
+logger = logging.getLogger("unitscale")
+
+
+class UnknownOpError(UnitScaleError, ValueError):
+    """A ``replace`` entry of ``unit_scale`` names an op it does not replace, or is not callable."""
+
+
+@dataclass(frozen=True)
+class ResidualTau:
+    """How :func:`unit_scale` weights residual branches: ``tau`` per kind of branch.
+
+    A residual add becomes ``sqrt(tau) * branch + sqrt(1 - tau) * skip`` (and its split the
+    matching gradient weights), so ``tau`` is the branch's share of the stream's variance.
+    ``None`` (the default for both kinds) means the *depth rule*: the ``k``-th residual add
+    of the forward pass (``k = 1, 2, ...``, in execution order) uses ``tau = 1 / (k + 1)``.
+    Then the stream entering the first block and every branch end up with equal shares
+    (``1 / (K + 1)`` each, for ``K`` adds) of the final stream, as in an ordinary pre-norm
+    transformer at initialisation, however deep the model.
+
+    Attributes:
+        attention: ``tau`` of attention branches (those containing attention or a
+            softmax), in (0, 1), or None for the depth rule.
+        mlp: ``tau`` of every other branch, in (0, 1), or None for the depth rule.
+
+    Example:
+        >>> ResidualTau().tau("attention", 3)  # the third add: 1 / (3 + 1)
+        0.25
+        >>> ResidualTau(attention=0.2).tau("attention", 3)
+        0.2
+    """
+
+    attention: float | None = None
+    mlp: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("attention", "mlp"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UnitScaleError(
+                    f"unitscale.unit_scale: ResidualTau({name}={value!r}) must be a number "
+                    "in (0, 1) or None"
+                )
+            if not 0.0 < value < 1.0:
+                raise UnitScaleError(
+                    f"unitscale.unit_scale: ResidualTau({name}={value!r}) is outside (0, 1); "
+                    "tau is the branch's share of the variance"
+                )
+
+    def tau(self, kind: str, index: int) -> float:
+        """The ``tau`` of the ``index``-th residual add (from 1), a ``kind`` branch."""
+        fixed = self.attention if kind == "attention" else self.mlp
+        return float(fixed) if fixed is not None else 1.0 / (index + 1)
+
+
+# Additions a residual add can be written with (x + f(x), x += f(x), torch.add(x, f(x))).
+_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+_ADD_METHODS = ("add", "__add__")
+# Ops that make a branch an attention branch.
+_ATTENTION_FUNCTIONS = (F.scaled_dot_product_attention, F.softmax, torch.softmax)
+_ATTENTION_METHODS = ("softmax",)
+# Module types unit_scale re-initialises, and the op whose replacement triggers it.
+_UNIT_INIT: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
+    (nn.Linear, F.linear),
+    (nn.Conv1d, F.conv1d),
+    (nn.Embedding, F.embedding),
+    (nn.LayerNorm, F.layer_norm),
+    (nn.RMSNorm, F.rms_norm),
+)
+
+
+def _op_name(fn: Any) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{module}.{name}" if module else str(name)
+
+
+def _torch_map() -> dict[Callable[..., Any], Callable[..., Any]]:
+    from .. import functional as U
+
+    return dict(U.torch_map)
+
+
+def _check_replace(
+    replace: Mapping[Any, Any] | None,
+) -> dict[Callable[..., Any], Callable[..., Any]]:
+    if replace is None:
+        return {}
+    if not isinstance(replace, Mapping):
+        raise UnknownOpError(
+            f"unitscale.unit_scale: replace must be a dict {{torch function: replacement}}, "
+            f"got {type(replace).__name__}"
+        )
+    domain = _torch_map()
+    checked: dict[Callable[..., Any], Callable[..., Any]] = {}
+    for key, value in replace.items():
+        try:
+            known = key in domain
+        except TypeError:  # unhashable
+            known = False
+        if not known:
+            raise UnknownOpError(
+                f"unitscale.unit_scale: replace key {_op_name(key)} is not an op that "
+                "unit_scale replaces; use a key of unitscale.functional.torch_map, e.g. "
+                "torch.nn.functional.gelu"
+            )
+        if not callable(value):
+            raise UnknownOpError(
+                f"unitscale.unit_scale: replace[{_op_name(key)}]={value!r} is not callable; "
+                "map it to a function that takes the same arguments"
+            )
+        checked[key] = value
+    return checked
+
+
+def _accepts_constraint(fn: Callable[..., Any]) -> bool:
+    try:
+        return "constraint" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class _ResidualAdd:
+    node: fx.Node
+    skip: fx.Node
+    branch: fx.Node
+    kind: str
+
+
+class UnitScalePass(GraphPass):
+    """Make every captured graph unit-scaled (see the module docstring for the three steps).
+
+    Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
+    Writes: rewritten graphs; ``piece.data["unit_scale"]``, a dict with ``"replaced"``
+    (node names) and ``"residual_adds"`` (``(node name, kind, tau)``) in graph order.
+
+    Args:
+        replace: extra or overriding entries for ``unitscale.functional.torch_map``.
+        residual_tau: the ``tau`` of each kind of residual branch.
+    """
+
+    def __init__(
+        self,
+        replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
+        residual_tau: ResidualTau | None = None,
+    ) -> None:
+        self.replace = _check_replace(replace)
+        self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
+
+    def __repr__(self) -> str:
+        names = ", ".join(_op_name(k) for k in self.replace)
+        extra = f", replace={{{names}}}" if self.replace else ""
+        return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
+
+    def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
+        """``unitscale.functional.torch_map`` updated with ``replace``."""
+        mapping = _torch_map()
+        mapping.update(self.replace)
+        return mapping
+
+    # -- the rewrite ------------------------------------------------------------------------
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+        graph = gm.graph
+        params = parameter_nodes(gm, piece)
+        # Residual adds are counted in execution order across graph breaks: the pieces that
+        # already ran in this call come first.
+        first_index = 1 + sum(
+            len(inv.piece.data.get("unit_scale", {}).get("residual_adds", ()))
+            for inv in capture.trace
+        )
+        residual_adds = self._rewrite_residual_adds(graph, params, first_index)
+        replaced = self._replace_ops(graph)
+        if residual_adds:
+            self._unconstrain_after(residual_adds[-1])
+        graph.lint()
+        piece.data["unit_scale"] = {
+            "replaced": [n.name for n in replaced],
+            "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
+        }
+        return gm
+
+    def _rewrite_residual_adds(
+        self, graph: fx.Graph, params: set[fx.Node], first_index: int
+    ) -> list[_ResidualAdd]:
+        from .. import functional as U
+
+        found: list[_ResidualAdd] = []
+        for node in list(graph.nodes):
+            residual = _as_residual_add(node, params)
+            if residual is None:
+                continue
+            tau = self.residual_tau.tau(residual.kind, first_index + len(found))
+            skip, branch = residual.skip, residual.branch
+            branch_side = ancestors(branch) | {branch}
+            value = example_value(skip)
+            with graph.inserting_after(skip):
+                split = insert_call(
+                    graph,
+                    U.residual_split,
+                    (skip, tau),
+                    name=f"{skip.name}_split",
+                    value=(value, value),
+                    meta_from=node,
+                )
+            with graph.inserting_after(split):
+                into_branch = insert_call(
+                    graph,
+                    operator.getitem,
+                    (split, 0),
+                    name=f"{skip.name}_residual",
+                    value=value,
+                    meta_from=node,
+                )
+            with graph.inserting_after(into_branch):
+                skipped = insert_call(
+                    graph,
+                    operator.getitem,
+                    (split, 1),
+                    name=f"{skip.name}_skip",
+                    value=value,
+                    meta_from=node,
+                )
+            for user in list(skip.users):
+                if user in branch_side:
+                    user.replace_input_with(skip, into_branch)
+            node.op = "call_function"
+            node.target = U.residual_add
+            node.args = (branch, skipped, tau)
+            node.kwargs = {}
+            logger.info("unit scaling function: %s (residual-add, tau=%s)", node.name, tau)
+            found.append(residual)
+        return found
+
+    def _replace_ops(self, graph: fx.Graph) -> list[fx.Node]:
+        from .. import functional as U
+
+        mapping = self.mapping()
+        replaced: list[fx.Node] = []
+        for node in list(graph.nodes):
+            if node.op == "call_function":
+                key: Any = node.target
+            elif node.op == "call_method":
+                key = getattr(torch.Tensor, str(node.target), None)
+            else:
+                continue
+            try:
+                fn = mapping.get(key)
+            except TypeError:  # unhashable target
+                continue
+            if fn is None or fn is key or not is_float_node(node):
+                continue
+            if key in (operator.add, torch.add, torch.Tensor.add) and not _independent_add(node):
+                continue
+            if fn is U.scaled_dot_product_attention and _has_mask(node):
+                fn = masked_scaled_dot_product_attention
+            node.op = "call_function"
+            node.target = fn
+            logger.info("unit scaling function: %s", node.name)
+            replaced.append(node)
+        return replaced
+
+    def _unconstrain_after(self, last: _ResidualAdd) -> None:
+        seen: set[fx.Node] = set()
+        stack = list(last.node.users)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(node.users)
+            if node.op == "call_function" and callable(node.target):
+                if _accepts_constraint(node.target):
+                    node.kwargs = {**node.kwargs, "constraint": None}
+
+
+def _has_mask(node: fx.Node) -> bool:
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask is not None
+
+
+def _is_add(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _ADD_FUNCTIONS and "alpha" not in node.kwargs
+    if node.op == "call_method":
+        return node.target in _ADD_METHODS and "alpha" not in node.kwargs
+    return False
+
+
+def _independent_add(node: fx.Node) -> bool:
+    """Whether ``node`` adds two float tensors neither of which is computed from the other.
+
+    ``U.add`` assumes independent operands: ``x + 1`` (a constant), sizes and integers keep
+    their plain addition, and so does ``x + 0.04 * x**3`` (inside a hand-written GELU),
+    whose operands are far from independent.
+    """
+    operands = node.args[:2]
+    if len(operands) != 2 or not all(is_float_node(a) for a in operands):
+        return False
+    left, right = operands
+    assert isinstance(left, fx.Node) and isinstance(right, fx.Node)
+    return left is not right and left not in ancestors(right) and right not in ancestors(left)
+
+
+def _is_attention(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _ATTENTION_FUNCTIONS
+    return node.op == "call_method" and node.target in _ATTENTION_METHODS
+
+
+def _as_residual_add(node: fx.Node, params: set[fx.Node]) -> _ResidualAdd | None:
+    """``node`` as a residual add ``skip + branch``, or None (see the module docstring)."""
+    if not _is_add(node) or len(node.args) != 2:
+        return None
+    left, right = node.args
+    if not (is_float_node(left) and is_float_node(right) and is_float_node(node)):
+        return None
+    out_shape = example_value(node).shape
+    for skip, branch in ((left, right), (right, left)):
+        assert isinstance(skip, fx.Node) and isinstance(branch, fx.Node)
+        if example_value(skip).shape != out_shape:
+            continue  # the stream keeps its shape through a residual block
+        above_branch = ancestors(branch)
+        if skip not in above_branch:
+            continue
+        # The branch: nodes on a path from skip to branch (skip excluded).
+        inside = descendants(skip) & (above_branch | {branch})
+        if not any(params.intersection(n.all_input_nodes) for n in inside):
+            continue
+        kind = "attention" if any(_is_attention(n) for n in inside) else "mlp"
+        return _ResidualAdd(node, skip, branch, kind)
+    return None
+
+
+def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
+    """Re-initialise, in place, the parameters of modules whose op is unit-scaled."""
+    replaced = {op for op, fn in mapping.items() if fn is not op}
+    with torch.no_grad():
+        for sub in module.modules():
+            for cls, op in _UNIT_INIT:
+                if not isinstance(sub, cls) or op not in replaced:
+                    continue
+                weight = getattr(sub, "weight", None)
+                bias = getattr(sub, "bias", None)
+                if isinstance(sub, (nn.LayerNorm, nn.RMSNorm)):
+                    if isinstance(weight, torch.Tensor):
+                        weight.fill_(1.0)
+                elif isinstance(weight, torch.Tensor):
+                    weight.normal_(0.0, 1.0)
+                    padding = getattr(sub, "padding_idx", None)
+                    if isinstance(sub, nn.Embedding) and padding is not None:
+                        weight[padding].zero_()
+                if isinstance(bias, torch.Tensor):
+                    bias.zero_()
+
+
+def _check_order(module: nn.Module) -> None:
+    refuse_after_tracking(module, "unit_scale")
+    if not isinstance(module, TransformedModule):
+        return
+    for graph_pass in module.passes:
+        if type(graph_pass).__name__ == "SimulateFormatPass":
+            raise CaptureError(
+                "unitscale.unit_scale: the module already simulates a number format; unit-scale "
+                "first so that the formats see unit-scaled tensors, e.g. "
+                "simulate_fp8(unit_scale(model))"
+            )
+        if isinstance(graph_pass, UnitScalePass):
+            raise CaptureError(
+                "unitscale.unit_scale: the module is already unit-scaled; apply unit_scale once"
+            )
+
+
+def unit_scale(
+    module: nn.Module,
+    replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
+    *,
+    residual_tau: ResidualTau | None = None,
+) -> TransformedModule:
+    """Return a unit-scaled copy of ``module``: same code, unit-scaled ops and weights.
+
+    The copy's ``torch``/``F`` calls are replaced by their :mod:`unitscale.functional`
+    equivalents (``unitscale.functional.torch_map``, updated with ``replace``), its residual
+    adds become ``residual_split``/``residual_add`` (attention and MLP branches weighted by
+    ``residual_tau``), ops after the last residual add are unconstrained, and its
+    ``nn.Linear``, ``nn.Conv1d`` and ``nn.Embedding`` weights are re-initialised to N(0, 1)
+    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. The
+    graph is captured, and logged, at the first call (again on recompilation). See the
+    module docstring for the residual-add rule.
+
+    Args:
+        module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
+            format-simulated or compiled).
+        replace: ``{torch function: replacement}`` entries that override or extend
+            ``torch_map``; each key must be a key of ``torch_map`` and each value a callable
+            taking the same arguments (map a function to itself to leave it as it is).
+        residual_tau: residual weights per kind of branch (default: the depth rule of
+            :class:`ResidualTau`).
+
+    Returns:
+        The unit-scaled copy (``module`` is not touched; a checkpoint of ``module`` loads
+        into it, though unit-scaled ops expect unit-scaled weights).
+
+    Raises:
+        UnknownOpError: a ``replace`` key is not in ``torch_map`` or a value is not callable.
+        CaptureError: ``module`` is not a module, is compiled, tracked, already unit-scaled
+            or format-simulated; or TorchDynamo cannot capture it (at the first call).
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> class Block(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.norm, self.up = nn.LayerNorm(256), nn.Linear(256, 256)
+        ...     def forward(self, x):
+        ...         return x + self.up(self.norm(x))
+        >>> model = unit_scale(Block())
+        >>> round(model(torch.randn(64, 256)).std().item(), 1)
+        1.0
+    """
+    checked = _check_replace(replace)
+    _check_order(module)
+    graph_pass = UnitScalePass(checked, residual_tau)
+    result = transformed(module, graph_pass, "unit_scale")
+    _init_unit_scale(result.module, graph_pass.mapping())
+    return result
