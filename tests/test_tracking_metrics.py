@@ -18,7 +18,7 @@ CASTS = {
 
 
 def data_of(x: torch.Tensor) -> Metrics.Data:
-    return stats_to_data(tensor_stats(x).tolist())
+    return stats_to_data(tensor_stats(x).tolist(), x.numel())
 
 
 @pytest.mark.parametrize("shape", [(1,), (7, 3), (64, 129)])
@@ -83,6 +83,18 @@ def test_nan_and_inf_are_counted_not_raised() -> None:
     assert d.overflow["e4m3"] == pytest.approx(0.25)
     d = data_of(torch.tensor([1.0, float("-inf")]))
     assert d.abs_max == math.inf and d.nan_count == 0
+
+
+def test_compiled_and_eager_statistics_agree() -> None:
+    from unitscale.tracking.metrics import _stats_kernel
+
+    torch.manual_seed(2)
+    for x in [torch.randn(1000) * 1e3, torch.randn(37, 5).t(), torch.randn(300).half()]:
+        compiled = stats_to_data(tensor_stats(x).tolist(), x.numel())
+        eager = stats_to_data(_stats_kernel(x).tolist(), x.numel())
+        assert compiled.underflow == eager.underflow and compiled.overflow == eager.overflow
+        for field in Metrics.Data.SCALAR_FIELDS:
+            assert getattr(compiled, field) == pytest.approx(getattr(eager, field), rel=1e-5)
 
 
 def test_statistics_do_not_modify_or_sync() -> None:

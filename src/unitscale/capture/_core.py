@@ -95,11 +95,16 @@ class Piece:
 
 @dataclass
 class Invocation:
-    """One run of a piece during a call of the transformed module."""
+    """One run of a piece during a call of the transformed module.
+
+    Holds no tensors (so that tracking keeps nothing alive): for each input, its ``id`` and,
+    where the same tensor was returned by an earlier invocation of this call, its source as
+    ``(invocation index, output index)``.
+    """
 
     piece: Piece
-    inputs: list[Any]
-    outputs: list[Any]
+    input_ids: list[int]
+    sources: list[tuple[int, int] | None]
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +186,8 @@ class _Capture:
         self.pieces: list[Piece] = []
         self.trace: list[Invocation] = []
         self.last_trace: list[Invocation] = []
+        # id(tensor) -> (weakref, (invocation index, output index)) for the running call.
+        self.produced: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.current: Invocation | None = None
         self.compiled: Callable[..., Any] = torch.compile(
             owner.module, backend=self.backend, dynamic=False
@@ -218,20 +225,29 @@ class _Capture:
                 run = compiled
 
         def invoke(*args: Any) -> Any:
-            invocation = Invocation(piece, list(args), [])
+            produced = self.produced
+            sources: list[tuple[int, int] | None] = []
+            for arg in args:
+                hit = produced.get(id(arg)) if isinstance(arg, Tensor) else None
+                sources.append(hit[1] if hit is not None and hit[0]() is arg else None)
+            invocation = Invocation(piece, [id(a) for a in args], sources)
+            index = len(self.trace)
             previous, self.current = self.current, invocation
             self.trace.append(invocation)
             try:
                 out = run(*args)
             finally:
                 self.current = previous
-            invocation.outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+            for j, value in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
+                if isinstance(value, Tensor):
+                    produced[id(value)] = (weakref.ref(value), (index, j))
             return out
 
         return invoke
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.trace = []
+        self.produced = {}
         try:
             with torch._dynamo.config.patch(
                 recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT
@@ -252,6 +268,7 @@ class _Capture:
                 "Run the module eagerly to check it works; if it does, please report this"
             ) from error
         self.last_trace = self.trace
+        self.produced = {}
         return out
 
     @property

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import re
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from .metrics import Metrics, stats_to_data, tensor_stats
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+_Stats = tuple[int, Tensor]  # (numel, statistics vector on the tensor's device)
 
 
 def _example_value(node: fx.Node) -> Any:
@@ -63,7 +63,7 @@ class TrackScalesPass(GraphPass):
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
-        self._param_grads: dict[int, Tensor] = {}
+        self._param_grads: dict[int, _Stats] = {}
         self._capture: _Capture | None = None
 
     def fresh(self) -> TrackScalesPass:
@@ -112,7 +112,7 @@ class TrackScalesPass(GraphPass):
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
             return
-        invocation.data.setdefault("fwd", {})[slot] = tensor_stats(x)
+        invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -125,13 +125,13 @@ class TrackScalesPass(GraphPass):
 
     def _grad_hook(self, invocation: Invocation, slot: int) -> Any:
         def hook(grad: Tensor) -> None:
-            invocation.data.setdefault("bwd", {})[slot] = tensor_stats(grad)
+            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), tensor_stats(grad))
 
         return hook
 
     def _leaf_hook(self, key: int) -> Any:
         def hook(grad: Tensor) -> None:
-            self._param_grads[key] = tensor_stats(grad)
+            self._param_grads[key] = (grad.numel(), tensor_stats(grad))
 
         return hook
 
@@ -165,8 +165,8 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     module_names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     trainable = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
     shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
-    produced: dict[int, tuple[Any, fx.Node]] = {}  # id(tensor) -> (weakref, node)
-    pending: list[tuple[fx.Node, str, Tensor]] = []  # (node, "fwd"/"bwd", stats vector)
+    outputs: list[list[fx.Node | None]] = []  # per invocation, the node of each output
+    pending: list[tuple[fx.Node, str, _Stats]] = []  # (node, "fwd"/"bwd", statistics)
     last_outputs: Any = ()
     input_names: set[str] = set()
 
@@ -177,10 +177,13 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         bwd = invocation.data.get("bwd", {})
         env: dict[fx.Node, fx.Node] = {}
         lookup = env.__getitem__
-        plan = zip(piece.placeholders, invocation.inputs, strict=False)
+        inputs = iter(
+            zip(piece.placeholders, invocation.input_ids, invocation.sources, strict=True)
+        )
         for node in piece.data.get("tracked_graph", piece.graph).nodes:
             if node.op == "placeholder":
-                (kind, name), value = next(plan, (("input", node.name), None))
+                (kind, name), input_id, source = next(inputs)
+                slot = slots.get(node.name)
                 if kind in ("param", "buffer"):
                     new = shared.get(name)
                     if new is None:
@@ -188,17 +191,12 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                         new.meta["module_path"] = name.rpartition(".")[0]
                         new.meta["requires_grad"] = kind == "param" and name in trainable
                         shared[name] = new
-                        grad = track._param_grads.get(id(value))
-                        if grad is not None:
-                            pending.append((new, "bwd", grad))
-                        stats = fwd.get(slots.get(node.name, -1))
-                        if stats is not None:
-                            pending.append((new, "fwd", stats))
+                        _queue(pending, new, fwd.get(slot), track._param_grads.get(input_id))
                     env[node] = new
                     continue
-                source = produced.get(id(value)) if isinstance(value, Tensor) else None
-                if source is not None and source[0]() is value:
-                    env[node] = source[1]
+                produced = outputs[source[0]][source[1]] if source is not None else None
+                if produced is not None:
+                    env[node] = produced
                     continue
                 clean = name if name not in input_names else f"{name}_{k}"
                 input_names.add(clean)
@@ -206,13 +204,12 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 new.meta["module_path"] = ""
                 new.meta["requires_grad"] = False
                 env[node] = new
-                _queue_stats(pending, new, node, slots, fwd, bwd, track, value)
+                grad = bwd.get(slot) or track._param_grads.get(input_id)
+                _queue(pending, new, fwd.get(slot), grad)
             elif node.op == "output":
                 outs = node.args[0]
                 flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-                for arg, value in zip(flat, invocation.outputs, strict=False):
-                    if isinstance(arg, fx.Node) and isinstance(value, Tensor):
-                        produced[id(value)] = (weakref.ref(value), env[arg])
+                outputs.append([env[a] if isinstance(a, fx.Node) else None for a in flat])
                 last_outputs = fx.node.map_arg(outs, lookup)
             else:
                 new = graph.node_copy(node, lookup)
@@ -220,7 +217,10 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 new.meta["clean_name"] = new.name
                 new.meta["requires_grad"] = False
                 env[node] = new
-                _queue_stats(pending, new, node, slots, fwd, bwd, track, None)
+                slot = slots.get(node.name)
+                _queue(pending, new, fwd.get(slot), bwd.get(slot))
+        if len(outputs) <= k:  # a piece whose graph has no output node
+            outputs.append([])
     graph.output(last_outputs)
 
     # Nodes with float outputs get Metrics (bwd stays None where no gradient flowed).
@@ -257,38 +257,28 @@ def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None
     new.meta["subgraph"] = k
 
 
-def _queue_stats(
-    pending: list[tuple[fx.Node, str, Tensor]],
-    new: fx.Node,
+def _queue(
+    pending: list[tuple[fx.Node, str, _Stats]],
     node: fx.Node,
-    slots: dict[str, int],
-    fwd: dict[int, Tensor],
-    bwd: dict[int, Tensor],
-    track: TrackScalesPass,
-    value: Any,
+    fwd: _Stats | None,
+    bwd: _Stats | None,
 ) -> None:
-    slot = slots.get(node.name)
-    if slot is None:
-        return
-    if slot in fwd:
-        pending.append((new, "fwd", fwd[slot]))
-    grad = bwd.get(slot)
-    if grad is None and isinstance(value, Tensor) and value.is_leaf:
-        grad = track._param_grads.get(id(value))
-    if grad is not None:
-        pending.append((new, "bwd", grad))
+    if fwd is not None:
+        pending.append((node, "fwd", fwd))
+    if bwd is not None:
+        pending.append((node, "bwd", bwd))
 
 
-def _read_stats(pending: Sequence[tuple[fx.Node, str, Tensor]]) -> None:
+def _read_stats(pending: Sequence[tuple[fx.Node, str, _Stats]]) -> None:
     """Copy every statistics vector to the host in one transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, stats) in enumerate(pending):
+    for i, (_, _, (_, stats)) in enumerate(pending):
         by_device.setdefault(stats.device, []).append(i)
     for indices in by_device.values():
-        rows = torch.stack([pending[i][2] for i in indices]).tolist()
+        rows = torch.stack([pending[i][2][1] for i in indices]).tolist()
         for i, row in zip(indices, rows, strict=True):
-            node, direction, _ = pending[i]
+            node, direction, (numel, _) = pending[i]
             metrics = node.meta.get("metrics")
             if metrics is None:
                 continue
-            setattr(metrics, direction, stats_to_data(row))
+            setattr(metrics, direction, stats_to_data(row, numel))

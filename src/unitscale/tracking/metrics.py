@@ -3,8 +3,10 @@
 Design constraints (this is the hot path of tracking):
 
 - statistics are computed on the tensor's own device, under ``no_grad``, into one small
-  float64 vector per tensor (:func:`tensor_stats`); nothing is copied to the host until the
-  whole graph is read, so tracking costs no host-device synchronisation per op;
+  float64 vector per tensor (:func:`tensor_stats`), by one kernel compiled with
+  ``torch.compile`` that reads the tensor once and allocates nothing of its size; nothing is
+  copied to the host until the whole graph is read, so tracking costs no host-device
+  synchronisation per op;
 - the input is never cloned or modified, so tracking cannot change the numerics;
 - empty tensors, NaN and Inf give well-defined values, never an exception: statistics follow
   IEEE arithmetic over all elements (a NaN makes ``std`` NaN, an Inf makes ``abs_max`` Inf),
@@ -14,8 +16,10 @@ Design constraints (this is the hot path of tracking):
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -32,28 +36,71 @@ FORMAT_RANGES: dict[str, tuple[float, float]] = {
 }
 FORMAT_KEYS: tuple[str, ...] = tuple(FORMAT_RANGES)
 
-# Interval boundaries for one bucketize pass. A non-zero value underflows in a format when
-# it rounds to zero under round-to-nearest-even, i.e. |x| <= min_subnormal / 2; it
-# overflows when |x| > max. The boundaries are sorted so that a single bucketize + bincount
-# gives every count exactly.
-_UNDER = sorted((rng[0] / 2, key) for key, rng in FORMAT_RANGES.items())
-_OVER = sorted((rng[1], key) for key, rng in FORMAT_RANGES.items())
-_BOUNDARIES = [0.0] + [b for b, _ in _UNDER] + [b for b, _ in _OVER]
-_N_BUCKETS = len(_BOUNDARIES) + 1
-# Layout of the vector produced by tensor_stats.
-_FIELDS = ("numel", "sum_abs", "mean", "var", "abs_max", "abs_min", "nan_count", "inf_count")
-_N_STATS = len(_FIELDS) + _N_BUCKETS
-
-_boundary_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+_UNDERFLOW_BELOW = tuple(rng[0] / 2 for rng in FORMAT_RANGES.values())
+_OVERFLOW_ABOVE = tuple(rng[1] for rng in FORMAT_RANGES.values())
+# Layout of the vector produced by tensor_stats (after the format counts).
+_FIELDS = ("sum_abs", "mean", "var", "abs_max", "abs_min", "nan_count", "inf_count")
+_N_STATS = len(_FIELDS) + 2 * len(FORMAT_KEYS)
 
 
-def _boundaries(device: torch.device, dtype: torch.dtype) -> Tensor:
-    key = (device, dtype)
-    b = _boundary_cache.get(key)
-    if b is None:
-        b = torch.tensor(_BOUNDARIES, dtype=torch.float64).to(device=device)
-        _boundary_cache[key] = b
-    return b
+def _stats_kernel(x: Tensor) -> Tensor:
+    """All statistics in one pass over ``x``: fused into one loop when compiled.
+
+    A non-zero value underflows in a format when round-to-nearest-even takes it to zero,
+    i.e. ``|x| <= min_subnormal / 2``; it overflows when ``|x| > max``.
+    """
+    x = x.reshape(-1)
+    if x.dtype != torch.float64:
+        x = x.float()
+    a = x.abs()
+    var, mean = torch.var_mean(x, correction=0)
+    parts = [
+        a.sum(),
+        mean,
+        var,
+        a.amax(),
+        a.amin(),
+        torch.isnan(x).sum(dtype=torch.int32).to(x.dtype),
+        torch.isinf(x).sum(dtype=torch.int32).to(x.dtype),
+    ]
+    for bound in _UNDERFLOW_BELOW:
+        parts.append(((a <= bound) & (a > 0)).sum(dtype=torch.int32).to(x.dtype))
+    for bound in _OVERFLOW_ABOVE:
+        parts.append((a > bound).sum(dtype=torch.int32).to(x.dtype))
+    return torch.stack(parts).double()
+
+
+class _Kernel:
+    """Runs :func:`_stats_kernel` compiled (one fused pass), or eagerly where that fails.
+
+    ``UNITSCALE_STATS=eager`` in the environment selects the eager path (same statistics,
+    more memory traffic; useful where compile time matters more than run time, as in tests).
+    """
+
+    def __init__(self) -> None:
+        self.compiled: Any = None
+        self.failed = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not self.failed and os.environ.get("UNITSCALE_STATS", "compiled") != "eager":
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
+                with torch._dynamo.config.patch(recompile_limit=64):
+                    return self.compiled(x)
+            except Exception as error:
+                self.failed = True
+                warnings.warn(
+                    f"unitscale: compiled scale statistics are unavailable ({type(error).__name__}"
+                    f": {str(error).splitlines()[0] if str(error) else ''}); using eager "
+                    "statistics, which are slower but identical",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return _stats_kernel(x)
+
+
+_kernel = _Kernel()
 
 
 @torch.no_grad()
@@ -64,40 +111,13 @@ def tensor_stats(x: Tensor) -> Tensor:
     (ideally for many tensors at once, after ``torch.stack``).
 
     Example:
-        >>> v = tensor_stats(torch.tensor([1.0, -3.0]))
-        >>> stats_to_data(v.tolist()).mean_abs
+        >>> x = torch.tensor([1.0, -3.0])
+        >>> stats_to_data(tensor_stats(x).tolist(), x.numel()).mean_abs
         2.0
     """
-    x = x.detach()
-    device = x.device
-    numel = x.numel()
-    if numel == 0:
-        out = torch.zeros(_N_STATS, dtype=torch.float64, device=device)
-        return out
-    a = x.abs()
-    if not a.is_contiguous():  # bucketize needs contiguous input (it would copy and warn)
-        a = a.contiguous()
-    var, mean = torch.var_mean(x, correction=0)
-    amin, amax = torch.aminmax(a)
-    head = torch.stack(
-        [
-            a.sum(dtype=torch.float32).double(),
-            mean.double(),
-            var.double(),
-            amax.double(),
-            amin.double(),
-            torch.isnan(x).sum().double(),
-            torch.isinf(x).sum().double(),
-        ]
-    )
-    # right=True: a value equal to a boundary goes to the bucket above it, so bucket i holds
-    # boundaries[i-1] <= a < boundaries[i]... we want "<= under" in the lower bucket, so
-    # use right=False: bucket i holds boundaries[i-1] < a <= boundaries[i].
-    buckets = torch.bucketize(a, _boundaries(device, torch.float64), right=False)
-    counts = torch.bincount(buckets.flatten(), minlength=_N_BUCKETS)[:_N_BUCKETS].double()
-    return torch.cat(
-        [torch.full((1,), float(numel), dtype=torch.float64, device=device), head, counts]
-    )
+    if x.numel() == 0:
+        return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
+    return _kernel(x.detach())
 
 
 @dataclass(frozen=True)
@@ -144,42 +164,28 @@ class _Data:
         return out
 
 
-def stats_to_data(values: list[float]) -> _Data:
+def stats_to_data(values: list[float], numel: int) -> _Data:
     """Turn one vector from :func:`tensor_stats` (as a list of floats) into a record."""
-    raw = dict(zip(_FIELDS, values[: len(_FIELDS)], strict=True))
-    counts = values[len(_FIELDS) :]
-    numel = int(raw["numel"])
     if numel == 0:
         zeros = dict.fromkeys(FORMAT_KEYS, 0.0)
         return _Data(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, dict(zeros), dict(zeros))
+    raw = dict(zip(_FIELDS, values[: len(_FIELDS)], strict=True))
+    n_keys = len(FORMAT_KEYS)
+    under = values[len(_FIELDS) : len(_FIELDS) + n_keys]
+    over = values[len(_FIELDS) + n_keys :]
     mean, var = raw["mean"], raw["var"]
-    # Bucket i (by bucketize, right=False) holds boundaries[i-1] < |x| <= boundaries[i].
-    # Bucket 0 is |x| == 0 (or -0); NaN lands in the last bucket and is excluded below.
-    nonzero_cum = 0.0
-    underflow: dict[str, float] = {}
-    overflow: dict[str, float] = {}
-    n_under = len(_UNDER)
-    for i, (_, key) in enumerate(_UNDER):
-        nonzero_cum += counts[1 + i]
-        underflow[key] = nonzero_cum / numel
-    above = 0.0
-    nan = raw["nan_count"]
-    # Buckets after the last "over" boundary hold |x| > that max (and NaN); walk down.
-    for j in range(len(_OVER) - 1, -1, -1):
-        above += counts[1 + n_under + j + 1]
-        key = _OVER[j][1]
-        overflow[key] = max(above - nan, 0.0) / numel
+    var = max(var, 0.0) if not math.isnan(var) else var
     return _Data(
         mean_abs=raw["sum_abs"] / numel,
         abs_mean=abs(mean),
-        std=math.sqrt(var) if var == var and var >= 0 else float("nan"),
+        std=math.sqrt(var) if not math.isnan(var) else var,
         abs_max=raw["abs_max"],
         abs_min=raw["abs_min"],
-        rms=math.sqrt(var + mean * mean) if var == var else float("nan"),
+        rms=math.sqrt(var + mean * mean) if not math.isnan(var) else var,
         numel=numel,
-        underflow={k: underflow[k] for k in FORMAT_KEYS},
-        overflow={k: overflow[k] for k in FORMAT_KEYS},
-        nan_count=int(nan),
+        underflow={k: c / numel for k, c in zip(FORMAT_KEYS, under, strict=True)},
+        overflow={k: c / numel for k, c in zip(FORMAT_KEYS, over, strict=True)},
+        nan_count=int(raw["nan_count"]),
         inf_count=int(raw["inf_count"]),
     )
 
