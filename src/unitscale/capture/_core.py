@@ -267,9 +267,15 @@ class _Capture:
                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. "
                 "Run the module eagerly to check it works; if it does, please report this"
             ) from error
-        self.last_trace = self.trace
+        if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
+            self.last_trace = self.trace
         self.produced = {}
         return out
+
+    @property
+    def owner_passes(self) -> tuple[GraphPass, ...]:
+        owner = self.owner_ref()
+        return owner.passes if owner is not None else ()
 
     @property
     def owner_module(self) -> nn.Module:

@@ -61,6 +61,9 @@ class TrackScalesPass(GraphPass):
     """
 
     def __init__(self) -> None:
+        #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
+        #: and the last recorded call's statistics are kept. See ``ScaleMonitor``.
+        self.enabled = True
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
@@ -108,6 +111,8 @@ class TrackScalesPass(GraphPass):
     # -- run time (the hot path) -------------------------------------------------------------
     def record(self, x: Any, slot: int) -> None:
         """Store the statistics of ``x`` for ``slot`` of the running invocation."""
+        if not self.enabled:
+            return
         capture = self._capture
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
@@ -136,6 +141,8 @@ class TrackScalesPass(GraphPass):
         return hook
 
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        if not self.enabled:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles = []
