@@ -30,11 +30,12 @@ from ..errors import UnsupportedArgumentError
 
 __all__ = ["masked_scaled_dot_product_attention"]
 
-_TABLES: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
+_TABLES: dict[tuple[int, float], tuple[list[float], list[float]]] = {}
+_DEVICE_TABLES: dict[tuple[int, float, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
 
-def _moment_tables(keys: int, logit_var: float) -> tuple[Tensor, Tensor]:
-    """``v(n)`` and ``G(n)`` for ``n = 0..keys`` (row 0 is a copy of row 1), float64 on CPU."""
+def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]]:
+    """``v(n)`` and ``G(n)`` for ``n = 0..keys`` (entry 0 repeats entry 1)."""
     cache_key = (keys, logit_var)
     if cache_key not in _TABLES:
         import numpy as np
@@ -49,10 +50,27 @@ def _moment_tables(keys: int, logit_var: float) -> tuple[Tensor, Tensor]:
             log_n, log_grid = np.log(lengths), np.log(grid)
             v = np.interp(log_n, log_grid, v_grid * grid) / lengths
             g = np.interp(log_n, log_grid, g_grid * grid) / lengths
-        v_table = torch.tensor(np.concatenate([v[:1], v]), dtype=torch.float64)
-        g_table = torch.tensor(np.concatenate([g[:1], g]), dtype=torch.float64)
-        _TABLES[cache_key] = (v_table, g_table)
+        _TABLES[cache_key] = ([float(v[0]), *map(float, v)], [float(g[0]), *map(float, g)])
     return _TABLES[cache_key]
+
+
+def _moment_tables(
+    keys: int, logit_var: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The moment tables as tensors: cached per device in eager mode; built from Python
+    floats (constants of the graph) while being compiled."""
+    v, g = _moment_lists(keys, logit_var)
+    if torch.compiler.is_compiling():
+        return torch.tensor(v, device=device, dtype=dtype), torch.tensor(
+            g, device=device, dtype=dtype
+        )
+    cache_key = (keys, logit_var, device, dtype)
+    if cache_key not in _DEVICE_TABLES:
+        _DEVICE_TABLES[cache_key] = (
+            torch.tensor(v, device=device, dtype=dtype),
+            torch.tensor(g, device=device, dtype=dtype),
+        )
+    return _DEVICE_TABLES[cache_key]
 
 
 def _visible(mask: Tensor) -> Tensor:
@@ -119,10 +137,8 @@ def masked_scaled_dot_product_attention(
         )
     visible = visible.expand(*visible.shape[:-2], queries, keys)
     counts = visible.sum(-1).clamp(max=keys)
-    v_table, g_table = _moment_tables(keys, logit_var)
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32
-    v_table = v_table.to(device=query.device, dtype=dtype)
-    g_table = g_table.to(device=query.device, dtype=dtype)
+    v_table, g_table = _moment_tables(keys, logit_var, query.device, dtype)
     mean_v = v_table[counts].mean()
     mean_g = g_table[counts].mean()
     keep = 1.0 - dropout_p

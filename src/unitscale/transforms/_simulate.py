@@ -194,7 +194,8 @@ class SimulateFormatPass(GraphPass):
     """Quantise the operands of matmul-like ops (forward values and their gradients).
 
     Reads: node targets and Dynamo's ``example_value`` meta (only floating-point operands
-    are quantised). Writes: one :func:`quantise_operand` node per (op, operand), inserted just
+    are quantised). Writes: one :func:`quantise_operand` node per operand slot of each op
+    (``x @ x`` gets two: each slot's gradient is rounded on its own), inserted just
     before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
     ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
 
@@ -218,7 +219,6 @@ class SimulateFormatPass(GraphPass):
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
                 continue
-            done: dict[fx.Node, fx.Node] = {}  # x @ x: quantise once
             for position, keyword in matmul_operands(node):
                 if position < len(node.args):
                     operand = node.args[position]
@@ -228,11 +228,10 @@ class SimulateFormatPass(GraphPass):
                     operand = None
                 if not is_float_node(operand):
                     continue
-                new = done.get(operand)
-                if new is None:
-                    new = self._insert(graph, node, operand, names)
-                    done[operand] = new
-                    quantised.append((node.name, operand.name))
+                # One node per operand slot, even for x @ x: each slot's gradient is a
+                # separate output of the matmul's backward, rounded on its own.
+                new = self._insert(graph, node, operand, names)
+                quantised.append((node.name, operand.name))
                 if position < len(node.args):
                     args = list(node.args)
                     args[position] = new
@@ -251,14 +250,11 @@ class SimulateFormatPass(GraphPass):
     ) -> None:
         listed = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
         operands: list[Any] = list(node.args[1] if listed else node.args[1:])  # type: ignore[arg-type]
-        done: dict[fx.Node, fx.Node] = {}
         for i, operand in enumerate(operands):
             if not is_float_node(operand):
                 continue
-            if operand not in done:
-                done[operand] = self._insert(graph, node, operand, names)
-                quantised.append((node.name, operand.name))
-            operands[i] = done[operand]
+            operands[i] = self._insert(graph, node, operand, names)
+            quantised.append((node.name, operand.name))
         if listed:
             node.args = (node.args[0], list(operands))
         else:

@@ -23,7 +23,8 @@
    are all unit.
 
 Each replacement is logged at INFO on the ``"unitscale"`` logger as ``unit scaling function:
-<node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>)``.
+<node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>)``
+(``tau`` to 4 significant digits), in graph order, when the graph is captured.
 
 Design constraints: the pass holds only configuration (``replace``, taus) and pickles as such;
 new and rewritten nodes keep Dynamo's ``example_value`` and source meta, so ``track_scales``
@@ -138,9 +139,23 @@ _UNIT_INIT: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
 
 
 def _op_name(fn: Any) -> str:
+    """The name users write for ``fn`` (``torch.nn.functional.gelu``, ``torch.sin``...)."""
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        for prefix, namespace in _NAMESPACES:
+            if getattr(namespace, name, None) is fn:
+                return f"{prefix}.{name}"
     module = getattr(fn, "__module__", None) or ""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    return f"{module}.{name}" if module else str(name)
+    qualname = getattr(fn, "__qualname__", None) or name or repr(fn)
+    return f"{module}.{qualname}" if module else str(qualname)
+
+
+_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("torch.nn.functional", F),
+    ("torch", torch),
+    ("torch.Tensor", torch.Tensor),
+    ("operator", operator),
+)
 
 
 def _torch_map() -> dict[Callable[..., Any], Callable[..., Any]]:
@@ -242,6 +257,16 @@ class UnitScalePass(GraphPass):
         if residual_adds:
             self._unconstrain_after(residual_adds[-1])
         graph.lint()
+        # One line per rewritten node, in graph (execution) order.
+        taus = {r.node: r.node.args[2] for r in residual_adds}
+        rewritten = set(replaced) | set(taus)
+        for node in graph.nodes:
+            if node in taus:
+                logger.info(
+                    "unit scaling function: %s (residual-add, tau=%.4g)", node.name, taus[node]
+                )
+            elif node in rewritten:
+                logger.info("unit scaling function: %s", node.name)
         piece.data["unit_scale"] = {
             "replaced": [n.name for n in replaced],
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
@@ -296,7 +321,6 @@ class UnitScalePass(GraphPass):
             node.target = U.residual_add
             node.args = (branch, skipped, tau)
             node.kwargs = {}
-            logger.info("unit scaling function: %s (residual-add, tau=%s)", node.name, tau)
             found.append(residual)
         return found
 
@@ -324,7 +348,6 @@ class UnitScalePass(GraphPass):
                 fn = masked_scaled_dot_product_attention
             node.op = "call_function"
             node.target = fn
-            logger.info("unit scaling function: %s", node.name)
             replaced.append(node)
         return replaced
 
