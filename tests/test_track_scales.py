@@ -339,3 +339,26 @@ def test_transformers_models_show_every_layer(arch: str) -> None:
         assert metrics.fwd is not None and metrics.bwd is not None, name
     ops = {getattr(n.target, "__name__", n.target) for n in graph.nodes if n.op != "placeholder"}
     assert "linear" in ops or "addmm" in ops
+
+
+class EagerTail(nn.Module):
+    """The last op runs outside Dynamo (a disabled function), so it cannot be tracked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _untraceable(self.proj(x))
+
+
+@torch._dynamo.disable
+def _untraceable(x: Tensor) -> Tensor:
+    return x * 2
+
+
+def test_ops_outside_the_graph_are_reported_not_hidden() -> None:
+    tracked = track_scales(EagerTail())
+    with pytest.warns(UserWarning, match=r"computed outside the graphs TorchDynamo captured"):
+        tracked(torch.randn(2, 4))
+    assert "linear" in names(tracked.scales_graph())

@@ -72,6 +72,9 @@ class GraphPass:
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
         """Called before every forward of the transformed module."""
 
+    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+        """Called after every forward, while ``capture.produced`` still describes the call."""
+
     def fresh(self) -> GraphPass:
         """A copy of this pass with no runtime state, for a new transformed module.
 
@@ -267,6 +270,10 @@ class _Capture:
                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. "
                 "Run the module eagerly to check it works; if it does, please report this"
             ) from error
+        owner = self.owner_ref()
+        if owner is not None:
+            for graph_pass in owner.passes:
+                graph_pass.after_call(owner, self, out)
         if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
             self.last_trace = self.trace
         self.produced = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ class TrackScalesPass(GraphPass):
         #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
         #: and the last recorded call's statistics are kept. See ``ScaleMonitor``.
         self.enabled = True
+        self._warned = False
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
@@ -103,6 +105,28 @@ class TrackScalesPass(GraphPass):
                 after_inputs = record
         piece.data["slots"] = slots
         return gm
+
+    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+        """Warn when an output was computed by code Dynamo ran eagerly (not in the graph)."""
+        if not self.enabled:
+            return
+        known = {i for inv in capture.trace for i in inv.input_ids}
+        missing = 0
+        for tensor in iter_tensors(output):
+            hit = capture.produced.get(id(tensor))
+            if tensor.is_floating_point() and id(tensor) not in known:
+                if hit is None or hit[0]() is not tensor:
+                    missing += 1
+        if missing and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"track_scales: {missing} floating-point output(s) of "
+                f"{type(module.module).__name__} were computed outside the graphs TorchDynamo "
+                "captured (code it ran eagerly around a graph break, or a skipped function); "
+                "the ops computing them are missing from scales_graph()",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
         """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
@@ -210,6 +234,9 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 new = _new_placeholder(graph, _sanitize(clean), clean, node, k)
                 new.meta["module_path"] = ""
                 new.meta["requires_grad"] = False
+                # A tensor entering a later piece that no earlier piece returned was computed
+                # by code Dynamo ran eagerly: say so rather than pretend it is a model input.
+                new.meta["outside_graph"] = k > 0
                 env[node] = new
                 grad = bwd.get(slot) or track._param_grads.get(input_id)
                 _queue(pending, new, fwd.get(slot), grad)
