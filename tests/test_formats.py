@@ -7,8 +7,11 @@ trick with the implementation.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import pickle
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -100,9 +103,18 @@ def all_16bit(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
 
 
 def quantise(fmt: FPFormat, x: torch.Tensor, impl: str) -> torch.Tensor:
-    """Public quantise, or the generic bit-manipulation path (used under torch.compile)."""
+    """Quantise through one implementation path.
+
+    ``public``: as users call it (native casts for presets); ``unprobed``: the same, as if
+    torch's float8 casts did not saturate (clamp or code fix-up); ``bits``: the generic
+    bit-manipulation path (also used under torch.compile).
+    """
     if impl == "public":
         return fmt.quantise(x)
+    if impl == "unprobed":
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        with mock.patch.dict(formats._CAST_SATURATES, {(x.device.type, d): False for d in fp8}):
+            return fmt.quantise(x)
     return formats._quantise(fmt, x, None, allow_native=False)
 
 
@@ -200,6 +212,9 @@ def test_repr_and_replace() -> None:
     assert hash(nearest) == hash(NEAREST["e4m3"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         E4M3.rounding = "nearest"  # type: ignore[misc]
+    for fmt in (E4M3, FPFormat(3, 2, rounding="nearest", special_values="none")):
+        for clone in (pickle.loads(pickle.dumps(fmt)), copy.deepcopy(fmt)):
+            assert clone == fmt and clone.max_absolute_value == fmt.max_absolute_value
 
 
 @pytest.mark.parametrize(
@@ -251,7 +266,7 @@ def test_invalid_inputs() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["public", "bits"])
+@pytest.mark.parametrize("impl", ["public", "unprobed", "bits"])
 @pytest.mark.parametrize("source", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_nearest_all_16bit_patterns(key: str, source: torch.dtype, impl: str, device: str) -> None:
@@ -270,7 +285,7 @@ def test_nearest_all_16bit_patterns(key: str, source: torch.dtype, impl: str, de
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["public", "bits"])
+@pytest.mark.parametrize("impl", ["public", "unprobed", "bits"])
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_nearest_float32_boundaries_ties_subnormals(key: str, impl: str, device: str) -> None:
     fmt = NEAREST[key]
@@ -319,6 +334,17 @@ def test_saturation_nan_and_dtype(key: str, dtype: torch.dtype, rounding: str) -
     assert_same_bits(out, expected)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, BF16, FPFormat(5, 0), FPFormat(3, 2)], ids=repr)
+def test_nan_payloads_stay_nan(fmt: FPFormat, rounding: str) -> None:
+    fmt = dataclasses.replace(fmt, rounding=rounding)
+    nan32 = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000, -0x00400000], dtype=torch.int32)
+    nan64 = torch.tensor([0x7FFFFFFFFFFFFFFF, -1, 0x7FF0000000000001], dtype=torch.int64)
+    for nans in (nan32.view(torch.float32), nan64.view(torch.float64)):
+        assert torch.isnan(nans).all()
+        assert torch.isnan(fmt.quantise(nans.repeat(100))).all()
+
+
 def test_saturation_bound_representable_in_both() -> None:
     # FP16's max (65504) is no bfloat16 value: bfloat16 inputs saturate to 65280, the largest
     # value of both, and float16 inputs quantised to BF16 likewise.
@@ -362,12 +388,13 @@ def probe_points(fmt: FPFormat) -> np.ndarray:
     return np.concatenate([points, -points])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
-def test_stochastic_is_unbiased_neighbour(fmt: FPFormat) -> None:
+def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     points = probe_points(fmt)
     draws = 20_000
-    x = torch.from_numpy(points).float()[:, None].expand(-1, draws)
+    x = torch.from_numpy(points).to(dtype)[:, None].expand(-1, draws)
     q = fmt.quantise(x).double().numpy()
     _, lo, hi = neighbours(representable(fmt), points)
     lo, hi = np.copysign(lo, points)[:, None], np.copysign(hi, points)[:, None]

@@ -23,7 +23,10 @@ Semantics, for every format and both roundings:
   normal range; in its subnormal range the decision is made on ``x`` rounded to float32 at
   the scale of the format's smallest normal, a bias below ``2**-(24 - mantissa_bits)`` of
   one step. Random bits come from torch's generator on ``x``'s device (or ``generator=``),
-  so ``torch.manual_seed`` makes results reproducible;
+  so ``torch.manual_seed`` makes results reproducible. Under ``torch.compile`` they come
+  from a counter-based hash of the element index keyed by seeds drawn from that generator
+  (fused into the kernel, several times cheaper than inductor's own random numbers), so
+  compiled and eager results differ draw by draw, not in distribution;
 - values beyond the largest finite value saturate to it, and so do ``±inf`` (a format used
   to simulate training should not turn an overflow into an infinity that poisons the whole
   step; ``tracking`` reports overflow separately); NaN stays NaN;
@@ -37,7 +40,9 @@ Design constraints: everything is vectorised tensor arithmetic (integer bit mani
 the float32/float64 view, plus one float addition for the subnormal range) with no Python
 loop over elements and no CPU-only op, so it runs on any device and under ``torch.compile``.
 For ``rounding="nearest"`` with a preset that has a native torch dtype, the eager path uses
-that dtype's cast (exact, and fewer passes over memory) plus a clamp for saturation.
+that dtype's cast (exact, and fewer passes over memory) with saturation done on the narrow
+result; compiled code always takes the bit-manipulation path, which inductor fuses into a
+single pass. See ``benchmarks/bench_formats.py`` for the costs relative to ``x.clone()``.
 """
 
 from __future__ import annotations
@@ -292,11 +297,11 @@ class FPFormat:
             ``quantise(x)``, whose backward is the identity (straight-through estimator).
 
         Example:
-            >>> x = torch.tensor([0.3, 2.6], requires_grad=True)
-            >>> y = FPFormat(2, 1, rounding="nearest").quantise_fwd(x)
-            >>> y.backward(torch.tensor([0.3, 2.6]))
-            >>> y.tolist(), x.grad.tolist()
-            ([0.25, 3.0], [0.30000001192092896, 2.5999999046325684])
+            >>> x = torch.tensor([1.25, 2.5], requires_grad=True)
+            >>> y = FPFormat(2, 1, rounding="nearest").quantise_fwd(x)  # values 1, 1.5, 2, 3
+            >>> y.backward(torch.tensor([1.25, 2.5]))
+            >>> y.tolist(), x.grad.tolist()  # ties go to even codes
+            ([1.0, 2.0], [1.25, 2.5])
         """
         x = self._check_input(x, "quantise_fwd")
         return _QuantiseForward.apply(x, self)
@@ -311,11 +316,11 @@ class FPFormat:
             ``x`` (a view), whose backward rounds the incoming gradient to this format.
 
         Example:
-            >>> x = torch.tensor([0.3, 2.6], requires_grad=True)
+            >>> x = torch.tensor([1.25, 2.5], requires_grad=True)
             >>> y = FPFormat(2, 1, rounding="nearest").quantise_bwd(x)
-            >>> y.backward(torch.tensor([0.3, 2.6]))
-            >>> y.tolist() == x.tolist(), x.grad.tolist()
-            (True, [0.25, 3.0])
+            >>> y.backward(torch.tensor([1.25, 2.5]))
+            >>> y.tolist(), x.grad.tolist()
+            ([1.25, 2.5], [1.0, 2.0])
         """
         x = self._check_input(x, "quantise_bwd")
         return _QuantiseBackward.apply(x, self)
@@ -444,16 +449,14 @@ def _quantise(
             and x.device.type in ("cpu", "cuda")
             and not torch.compiler.is_compiling()
         ):
-            return _nearest_native(x, native, bound)
+            return _nearest_native(x, fmt, native, bound)
         work = _WORK64 if x.dtype == torch.float64 else _WORK32
         xf = x.to(work.float_dtype).clamp(-bound, bound)
         return _nearest_bits(xf, fmt, work).to(x.dtype)
     # Stochastic rounding draws (work mantissa - format mantissa) random bits: float32 has
     # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
     wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
-    work = _WORK64 if wide else _WORK32
-    xf = x.to(work.float_dtype).clamp(-bound, bound)
-    return _stochastic_bits(xf, fmt, work, generator).to(x.dtype)
+    return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
 
 
 # (device type, dtype) -> whether torch's cast to dtype saturates out-of-range values to
@@ -478,17 +481,29 @@ def _cast_saturates(device: torch.device, dtype: torch.dtype, max_value: float) 
     return known
 
 
-def _nearest_native(x: Tensor, native: torch.dtype, bound: float) -> Tensor:
-    """Round to nearest with torch's own cast to ``native``, saturating at ``±bound``."""
+def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float) -> Tensor:
+    """Round to nearest with torch's own cast to ``native``, saturating at ``±bound``.
+
+    Each variant makes as few passes over memory as it can: the saturation is done on the
+    narrow result where possible rather than on ``x``.
+    """
     if native.itemsize >= 2:
         # The cast overflows to ±inf at worst; clamp the (narrower) result in place.
         y = x.to(native)
         y = y.clamp(-bound, bound) if y is x else y.clamp_(-bound, bound)
         return y.to(x.dtype)
-    # Float8 tensors support no arithmetic: clamp before the cast, unless the cast saturates.
-    if not _cast_saturates(x.device, native, bound):
-        x = x.clamp(-bound, bound)
-    return x.to(native).to(x.dtype)
+    # Float8 tensors support no arithmetic.
+    if bound == fmt.max_absolute_value and _cast_saturates(x.device, native, bound):
+        return x.to(native).to(x.dtype)
+    if bound == fmt.max_absolute_value and fmt.special_values == "ieee":
+        # An overflow becomes the infinity code: step it down to the largest finite code
+        # (the mantissa bits are zero there, so the code below is the max), on one byte.
+        y = x.to(native)
+        code = y.view(torch.uint8)
+        infinity = ((2**fmt.exponent_bits - 1) << fmt.mantissa_bits) & 0x7F
+        code.sub_(((code & 0x7F) == infinity).view(torch.uint8))
+        return y.to(x.dtype)
+    return x.clamp(-bound, bound).to(native).to(x.dtype)
 
 
 def _nearest_bits(xf: Tensor, fmt: FPFormat, work: _Work) -> Tensor:
@@ -517,37 +532,44 @@ def _nearest_bits(xf: Tensor, fmt: FPFormat, work: _Work) -> Tensor:
 
 
 def _stochastic_bits(
-    xf: Tensor, fmt: FPFormat, work: _Work, generator: torch.Generator | None
+    x: Tensor, fmt: FPFormat, work: _Work, bound: float, generator: torch.Generator | None
 ) -> Tensor:
-    """Round ``xf`` (float32/64, already clamped to range) stochastically."""
+    """Round ``x`` stochastically, saturating at ``±bound``, computing in ``work``'s dtype.
+
+    The magnitude is worked on in place in one buffer, to make few passes over memory.
+    """
+    if x.dtype == work.float_dtype:
+        magnitude = x.abs()
+    else:
+        magnitude = x.to(work.float_dtype).abs_()
+    magnitude.clamp_(max=bound)  # NaN stays NaN
     drop = work.mantissa_bits - fmt.mantissa_bits
-    if drop == 0:
-        return xf  # every float of the working dtype in range is representable
-    emin = fmt._min_normal_exponent
-    magnitude = xf.abs()
+    if drop == 0:  # every value of the working dtype in range is representable
+        return magnitude.copysign_(x).to(x.dtype)
     # Below the format's smallest normal, shift the value into the binade [2**emin,
-    # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after.
-    offset = None
+    # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after
+    # (both exact, but for the first addition's rounding to the working precision).
+    emin = fmt._min_normal_exponent
+    small = None
     if emin > work.min_normal_exponent:
-        offset = torch.where(magnitude < 2.0**emin, 2.0**emin, 0.0).to(work.float_dtype)
-        magnitude += offset
+        small = magnitude < 2.0**emin
+        magnitude.add_(small, alpha=2.0**emin)
+    bits = magnitude.view(work.int_dtype)
     # Adding uniform random bits below the kept mantissa, then truncating, rounds up with
     # probability equal to the dropped fraction; a carry moves into the exponent correctly.
     if torch.compiler.is_compiling() and work.mantissa_bits == 23:
-        noise = _hashed_random_bits(xf, drop, generator)
+        noise = _hashed_random_bits(magnitude, drop, generator)
     else:
         noise = torch.randint(
-            0, 1 << drop, xf.shape, dtype=work.int_dtype, device=xf.device, generator=generator
+            0, 1 << drop, x.shape, dtype=work.int_dtype, device=x.device, generator=generator
         )
-    bits = magnitude.view(work.int_dtype)
     bits += noise
     bits &= -(1 << drop)
-    result = bits.view(work.float_dtype)
-    if offset is not None:
-        result -= offset
-    result.copysign_(xf)
-    # NaN payloads may have been carried out of the NaN range above: restore them.
-    return torch.where(torch.isnan(xf), xf, result)
+    if small is not None:
+        magnitude.add_(small, alpha=-(2.0**emin))
+    # The noise can carry a NaN's payload out of the NaN range (or wrap it): restore NaN.
+    result = torch.where(torch.isnan(x), math.nan, magnitude.copysign_(x))
+    return result.to(x.dtype)
 
 
 _MASK32 = 0xFFFFFFFF

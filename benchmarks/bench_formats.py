@@ -1,0 +1,136 @@
+"""Throughput of quantisation: ``fmt.quantise(x)`` on 2**24 float32 values vs ``x.clone()``.
+
+For every preset (and a generic format with no torch dtype, E3M2), both roundings, eager and
+``torch.compile`` (inductor), the time of one quantise is divided by the time of one clone
+of the same tensor measured in the same run. Clone and quantise are timed alternately, in
+rounds, and the medians are compared, so that a machine shared with other work biases both
+alike. Targets: nearest at most 1.5x a clone, stochastic at most 2.5x.
+
+Results go to ``benchmarks/results/formats.json``.
+
+Run: ``python benchmarks/bench_formats.py [--rounds N] [--device cpu|cuda] [--log2-numel 24]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unitscale.formats import PRESETS, FPFormat
+
+RESULTS = Path(__file__).parent / "results" / "formats.json"
+TARGETS = {"nearest": 1.5, "stochastic": 2.5}
+FORMATS: dict[str, FPFormat] = {**PRESETS, "e3m2 (generic)": FPFormat(3, 2)}
+
+
+def timed(fn: Callable[[], Any], device: str, iters: int) -> float:
+    """Seconds per call of ``fn``, averaged over ``iters`` calls."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def compare(
+    fn: Callable[[], Any], baseline: Callable[[], Any], device: str, rounds: int, iters: int
+) -> tuple[float, float]:
+    """Median seconds per call of ``fn`` and of ``baseline``, timed alternately."""
+    fn()
+    fn()
+    baseline()
+    ours, theirs = [], []
+    for _ in range(rounds):
+        theirs.append(timed(baseline, device, iters))
+        ours.append(timed(fn, device, iters))
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--log2-numel", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    x = torch.randn(2**args.log2_numel, device=args.device) * 4
+    clone = lambda: x.clone()  # noqa: E731
+    results: dict[str, Any] = {"eager": {}, "compiled": {}}
+    clone_times = []
+    for mode in ("eager", "compiled"):
+        for key, preset in FORMATS.items():
+            row = results[mode].setdefault(key, {})
+            for rounding in ("nearest", "stochastic"):
+                fmt = dataclasses.replace(preset, rounding=rounding)
+
+                def quantise(t: torch.Tensor, fmt: FPFormat = fmt) -> torch.Tensor:
+                    return fmt.quantise(t)
+
+                if mode == "compiled":
+                    torch._dynamo.reset()  # each format is its own graph: no recompile limit
+                    quantise = torch.compile(quantise, fullgraph=True)  # type: ignore[assignment]
+                t0 = time.perf_counter()
+                quantise(x)
+                first_call = time.perf_counter() - t0
+                ours, theirs = compare(
+                    lambda q=quantise: q(x), clone, args.device, args.rounds, args.iters
+                )
+                clone_times.append(theirs)
+                ratio = ours / theirs
+                row[rounding] = {
+                    "ms": round(ours * 1e3, 3),
+                    "clone_ms": round(theirs * 1e3, 3),
+                    "ratio_vs_clone": round(ratio, 3),
+                    "target": TARGETS[rounding],
+                    "meets_target": ratio <= TARGETS[rounding],
+                    "first_call_s": round(first_call, 3),
+                }
+                print(f"{mode:8s} {key:15s} {rounding:10s} {ratio:6.2f}x clone", flush=True)
+
+    summary = {
+        f"{mode}_{rounding}_worst_ratio": max(
+            row[rounding]["ratio_vs_clone"] for row in results[mode].values()
+        )
+        for mode in results
+        for rounding in TARGETS
+    }
+    report = {
+        "torch": torch.__version__,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
+        "machine": platform.machine(),
+        "numel": x.numel(),
+        "dtype": "float32",
+        "rounds": args.rounds,
+        "iters_per_round": args.iters,
+        "clone_ms_median": round(statistics.median(clone_times) * 1e3, 3),
+        "targets_ratio_vs_clone": TARGETS,
+        "summary": summary,
+        "results": results,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
