@@ -10,8 +10,10 @@ from ..data import example_batch
 from .dataframe import AnalysisError, graph_to_dataframe
 from .plot import plot
 from .report import write_report
+from .risk import RISK_FRACTION, RiskSummary, risk_summary
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # errors
     "AnalysisError",
     # data and table
     "example_batch",
@@ -19,4 +21,8 @@ __all__ = [
     # presentation
     "plot",
     "write_report",
+    # risk in low-precision formats
+    "RISK_FRACTION",
+    "RiskSummary",
+    "risk_summary",
 ]

@@ -25,12 +25,9 @@ from ._prepare import TensorRow, prepare_rows
 from ._report_assets import CSS, JS, PAGE
 from .dataframe import METRIC_NAMES, AnalysisError, ScaleRecord
 from .plot import FORMAT_GUIDES
+from .risk import RISK_FRACTION
 
-__all__ = ["RISK_FRACTION", "write_report"]
-
-#: A tensor is counted "at risk" of underflow in a format when more than this fraction of its
-#: values would underflow (overflow counts from the first value, since it saturates or breaks).
-RISK_FRACTION = 0.01
+__all__ = ["write_report"]
 
 _MIN_NORMAL = {"e4m3": 2.0**-6, "e5m2": 2.0**-14, "fp16": 2.0**-14, "bf16": 2.0**-126}
 _COLOURS = {"e4m3": "#d62728", "e5m2": "#9467bd", "fp16": "#7f7f7f", "bf16": "#8c564b"}

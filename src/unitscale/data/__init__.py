@@ -24,18 +24,21 @@ from torch import Tensor
 
 from ..errors import UnitScaleError
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # errors
+    "CorpusError",
+    # corpus and tokenizer
     "HELDOUT_FRACTION",
     "VOCAB_SIZE",
-    "Batch",
     "ByteTokenizer",
-    "CorpusError",
-    "batches",
     "corpus_tokens",
-    "example_batch",
     "load_corpus",
-    "sample_batch",
     "train_heldout_split",
+    # batches
+    "Batch",
+    "batches",
+    "example_batch",
+    "sample_batch",
 ]
 
 #: Size of the byte-level vocabulary.

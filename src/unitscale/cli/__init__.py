@@ -1,0 +1,103 @@
+"""The ``unitscale`` command: a thin dispatcher over one module per subcommand.
+
+Each subcommand lives in ``unitscale.cli.<name>`` and provides ``add_parser(subparsers)``
+(which registers its options and ``set_defaults(run=run)``) and ``run(args) -> int``. To add
+one, write the module and append its name to :data:`SUBCOMMANDS`. Subcommand modules import
+heavy libraries inside ``run`` so that ``unitscale --help`` stays fast.
+
+Failures are one line on stderr and a non-zero exit status, never a traceback (set
+``UNITSCALE_DEBUG=1`` to see one): bad options exit 2, errors while working exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .._version import __version__
+from ..errors import UnitScaleError
+
+__all__ = ["SUBCOMMANDS", "CommandError", "build_parser", "main"]
+
+#: Subcommand modules under ``unitscale.cli``, in the order ``--help`` lists them.
+SUBCOMMANDS: tuple[str, ...] = ("analyse",)
+
+
+class CommandError(UnitScaleError):
+    """A subcommand cannot do its work; the message is shown as one line."""
+
+
+class UsageError(Exception):
+    """Bad command-line options (raised instead of argparse's exit)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, raised rather than printed with usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
+
+
+def build_parser() -> Parser:
+    """Build the ``unitscale`` parser with every subcommand in :data:`SUBCOMMANDS`."""
+    parser = Parser(
+        prog="unitscale",
+        description=(
+            "Unit scaling for PyTorch: see the scale of every tensor of a model, forward and "
+            "backward, and whether it fits FP8 and FP16."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"unitscale {__version__}")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=Parser, title="commands"
+    )
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if isinstance(error, UnitScaleError) else f"{type(error).__name__}: {first}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``unitscale`` command; return its exit status.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 1 when the work failed, 2 for bad options, 130 when interrupted.
+
+    Example:
+        >>> main(["--version"])
+        Traceback (most recent call last):
+        ...
+        SystemExit: 0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.command is None:
+        parser.print_help()
+        return 0
+    debug = os.environ.get("UNITSCALE_DEBUG", "") not in ("", "0")
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"unitscale {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"unitscale {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1

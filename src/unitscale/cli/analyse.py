@@ -1,0 +1,186 @@
+"""``unitscale analyse``: track one training step of a model and its unit-scaled twin.
+
+The work is done by library functions (:mod:`unitscale.models`, :mod:`unitscale.data`,
+:func:`unitscale.transforms.track_scales`, :mod:`unitscale.analysis`); this module parses
+options, shows progress on stderr and prints the summary on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_OUT = "unitscale-report"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``analyse`` (alias ``analyze``) and its options."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "analyse",
+        aliases=["analyze"],
+        help="track the scales of a model and its unit-scaled twin; write plots, a report, a CSV",
+        description=(
+            "Run one forward and backward step of a model on a batch of text, record the scale "
+            "of every tensor and gradient, do the same for its unit-scaled twin, and write a "
+            "plot per model (PNG), an interactive HTML report and a CSV table. With no "
+            "options: the built-in GPT on CPython's bundled documentation text."
+        ),
+    )
+    parser.add_argument(
+        "--model",
+        default="builtin",
+        metavar="SPEC",
+        help="builtin (default) | hf:<model_type> (small random transformers model, no "
+        "download) | path/to/file.py:factory (a function returning a torch.nn.Module)",
+    )
+    parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N")
+    parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="N")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    parser.add_argument(
+        "--forward-only", action="store_true", help="track the forward pass only (no gradients)"
+    )
+    parser.add_argument(
+        "--text", default=None, metavar="FILE", help="a text file instead of the bundled corpus"
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+class _Progress:
+    """Stage lines on stderr with the elapsed time."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``unitscale analyse`` with parsed options; return the exit status."""
+    progress = _Progress()
+    try:
+        import matplotlib  # noqa: F401
+        import pandas as pd
+    except ModuleNotFoundError as exc:
+        from . import CommandError
+
+        raise CommandError(
+            f"unitscale analyse needs {exc.name}: pip install 'unitscale[analysis]'"
+        ) from exc
+    import torch
+
+    from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
+    from ..data import example_batch
+    from ..transforms import prune_same_scale_tensors, track_scales
+    from ._models import call_model, resolve_models
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        from . import CommandError
+
+        raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
+    source = args.text or "bundled CPython documentation text"
+    progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
+    notes: list[str] = []
+    progress(f"building {args.model} model(s)")
+    models = resolve_models(args.model, args.seq_len, args.seed, notes)
+    for note in notes:
+        progress(f"note: {note}")
+
+    graphs = {}
+    tables = []
+    step = "forward" if args.forward_only else "forward and backward"
+    for entry in models:
+        progress(f"{entry.name}: tracking a {step} step")
+        tracked = track_scales(entry.model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
+            loss = call_model(entry, tracked, batch)
+            if not args.forward_only:
+                loss.backward()
+        graph = tracked.scales_graph()
+        graphs[entry.name] = graph
+        table = graph_to_dataframe(graph)
+        table.insert(0, "model", entry.name)
+        tables.append((entry, float(loss.detach()), table, graph))
+
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    csv_path = out / "scales.csv"
+    pd.concat([t for _, _, t, _ in tables], ignore_index=True).to_csv(
+        csv_path, index=False, lineterminator="\n"
+    )
+    written.append(csv_path)
+    for entry, _, _, graph in tables:
+        progress(f"{entry.name}: plotting")
+        figure = cast("Figure", plot(graph, title=entry.name).figure)
+        png = out / f"scales_{_slug(entry.name)}.png"
+        figure.savefig(png, dpi=100, metadata={"Software": None})
+        written.append(png)
+    progress("writing the HTML report")
+    title = f"unitscale analyse: {args.model}"
+    written.append(write_report(graphs, out / "report.html", title=title))
+
+    lines = [
+        f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
+        f"seed {args.seed}, {step}",
+        "",
+        f"{'model':<28}{'loss':>8}{'tensors':>9}{'E4M3 under':>12}{'E4M3 over':>11}"
+        f"{'E5M2 under':>12}{'E5M2 over':>11}",
+    ]
+    summaries = []
+    for entry, loss_value, _, graph in tables:
+        kept = graph_to_dataframe(prune_same_scale_tensors(graph))
+        summary = risk_summary(kept)
+        summaries.append((entry.name, summary))
+        e4, e5 = summary.formats["e4m3"], summary.formats["e5m2"]
+        lines.append(
+            f"{entry.name[:27]:<28}{loss_value:>8.3f}{summary.tensors:>9}{e4.underflow:>12}"
+            f"{e4.overflow:>11}{e5.underflow:>12}{e5.overflow:>11}"
+        )
+    lines += [
+        "",
+        "tensors: values and gradients (views with the same scale counted once); 'under' "
+        "counts those with more than 1% of values flushed to zero, 'over' those with any value "
+        "beyond the format's range.",
+    ]
+    for name, summary in summaries:
+        for key in ("e4m3", "e5m2"):
+            worst = summary.worst[key]
+            if worst:
+                lines.append(f"worst in {key.upper()}, {name}:")
+                lines += [f"  {w}" for w in worst]
+    lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
+    text = "\n".join(lines) + "\n"
+    (out / "summary.txt").write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    progress("done")
+    return 0
