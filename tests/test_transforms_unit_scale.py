@@ -191,6 +191,44 @@ def test_residual_adds_are_found_by_dependency_not_by_syntax(
     ]
 
 
+class TwoStages(Net):
+    """A graph break between the blocks: two captured graphs."""
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+        x = self.blocks[0](x)
+        print("", end="")
+        x = self.blocks[1](x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class BreakInLoop(Net):
+    """A graph break inside the loop: Dynamo runs the rest of the forward eagerly."""
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+            print("", end="")
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_graph_breaks_continue_the_depth_rule_or_warn(
+    caplog: pytest.LogCaptureFixture, ids: Tensor
+) -> None:
+    with caplog.at_level(logging.INFO, logger="unitscale"):
+        unit_scale(TwoStages())(ids, ids)
+    taus = [line.split("tau=")[1] for line in residual_lines(caplog)]
+    assert taus == ["0.5)", "0.3333)", "0.25)", "0.2)"]
+    model = unit_scale(BreakInLoop())
+    with pytest.warns(
+        UserWarning, match=r"unit_scale: 1 floating-point output\(s\) of BreakInLoop"
+    ):
+        model(ids, ids)
+
+
 def test_ops_after_the_last_residual_add_are_unconstrained(ids: Tensor) -> None:
     model = track_scales(unit_scale(Net()))
     model(ids, ids).backward()

@@ -9,13 +9,14 @@ from the node it belongs to, so that reports attribute it to the right module.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..capture._core import Piece, TransformedModule
+from ..capture._core import Piece, TransformedModule, _Capture, iter_tensors
 from ..errors import CaptureError
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "placeholder_names",
     "refuse_after_tracking",
     "sanitize",
+    "uncaptured_outputs",
+    "warn_uncaptured",
 ]
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
@@ -131,3 +134,37 @@ def refuse_after_tracking(module: nn.Module, op: str) -> None:
             f"unitscale.{op}: the module is already tracked by track_scales; apply "
             f"track_scales last, e.g. track_scales({op}(model))"
         )
+
+
+def uncaptured_outputs(capture: _Capture, output: Any) -> int:
+    """How many float tensors in ``output`` no captured graph produced or received.
+
+    Such tensors were computed by code TorchDynamo ran eagerly (around a graph break inside
+    a loop or a nested call, or in a skipped function), which no pass has seen.
+    """
+    known = {i for inv in capture.trace for i in inv.input_ids}
+    missing = 0
+    for tensor in iter_tensors(output):
+        if not tensor.is_floating_point() or id(tensor) in known:
+            continue
+        hit = capture.produced.get(id(tensor))
+        if hit is None or hit[0]() is not tensor:
+            missing += 1
+    return missing
+
+
+def warn_uncaptured(
+    module: TransformedModule, capture: _Capture, output: Any, op: str, consequence: str
+) -> bool:
+    """Warn (once per call site; returns whether it did) about outputs computed eagerly."""
+    missing = uncaptured_outputs(capture, output)
+    if not missing:
+        return False
+    warnings.warn(
+        f"{op}: {missing} floating-point output(s) of {type(module.module).__name__} were "
+        "computed outside the graphs TorchDynamo captured (code it ran eagerly around a graph "
+        f"break, or a skipped function); {consequence}",
+        UserWarning,
+        stacklevel=7,
+    )
+    return True

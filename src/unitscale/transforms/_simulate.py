@@ -41,6 +41,7 @@ from ._rewrite import (
     is_float_node,
     placeholder_names,
     refuse_after_tracking,
+    warn_uncaptured,
 )
 
 __all__ = [
@@ -210,6 +211,16 @@ class SimulateFormatPass(GraphPass):
 
     def __repr__(self) -> str:
         return f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format})"
+
+    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = warn_uncaptured(
+                module,
+                capture,
+                output,
+                "simulate_format",
+                "their matmul-like ops run unquantised",
+            )
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
         graph = gm.graph

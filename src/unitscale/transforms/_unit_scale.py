@@ -57,6 +57,7 @@ from ._rewrite import (
     is_float_node,
     parameter_nodes,
     refuse_after_tracking,
+    warn_uncaptured,
 )
 
 __all__ = [
@@ -235,6 +236,17 @@ class UnitScalePass(GraphPass):
         names = ", ".join(_op_name(k) for k in self.replace)
         extra = f", replace={{{names}}}" if self.replace else ""
         return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
+
+    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = warn_uncaptured(
+                module,
+                capture,
+                output,
+                "unit_scale",
+                "the ops computing them are not unit-scaled (move the graph break, e.g. a "
+                "print or .item(), out of loops and nested modules)",
+            )
 
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
         """``unitscale.functional.torch_map`` updated with ``replace``."""
