@@ -13,6 +13,9 @@
 2. **Op replacement.** Every call of a function in ``unitscale.functional.torch_map``
    (updated with ``replace``) whose result is a floating-point tensor is replaced by its
    unit-scaled equivalent; ``Tensor`` methods are looked up as ``getattr(torch.Tensor, name)``.
+   An addition that is not a residual add becomes ``U.add`` only if its operands are two
+   float tensors neither of which is computed from the other (``U.add`` assumes independent
+   operands); ``x + 1``, size arithmetic and ``x + 0.04 * x**3`` stay plain additions.
    Attention with an explicit ``attn_mask`` uses
    :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
    the number of visible keys from the mask.
@@ -497,6 +500,7 @@ def unit_scale(
         replace: ``{torch function: replacement}`` entries that override or extend
             ``torch_map``; each key must be a key of ``torch_map`` and each value a callable
             taking the same arguments (map a function to itself to leave it as it is).
+            Use module-level functions if the result is to be pickled.
         residual_tau: residual weights per kind of branch (default: the depth rule of
             :class:`ResidualTau`).
 
