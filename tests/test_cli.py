@@ -65,11 +65,26 @@ def summary_counts(stdout: str, model: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, object]]:
-    """``unitscale analyse`` with no arguments, twice, in two fresh folders."""
+    """``unitscale analyse`` with no arguments, twice, in two fresh folders.
+
+    The two runs go side by side: graph capture is mostly single-threaded Python.
+    """
+    folders = [tmp_path_factory.mktemp(name) for name in ("first", "second")]
+    procs = [
+        subprocess.Popen(
+            [*COMMAND, "analyse"],
+            cwd=cwd,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cwd in folders
+    ]
     runs = []
-    for name in ("first", "second"):
-        cwd = tmp_path_factory.mktemp(name)
-        runs.append((cwd, unitscale_cmd("analyse", cwd=cwd)))
+    for cwd, proc in zip(folders, procs, strict=True):
+        stdout, stderr = proc.communicate(timeout=300)
+        runs.append((cwd, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)))
     return runs
 
 

@@ -146,7 +146,9 @@ JS = r"""
     var step = (hi - lo) > 40 ? 5 : ((hi - lo) > 20 ? 2 : 1);
     for (var t = Math.ceil(lo / step) * step; t <= hi; t += step) {
       axis.appendChild(el("line", { "class": "grid", x1: x(t), x2: x(t), y1: TOP - 4, y2: height - BOTTOM }));
-      axis.appendChild(el("text", { x: x(t), y: TOP - 10, "text-anchor": "middle" }, "2^" + t));
+      var tick = el("text", { x: x(t), y: TOP - 10, "text-anchor": "middle" }, "2");
+      tick.appendChild(el("tspan", { "baseline-shift": "super", "font-size": "8" }, String(t)));
+      axis.appendChild(tick);
     }
     axis.appendChild(el("text", { x: LEFT + PLOT_W / 2, y: height - 6, "text-anchor": "middle" },
                         state.metric + " (log2 scale)"));
