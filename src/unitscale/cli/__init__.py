@@ -76,10 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 on success, 1 when the work failed, 2 for bad options, 130 when interrupted.
 
     Example:
-        >>> main(["--version"])
-        Traceback (most recent call last):
-        ...
-        SystemExit: 0
+        >>> main(["analyse", "--seq-len", "0"])  # one line on stderr, no traceback
+        2
     """
     parser = build_parser()
     try:
