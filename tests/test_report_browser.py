@@ -283,3 +283,42 @@ def test_hovering_a_mark_shows_its_details(
     (ARTIFACTS / "report_hover.png").write_bytes(base64.b64decode(shot["data"]))
     assert (ARTIFACTS / "report_hover.png").stat().st_size > 10_000
     _ = torch  # keep torch imported before chromium starts (fork of a loaded interpreter)
+
+
+def test_filter_and_sortable_risk_table(
+    page: tuple[Browser, str], report: tuple[Path, Any]
+) -> None:
+    browser, session = page
+    expected = report[1]
+    labels = [
+        n if w or not m else f"{m}: {n}"
+        for n, m, w in zip(expected.name, expected.module, expected.weight, strict=True)
+    ]
+    wanted = sum("lm_head" in label.lower() for label in labels)
+    shown = evaluate(
+        browser,
+        session,
+        "(() => { const f = document.getElementById('filter'); f.value = 'lm_head';"
+        " f.dispatchEvent(new Event('input'));"
+        " const n = document.querySelectorAll('#chart .mark').length;"
+        " f.value = ''; f.dispatchEvent(new Event('input')); return n; })()",
+    )
+    assert shown == wanted > 0
+    # The table lists the tensors most at risk first; a click on a header sorts by it.
+    column = evaluate(
+        browser,
+        session,
+        "(() => { const cells = () => [...document.querySelectorAll('#risk-table tr')]"
+        ".slice(1).map(r => r.children[6].textContent);"
+        " const before = cells();"
+        " document.querySelector('#risk-table th[data-key=risk]').click();"
+        " const after = cells();"
+        " document.querySelector('#risk-table th[data-key=risk]').click();"
+        " return [before, after]; })()",
+    )
+    before, after = column
+    as_number = [float(v.rstrip("%").lstrip("<")) for v in before]
+    assert as_number == sorted(as_number, reverse=True) and as_number[0] > 0
+    assert [float(v.rstrip("%").lstrip("<")) for v in after] == sorted(
+        float(v.rstrip("%").lstrip("<")) for v in after
+    )
