@@ -341,24 +341,53 @@ def test_transformers_models_show_every_layer(arch: str) -> None:
     assert "linear" in ops or "addmm" in ops
 
 
-class EagerTail(nn.Module):
-    """The last op runs outside Dynamo (a disabled function), so it cannot be tracked."""
-
+class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.proj = nn.Linear(4, 4)
+        self.proj = nn.Linear(8, 8)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _untraceable(self.proj(x))
+        h = self.proj(x)
+        print("", end="")  # a graph break inside a loop: Dynamo skips the caller's frame
+        return x + torch.relu(h)
 
 
-@torch._dynamo.disable
-def _untraceable(x: Tensor) -> Tensor:
-    return x * 2
+class LoopWithBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor, labels: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits, labels)
 
 
-def test_ops_outside_the_graph_are_reported_not_hidden() -> None:
-    tracked = track_scales(EagerTail())
-    with pytest.warns(UserWarning, match=r"computed outside the graphs TorchDynamo captured"):
-        tracked(torch.randn(2, 4))
-    assert "linear" in names(tracked.scales_graph())
+def test_graph_break_in_a_loop_is_still_captured_whole() -> None:
+    torch.manual_seed(0)
+    model = LoopWithBreak()
+    tracked = track_scales(model)
+    x, labels = torch.randn(3, 8), torch.tensor([0, 1, 2])
+    with pytest.warns(UserWarning, match="replayed with unitscale's eager tracer"):
+        loss = tracked(x, labels)
+    assert torch.equal(loss, model(x, labels))
+    loss.backward()
+    for call in range(2):  # the second call uses the eager tracer directly
+        graph = tracked.scales_graph()
+        nodes = by_name(graph)
+        linears = [n for n in graph.nodes if n.target is torch._C._nn.linear]
+        assert [n.meta["module_path"] for n in linears] == [
+            "blocks.0.proj",
+            "blocks.1.proj",
+            "head",
+        ]
+        assert linears[1].all_input_nodes[0] is nodes["add"]
+        assert nodes["logits"].target is torch._C._nn.linear
+        assert nodes["cross_entropy"].meta["metrics"].bwd is not None
+        for name in ["blocks.0.proj.weight", "blocks.1.proj.weight", "head.weight"]:
+            assert nodes[name].meta["metrics"].bwd is not None, name
+        assert nodes["x"].meta["metrics"].bwd is not None
+        if call == 0:
+            tracked(x, labels).backward()

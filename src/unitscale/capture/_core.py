@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,11 +44,16 @@ __all__ = [
     "TransformedModule",
     "module_path_of",
     "transformed",
+    "warn_user",
 ]
 
 # Dynamo compiles a frame again for every new input shape, train/eval mode and tracked copy;
 # the default limit of 8 would silently fall back to eager (and lose the graph) in ordinary use.
 _RECOMPILE_LIMIT = 512
+
+
+#: Returned by :meth:`GraphPass.intercept_call` to let the call go through Dynamo as usual.
+NOT_INTERCEPTED: Any = object()
 
 
 class GraphPass:
@@ -71,6 +78,16 @@ class GraphPass:
 
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
         """Called before every forward of the transformed module."""
+
+    def intercept_call(
+        self,
+        module: TransformedModule,
+        capture: _Capture,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run the call another way and return its output, or return :data:`NOT_INTERCEPTED`."""
+        return NOT_INTERCEPTED
 
     def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
         """Called after every forward, while ``capture.produced`` still describes the call."""
@@ -109,6 +126,17 @@ class Invocation:
     input_ids: list[int]
     sources: list[tuple[int, int] | None]
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def warn_user(message: str) -> None:
+    """Warn with the user's calling line as location (outside torch and unitscale)."""
+    import sys
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
@@ -192,6 +220,7 @@ class _Capture:
         # id(tensor) -> (weakref, (invocation index, output index)) for the running call.
         self.produced: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.current: Invocation | None = None
+        self.calls = 0  # calls that went through Dynamo
         self.compiled: Callable[..., Any] = torch.compile(
             owner.module, backend=self.backend, dynamic=False
         )
@@ -249,6 +278,16 @@ class _Capture:
         return invoke
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        owner = self.owner_ref()
+        for graph_pass in owner.passes if owner is not None else ():
+            out = graph_pass.intercept_call(owner, self, args, kwargs)  # type: ignore[arg-type]
+            if out is not NOT_INTERCEPTED:
+                return out
+        return self.dynamo_call(args, kwargs)
+
+    def dynamo_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the module through Dynamo and the pass chain, recording the call trace."""
+        self.calls += 1
         self.trace = []
         self.produced = {}
         try:

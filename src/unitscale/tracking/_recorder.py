@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import copy
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..capture._core import (
+    NOT_INTERCEPTED,
     GraphPass,
     Invocation,
     Piece,
@@ -33,7 +33,9 @@ from ..capture._core import (
     _Capture,
     iter_tensors,
     module_path_of,
+    warn_user,
 )
+from ..capture._eager import trace_eagerly
 from .metrics import Metrics, stats_to_data, tensor_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
@@ -65,6 +67,9 @@ class TrackScalesPass(GraphPass):
         #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
         #: and the last recorded call's statistics are kept. See ``ScaleMonitor``.
         self.enabled = True
+        #: "dynamo", or "eager" once Dynamo failed to capture a call whole.
+        self.engine = "dynamo"
+        self._partial = ""
         self._warned = False
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
@@ -72,13 +77,16 @@ class TrackScalesPass(GraphPass):
         self._capture: _Capture | None = None
 
     def fresh(self) -> TrackScalesPass:
-        return TrackScalesPass()
+        clone = TrackScalesPass()
+        clone.engine = self.engine
+        return clone
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}
+        return {"engine": self.engine}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
+        self.engine = state.get("engine", "dynamo")
 
     # -- capture time ------------------------------------------------------------------------
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
@@ -106,8 +114,63 @@ class TrackScalesPass(GraphPass):
         piece.data["slots"] = slots
         return gm
 
+    def intercept_call(
+        self,
+        module: TransformedModule,
+        capture: _Capture,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Use the eager tracer where Dynamo could not capture the forward whole.
+
+        The first call goes through Dynamo with the RNG and buffers saved; if some of its ops
+        ran outside the captured graphs (Dynamo skipped a frame, e.g. for a graph break in a
+        loop), the state is restored and the call replayed under the eager tracer, whose
+        outputs are returned. Later calls then use the eager tracer directly. Only when
+        tracking is the sole transform: other passes need Dynamo graphs to rewrite.
+        """
+        self._capture = capture
+        if not self.enabled or len(module.passes) != 1:
+            return NOT_INTERCEPTED
+        if self.engine == "eager":
+            return self._eager_call(module, capture, args, kwargs)
+        snapshot = _Snapshot(module.module) if capture.calls == 0 else None
+        out = capture.dynamo_call(args, kwargs)
+        if not self._partial:
+            return out
+        self.engine = "eager"
+        reason = self._partial
+        if snapshot is None:
+            warn_user(
+                f"track_scales: {reason}; the graph of this call is incomplete, later calls "
+                "are traced eagerly and complete"
+            )
+            return out
+        warn_user(
+            f"track_scales: {reason}; this call was replayed with unitscale's eager tracer, "
+            "which records every op (names from source lines). Outputs are those of the replay"
+        )
+        snapshot.restore()
+        self.before_call(module, args, kwargs)
+        return self._eager_call(module, capture, args, kwargs)
+
+    def _eager_call(
+        self,
+        module: TransformedModule,
+        capture: _Capture,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        def set_current(invocation: Invocation | None) -> None:
+            capture.current = invocation
+
+        out, _, invocation = trace_eagerly(module.module, args, kwargs, self.record, set_current)
+        capture.last_trace = [invocation]
+        return out
+
     def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        """Warn when an output was computed by code Dynamo ran eagerly (not in the graph)."""
+        """Note whether ops ran outside the captured graphs (see :meth:`intercept_call`)."""
+        self._partial = ""
         if not self.enabled:
             return
         known = {i for inv in capture.trace for i in inv.input_ids}
@@ -117,16 +180,18 @@ class TrackScalesPass(GraphPass):
             if tensor.is_floating_point() and id(tensor) not in known:
                 if hit is None or hit[0]() is not tensor:
                     missing += 1
-        if missing and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"track_scales: {missing} floating-point output(s) of "
-                f"{type(module.module).__name__} were computed outside the graphs TorchDynamo "
-                "captured (code it ran eagerly around a graph break, or a skipped function); "
-                "the ops computing them are missing from scales_graph()",
-                UserWarning,
-                stacklevel=4,
+        if missing:
+            self._partial = (
+                f"{missing} floating-point output(s) of {type(module.module).__name__} were "
+                "computed outside the graphs TorchDynamo captured (it ran some code eagerly: "
+                "a graph break inside a loop, or a skipped function)"
             )
+            if len(module.passes) > 1 and not self._warned:
+                self._warned = True
+                warn_user(
+                    f"track_scales: {self._partial}; the ops computing them are missing from "
+                    "scales_graph()"
+                )
 
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
         """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
@@ -316,3 +381,20 @@ def _read_stats(pending: Sequence[tuple[fx.Node, str, _Stats]]) -> None:
             if metrics is None:
                 continue
             setattr(metrics, direction, stats_to_data(row, numel))
+
+
+class _Snapshot:
+    """RNG states and buffers of a module, to replay a call exactly."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
