@@ -8,7 +8,11 @@ alike. Targets: nearest at most 1.5x a clone, stochastic at most 2.5x.
 
 Results go to ``benchmarks/results/formats.json``.
 
-Run: ``python benchmarks/bench_formats.py [--rounds N] [--device cpu|cuda] [--log2-numel 24]``
+Run: ``python benchmarks/bench_formats.py [--threads 1,2] [--rounds N] [--device cpu|cuda]``
+
+On a CPU shared with other work, multi-threaded eager runs pay an OpenMP barrier stall per
+op, which penalises paths made of several ops more than their memory traffic would; running
+with ``--threads 1`` as well shows the difference.
 """
 
 from __future__ import annotations
@@ -59,17 +63,8 @@ def compare(
     return statistics.median(ours), statistics.median(theirs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--log2-numel", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
-
-    torch.manual_seed(0)
-    x = torch.randn(2**args.log2_numel, device=args.device) * 4
+def run(x: torch.Tensor, device: str, rounds: int, iters: int) -> dict[str, Any]:
+    """Ratios of every format, rounding and mode against ``x.clone()``."""
     clone = lambda: x.clone()  # noqa: E731
     results: dict[str, Any] = {"eager": {}, "compiled": {}}
     clone_times = []
@@ -88,9 +83,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 quantise(x)
                 first_call = time.perf_counter() - t0
-                ours, theirs = compare(
-                    lambda q=quantise: q(x), clone, args.device, args.rounds, args.iters
-                )
+                ours, theirs = compare(lambda q=quantise: q(x), clone, device, rounds, iters)
                 clone_times.append(theirs)
                 ratio = ours / theirs
                 row[rounding] = {
@@ -101,8 +94,11 @@ def main() -> None:
                     "meets_target": ratio <= TARGETS[rounding],
                     "first_call_s": round(first_call, 3),
                 }
-                print(f"{mode:8s} {key:15s} {rounding:10s} {ratio:6.2f}x clone", flush=True)
-
+                print(
+                    f"threads={torch.get_num_threads()} {mode:8s} {key:15s} {rounding:10s} "
+                    f"{ratio:6.2f}x clone",
+                    flush=True,
+                )
     summary = {
         f"{mode}_{rounding}_worst_ratio": max(
             row[rounding]["ratio_vs_clone"] for row in results[mode].values()
@@ -110,10 +106,37 @@ def main() -> None:
         for mode in results
         for rounding in TARGETS
     }
+    return {
+        "threads": torch.get_num_threads(),
+        "clone_ms_median": round(statistics.median(clone_times) * 1e3, 3),
+        "summary": summary,
+        "results": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--log2-numel", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        default=str(torch.get_num_threads()),
+        help="comma-separated CPU thread counts to run with (default: torch's)",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    x = torch.randn(2**args.log2_numel, device=args.device) * 4
+    runs = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        runs.append(run(x, args.device, args.rounds, args.iters))
     report = {
         "torch": torch.__version__,
         "device": args.device,
-        "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
         "machine": platform.machine(),
@@ -121,14 +144,13 @@ def main() -> None:
         "dtype": "float32",
         "rounds": args.rounds,
         "iters_per_round": args.iters,
-        "clone_ms_median": round(statistics.median(clone_times) * 1e3, 3),
         "targets_ratio_vs_clone": TARGETS,
-        "summary": summary,
-        "results": results,
+        "runs": runs,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    for r in runs:
+        print(f"threads={r['threads']}:", json.dumps(r["summary"]))
     print(f"written to {args.output}")
 
 

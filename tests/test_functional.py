@@ -495,6 +495,14 @@ def test_gradcheck_where_the_constraint_gives_true_gradients(name: str) -> None:
     assert torch.autograd.gradcheck(op, make())
 
 
+@pytest.mark.parametrize("f", [torch.exp, torch.tanh, torch.sigmoid])
+def test_scale_elementwise_leaves_outputs_that_autograd_reads_intact(
+    f: Callable[[Tensor], Tensor],
+) -> None:
+    # these functions' backward reads their output: it must not be scaled in place
+    assert torch.autograd.gradcheck(U.scale_elementwise(f, 0.5, 0.25), (f64(3, 4),))
+
+
 def test_residual_split_and_add_together_give_true_gradients() -> None:
     w = f64(4, 4, grad=False)
 

@@ -81,3 +81,15 @@ def test_compiles_to_one_graph_with_the_same_gradient() -> None:
     assert torch.allclose(y, 2.0 * x * x)
     assert torch.allclose(grad, 2.25 * x)
     torch._dynamo.reset()
+
+
+def test_inplace_scales_an_owned_result_without_a_copy() -> None:
+    x = torch.randn(4, requires_grad=True)
+    fresh = x * 3.0  # an op's own result
+    y = scale_fwd_bwd(fresh, 0.5, 0.5, inplace=True)
+    assert y is fresh
+    assert torch.allclose(y, 1.5 * x)
+    assert torch.equal(_grad(y, x, torch.ones(4)), torch.full((4,), 1.5))
+    # unequal scales still go through the autograd function, out of place
+    fresh = x * 3.0
+    assert scale_fwd_bwd(fresh, 0.5, 2.0, inplace=True) is not fresh

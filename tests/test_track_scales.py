@@ -391,3 +391,12 @@ def test_graph_break_in_a_loop_is_still_captured_whole() -> None:
         assert nodes["x"].meta["metrics"].bwd is not None
         if call == 0:
             tracked(x, labels).backward()
+
+
+def test_transformed_module_keeps_the_original_names() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    tracked = track_scales(model)
+    assert [n for n, _ in tracked.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(tracked.state_dict()) == list(model.state_dict())
+    tracked.load_state_dict(model.state_dict())
+    assert tracked.to(torch.float64).module[0].weight.dtype == torch.float64

@@ -93,9 +93,10 @@ def _prescale(x: Tensor, grad_scale: float, output_scale: float) -> Tensor:
     return scale_bwd(x, grad_scale / output_scale)
 
 
-def _finish(y: Tensor, output_scale: float) -> Tensor:
-    """Multiply the op's output by ``output_scale`` with a true gradient."""
-    return scale_fwd_bwd(y, output_scale, output_scale)
+def _finish(y: Tensor, output_scale: float, inplace: bool = True) -> Tensor:
+    """Multiply the op's output by ``output_scale`` with a true gradient. In place unless the
+    op's backward needs its output (softmax, attention): the output is the op's own."""
+    return scale_fwd_bwd(y, output_scale, output_scale, inplace=inplace)
 
 
 def _rsqrt(n: float) -> float:
@@ -127,8 +128,10 @@ def _single(value: Any, op: str, argument: str) -> Any:
 
 def _reject(op: str, argument: str, value: object, default: object, fix: str) -> None:
     """Raise :class:`UnsupportedArgumentError` when ``value`` is not the default."""
-    if value is not default and value != default:
-        raise UnsupportedArgumentError(op, argument, value, fix)
+    if value is None if default is None else value == default:
+        return
+    shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else value
+    raise UnsupportedArgumentError(op, argument, shown, fix)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +190,8 @@ def _attention_moments(
     where row ``i`` attends to ``n_i = min(i + 1, keys)`` keys if ``causal`` (PyTorch's
     top-left-aligned mask) and to all ``keys`` otherwise. Cached; a constant under Dynamo."""
     key = (queries, keys, causal, logit_var)
+    if queries < 1 or keys < 1:
+        return 1.0, 1.0  # nothing attends: nothing to scale
     if key not in _MOMENT_CACHE:
         import numpy as np
 
@@ -261,10 +266,23 @@ def scale_elementwise(
         >>> double(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
+    return _elementwise(f, output_scale, grad_input_scale, constraint, inplace=False)
+
+
+def _elementwise(
+    f: Callable[..., Tensor],
+    output_scale: float,
+    grad_input_scale: float,
+    constraint: Constraint,
+    inplace: bool,
+) -> Callable[..., Tensor]:
+    """:func:`scale_elementwise`; ``inplace`` scales ``f``'s output in place, which is only
+    right for an ``f`` whose backward does not read its output (not ``exp``, ``tanh``...)."""
     out_scale, in_scale = apply_constraint(constraint, output_scale, grad_input_scale)
 
     def scaled_f(input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return _finish(f(_prescale(input, in_scale, out_scale), *args, **kwargs), out_scale)
+        output = f(_prescale(input, in_scale, out_scale), *args, **kwargs)
+        return _finish(output, out_scale, inplace)
 
     return scaled_f
 
@@ -298,8 +316,9 @@ def gelu(
     """
     if approximate not in _GELU_STD:
         raise UnsupportedArgumentError("gelu", "approximate", approximate, 'use "none" or "tanh"')
-    return scale_elementwise(
-        F.gelu, 1.0 / _GELU_STD[approximate], 1.0 / _GELU_GRAD_RMS[approximate], constraint
+    # gelu's backward reads its input only, so its output can be scaled in place
+    return _elementwise(
+        F.gelu, 1.0 / _GELU_STD[approximate], 1.0 / _GELU_GRAD_RMS[approximate], constraint, True
     )(input, approximate=approximate)
 
 
@@ -329,7 +348,7 @@ def silu(
         1.0
     """
     _reject("silu", "inplace", inplace, False, "use inplace=False")
-    return scale_elementwise(F.silu, 1.0 / _SILU_STD, 1.0 / _SILU_GRAD_RMS, constraint)(input)
+    return _elementwise(F.silu, 1.0 / _SILU_STD, 1.0 / _SILU_GRAD_RMS, constraint, True)(input)
 
 
 def silu_glu(input: Tensor, gate: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
@@ -407,7 +426,8 @@ def softmax(
             "softmax", "dim", None, "pass the dimension to normalise over, e.g. dim=-1"
         )
     out_scale, in_scale = apply_constraint(constraint, *_softmax_scales(input.shape[dim]))
-    return _finish(F.softmax(_prescale(input, in_scale, out_scale), dim, dtype=dtype), out_scale)
+    output = F.softmax(_prescale(input, in_scale, out_scale), dim, dtype=dtype)
+    return _finish(output, out_scale, inplace=False)  # softmax's backward reads its output
 
 
 def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
@@ -441,8 +461,7 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
         raise UnsupportedArgumentError("dropout", "p", p, "use a probability 0 <= p <= 1")
     if not training or p == 0.0:
         return input
-    scale = math.sqrt(1.0 - p)
-    return scale_fwd_bwd(F.dropout(input, p, training), scale, scale)
+    return _finish(F.dropout(input, p, training), math.sqrt(1.0 - p))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1000,7 +1019,7 @@ def scaled_dot_product_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    return _finish(output, out_scale)
+    return _finish(output, out_scale, inplace=False)  # attention's backward reads its output
 
 
 # --------------------------------------------------------------------------------------------

@@ -389,6 +389,18 @@ class TransformedModule(nn.Module):
         """The wrapped module's ``state_dict()``: keys are the original's."""
         return self.module.state_dict(*args, **kwargs)
 
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters, under the original's names."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The wrapped module's buffers, under the original's names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a checkpoint of the original module (same keys)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
