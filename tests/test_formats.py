@@ -409,6 +409,15 @@ def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype) -> 
     assert torch.equal(fmt.quantise(exact), exact)
 
 
+@pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
+def test_stochastic_neighbours_at_every_boundary(fmt: FPFormat) -> None:
+    x = boundary_grid(fmt, "cpu")  # each value of the format ±2 ulps, ties, binade edges...
+    q = fmt.quantise(x).double().numpy()
+    _, lo, hi = neighbours(representable(fmt), x.double().numpy())
+    sign = np.sign(x.double().numpy())
+    assert np.all((q == sign * lo) | (q == sign * hi))
+
+
 def test_stochastic_below_smallest_subnormal_and_float16_inputs() -> None:
     # 0.3 of E4M3's smallest subnormal rounds up 30% of the time, from float16 too.
     torch.manual_seed(0)

@@ -451,8 +451,7 @@ def _quantise(
         ):
             return _nearest_native(x, fmt, native, bound)
         work = _WORK64 if x.dtype == torch.float64 else _WORK32
-        xf = x.to(work.float_dtype).clamp(-bound, bound)
-        return _nearest_bits(xf, fmt, work).to(x.dtype)
+        return _nearest_bits(x, fmt, work, bound).to(x.dtype)
     # Stochastic rounding draws (work mantissa - format mantissa) random bits: float32 has
     # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
     wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
@@ -506,8 +505,16 @@ def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float)
     return x.clamp(-bound, bound).to(native).to(x.dtype)
 
 
-def _nearest_bits(xf: Tensor, fmt: FPFormat, work: _Work) -> Tensor:
-    """Round ``xf`` (float32/64, already clamped to range) to nearest, ties to even."""
+def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor:
+    """Round ``x`` to nearest, ties to even, saturating at ``±bound``, in ``work``'s dtype.
+
+    Written for few passes over memory in eager mode: two fresh buffers and a mask, the rest
+    in place. (Under ``torch.compile`` it all fuses into one kernel anyway.)
+    """
+    if x.dtype == work.float_dtype:
+        xf = x.clamp(-bound, bound)  # NaN stays NaN
+    else:
+        xf = x.to(work.float_dtype).clamp_(-bound, bound)
     drop = work.mantissa_bits - fmt.mantissa_bits
     # Normal range: round the bit pattern at `drop` bits, ties to even. A carry out of the
     # mantissa moves into the exponent, which is exactly the next binade's first value.
@@ -520,15 +527,18 @@ def _nearest_bits(xf: Tensor, fmt: FPFormat, work: _Work) -> Tensor:
         rounded &= -(1 << drop)
         normal = rounded.view(work.float_dtype)
     else:
-        normal = xf
+        normal = xf.clone()
     # Subnormal range: one float addition rounds to nearest-even at the step of a number
-    # whose ulp is the format's subnormal step. NaN takes this branch and stays NaN.
+    # whose ulp is the format's subnormal step. NaN takes this branch and stays NaN. (The
+    # rounded bits above kept x's sign, so xf itself can become the magnitude.)
     emin = fmt._min_normal_exponent
-    magnitude = xf.abs()
+    magnitude = xf.abs_()
+    is_normal = magnitude >= 2.0**emin
     magic = 2.0 ** (emin + drop)
-    subnormal = magnitude + magic
-    subnormal -= magic
-    return torch.where(magnitude >= 2.0**emin, normal, subnormal.copysign_(xf))
+    magnitude += magic
+    magnitude -= magic
+    subnormal = magnitude.copysign_(normal)
+    return torch.where(is_normal, normal, subnormal, out=subnormal)
 
 
 def _stochastic_bits(
@@ -550,10 +560,11 @@ def _stochastic_bits(
     # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after
     # (both exact, but for the first addition's rounding to the working precision).
     emin = fmt._min_normal_exponent
-    small = None
     if emin > work.min_normal_exponent:
-        small = magnitude < 2.0**emin
+        small = _is_below(magnitude, emin, work)
         magnitude.add_(small, alpha=2.0**emin)
+    else:  # formats with the working dtype's exponent range: its subnormals are linear
+        small = None
     bits = magnitude.view(work.int_dtype)
     # Adding uniform random bits below the kept mantissa, then truncating, rounds up with
     # probability equal to the dropped fraction; a carry moves into the exponent correctly.
@@ -565,11 +576,26 @@ def _stochastic_bits(
         )
     bits += noise
     bits &= -(1 << drop)
-    if small is not None:
-        magnitude.add_(small, alpha=-(2.0**emin))
     # The noise can carry a NaN's payload out of the NaN range (or wrap it): restore NaN.
-    result = torch.where(torch.isnan(x), math.nan, magnitude.copysign_(x))
-    return result.to(x.dtype)
+    # `small` is NaN exactly where x is, so subtracting it does that for free.
+    if small is not None:
+        return magnitude.sub_(small, alpha=2.0**emin).copysign_(x).to(x.dtype)
+    return magnitude.copysign_(x).masked_fill_(torch.isnan(x), math.nan).to(x.dtype)
+
+
+def _is_below(magnitude: Tensor, exponent: int, work: _Work) -> Tensor:
+    """1.0 where ``magnitude < 2**exponent``, 0.0 where not, NaN where it is NaN.
+
+    ``(2**exponent - magnitude) * 2**(p - exponent)`` (p: the working precision) is exact,
+    at least 1 for every float below ``2**exponent`` and at most 0 from there on; the clamp
+    makes it a step. Needs ``2**(p - exponent)`` to be finite (the caller's formats have
+    exponents far above the working dtype's smallest).
+    """
+    precision = work.mantissa_bits + 1
+    scale = 2.0 ** (precision - exponent)
+    step = torch.mul(magnitude, -scale)
+    step += 2.0**precision
+    return step.clamp_(0.0, 1.0)
 
 
 _MASK32 = 0xFFFFFFFF
