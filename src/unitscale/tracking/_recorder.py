@@ -99,19 +99,30 @@ class TrackScalesPass(GraphPass):
         placeholders = [n for n in nodes if n.op == "placeholder"]
         # Records for inputs go after the last placeholder so the signature stays intact.
         after_inputs = placeholders[-1] if placeholders else None
+        aliases: dict[int, int] = {}
         for node in nodes:
-            if node.op in ("output", "get_attr") or not _is_float_tensor(_example_value(node)):
+            value = _example_value(node)
+            if node.op in ("output", "get_attr") or not _is_float_tensor(value):
                 continue
             slot = len(slots)
             slots[node.name] = slot
             anchor = after_inputs if node.op == "placeholder" else node
             if anchor is None:  # pragma: no cover - placeholders always precede
                 continue
+            source = _same_values_source(node)
+            if source is not None and source.name in slots:
+                # A reshape of a recorded tensor: same values, so the same forward statistics
+                # (read from the source); only its gradient needs recording.
+                aliases[slot] = slots[source.name]
+                with graph.inserting_after(anchor):
+                    graph.call_function(self.record, (node, slot, False))
+                continue
             with graph.inserting_after(anchor):
                 record = graph.call_function(self.record, (node, slot))
             if node.op == "placeholder":
                 after_inputs = record
         piece.data["slots"] = slots
+        piece.data["aliases"] = aliases
         return gm
 
     def intercept_call(
@@ -198,15 +209,16 @@ class TrackScalesPass(GraphPass):
         return build_scales_graph(module, self)
 
     # -- run time (the hot path) -------------------------------------------------------------
-    def record(self, x: Any, slot: int) -> None:
-        """Store the statistics of ``x`` for ``slot`` of the running invocation."""
+    def record(self, x: Any, slot: int, forward: bool = True) -> None:
+        """Store the statistics of ``x`` (if ``forward``) and of its gradient for ``slot``."""
         if not self.enabled:
             return
         capture = self._capture
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
             return
-        invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
+        if forward:
+            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -243,6 +255,32 @@ class TrackScalesPass(GraphPass):
                     tensor.requires_grad_()
 
 
+# Ops whose output holds exactly the values of their first argument, rearranged.
+_SAME_VALUES_METHODS = frozenset(
+    "view reshape flatten unflatten permute transpose t contiguous unsqueeze squeeze view_as "
+    "reshape_as movedim swapaxes swapdims".split()
+)
+_SAME_VALUES_FUNCTIONS = frozenset(
+    (torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.t, torch.unsqueeze)
+) | frozenset((torch.squeeze, torch.movedim, torch.swapaxes))
+
+
+def _same_values_source(node: fx.Node) -> fx.Node | None:
+    if node.op == "call_method" and node.target in _SAME_VALUES_METHODS:
+        pass
+    elif node.op == "call_function" and node.target in _SAME_VALUES_FUNCTIONS:
+        pass
+    else:
+        return None
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node):
+        return None
+    before, after = _example_value(source), _example_value(node)
+    if not (_is_float_tensor(before) and _is_float_tensor(after)):
+        return None
+    return source if before.dtype == after.dtype and before.numel() == after.numel() else None
+
+
 def _sanitize(name: str) -> str:
     name = re.sub(r"\W", "_", name)
     return name if name and not name[0].isdigit() else f"_{name}"
@@ -269,7 +307,10 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     for k, invocation in enumerate(capture.last_trace):
         piece = invocation.piece
         slots: dict[str, int] = piece.data.get("slots", {})
-        fwd = invocation.data.get("fwd", {})
+        fwd = dict(invocation.data.get("fwd", {}))
+        for slot, source in piece.data.get("aliases", {}).items():
+            if source in fwd:
+                fwd[slot] = fwd[source]
         bwd = invocation.data.get("bwd", {})
         env: dict[fx.Node, fx.Node] = {}
         lookup = env.__getitem__
