@@ -24,6 +24,8 @@ from unitscale.constraints import UnknownConstraintError
 from unitscale.errors import UnsupportedArgumentError
 from unitscale.functional import _attention_moments, _softmax_moment_table
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TOL = 0.10
 TIGHT = 0.05
 
@@ -136,6 +138,16 @@ def test_elementwise_unit_scale(name: str, shape: tuple[int, int]) -> None:
     out, (grad,) = scale_stats(ops[name], randn(shape))
     assert_unit(out, TIGHT, f"{name} output")
     assert_unit(grad, TIGHT, f"{name} grad")
+
+
+@pytest.mark.parametrize("shape", [(4096, 4), (256, 64), (8, 4096)])
+def test_scale_elementwise_unit_scale(shape: tuple[int, int]) -> None:
+    # for x ~ N(0, 1): E[sin x] = 0, E[sin^2 x] = (1 - e^-2) / 2, E[cos^2 x] = (1 + e^-2) / 2
+    sin_std, cos_rms = math.sqrt((1 - math.exp(-2)) / 2), math.sqrt((1 + math.exp(-2)) / 2)
+    scaled_sin = U.scale_elementwise(torch.sin, 1 / sin_std, 1 / cos_rms, constraint=None)
+    out, (grad,) = scale_stats(scaled_sin, randn(shape))
+    assert_unit(out, TIGHT, "output")
+    assert_unit(grad, TIGHT, "grad")
 
 
 @pytest.mark.parametrize("shape", [(4096, 4), (256, 64), (8, 4096)])

@@ -20,6 +20,8 @@ import unitscale as us
 from unitscale.constraints import UnknownConstraintError
 from unitscale.errors import UnsupportedArgumentError
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TOL = 0.10
 TIGHT = 0.05
 # A unit-std GELU output keeps mean 0.2821/0.5879; the next linear layer sees its rms.
@@ -314,8 +316,8 @@ def test_module_compiles_to_one_graph_and_matches_eager(name: str) -> None:
     torch._dynamo.reset()
 
 
-def test_transformer_layer_compiles_with_inductor() -> None:
-    layer = us.TransformerLayer(32, 4)
+def test_mhsa_compiles_with_inductor() -> None:
+    layer = us.MHSA(32, 4)
     x = torch.randn(2, 16, 32, requires_grad=True)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")

@@ -484,37 +484,38 @@ def _matmul_fans(left: Tensor, right: Tensor) -> tuple[int, int, int]:
     return k, products // max(left.numel(), 1), products // max(right.numel(), 1)
 
 
-def matmul(left: Tensor, right: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
+def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
     """Unit-scaled ``torch.matmul`` of two activations (neither is treated as a weight).
 
-    Scaling rule, for i.i.d. N(0, 1) operands ``left (..., m, k)``, ``right (..., k, n)``:
+    Scaling rule, for i.i.d. N(0, 1) operands ``input (..., m, k)`` (the left one) and
+    ``other (..., k, n)`` (the right one):
     each output sums ``k`` unit products (std ``sqrt(k)``); each left-gradient element sums
     ``n`` (times any broadcast batch) and each right-gradient element ``m`` (times any
-    broadcast batch, e.g. the whole batch for a 2-D ``right``). Ideal scales:
+    broadcast batch, e.g. the whole batch for a 2-D ``other``). Ideal scales:
     ``1/sqrt(k)``, ``1/sqrt(fan_left)``, ``1/sqrt(fan_right)``. Default
     ``to_output_scale``: all three ``1/sqrt(k)`` (true gradients, std
     ``sqrt(fan / k)``); ``to_left_grad_scale``/``to_right_grad_scale`` keep one gradient
     unit; ``None``: all unit.
 
     Args:
-        left: left operand, assumed unit-scaled.
-        right: right operand, assumed unit-scaled.
+        input: left operand, assumed unit-scaled.
+        other: right operand, assumed unit-scaled.
         constraint: a constraint taking an output and two grad scales, or None.
 
     Returns:
-        ``left @ right`` times the output scale.
+        ``input @ other`` times the output scale.
 
     Example:
         >>> _ = torch.manual_seed(0)
         >>> round(matmul(torch.randn(64, 512), torch.randn(512, 64)).std().item(), 1)
         1.0
     """
-    k, fan_left, fan_right = _matmul_fans(left, right)
+    k, fan_left, fan_right = _matmul_fans(input, other)
     out_scale, left_scale, right_scale = apply_constraint(
         constraint, _rsqrt(k), _rsqrt(fan_left), _rsqrt(fan_right)
     )
-    left = _prescale(left, left_scale, out_scale)
-    right = _prescale(right, right_scale, out_scale)
+    left = _prescale(input, left_scale, out_scale)
+    right = _prescale(other, right_scale, out_scale)
     return _finish(torch.matmul(left, right), out_scale)
 
 
