@@ -1211,3 +1211,16 @@ is otherwise the plain addition, so sizes, integer tensors and ``x + 1`` are unt
 Caveat: an additive mask (``scores + mask``) is scaled with the scores (masked entries stay
 masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill``.
 """
+
+
+# Each unit-scaled op is one node in a TorchDynamo graph rather than the primitives it is
+# made of: a tracked unit-scaled model then shows `linear`, `gelu`, ... at their unit-scaled
+# output, not the internal scaling steps (whose gradients, before scaling, are not tensors a
+# unit-scaled model would hold in low precision). Inductor still traces through them.
+for _op in (
+    dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
+    rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
+    cross_entropy, mse_loss, _torch_softmax,
+):  # fmt: skip
+    torch._dynamo.allow_in_graph(_op)
+del _op
