@@ -401,3 +401,30 @@ def test_gpt_with_an_attention_mask_is_unit_scaled_too() -> None:
     assert len(attention) == 1
     assert 0.5 < attention[0].meta["metrics"].fwd.rms < 2.0
     assert math.isfinite(attention[0].meta["metrics"].bwd.rms)
+
+
+def test_unit_scale_hf_gpt2_forward_scales_near_one() -> None:
+    """HF GPT-2's Conv1D layers (addmm) are unit-scaled and re-initialised too."""
+    transformers = pytest.importorskip("transformers")
+    from unitscale.transforms import track_scales, unit_scale
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (4, 32))
+
+    def forward_rms(module: torch.nn.Module) -> list[float]:
+        tracked = track_scales(module)
+        tracked(input_ids=ids, labels=ids).loss.backward()
+        return [
+            n.meta["metrics"].fwd.rms
+            for n in tracked.scales_graph().nodes
+            if n.op == "call_function" and n.meta.get("metrics") and n.meta["metrics"].fwd.numel > 1
+        ]
+
+    plain, scaled = forward_rms(model), forward_rms(unit_scale(model))
+    assert min(plain) < 1 / 64  # the plain model has activations far below unit scale
+    assert 1 / 8 <= min(scaled) and max(scaled) <= 8

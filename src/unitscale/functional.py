@@ -1165,6 +1165,23 @@ def _torch_softmax(input: Tensor, dim: int, dtype: torch.dtype | None = None) ->
     return softmax(input, dim, dtype=dtype)
 
 
+def _addmm(
+    input: Tensor,
+    mat1: Tensor,
+    mat2: Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+    constraint: Constraint = "to_output_scale",
+) -> Tensor:
+    """``torch.addmm(bias, x, w)`` as HF's ``Conv1D`` uses it: a linear with ``w.T`` weight."""
+    if beta != 1:
+        raise UnsupportedArgumentError("addmm", "beta", beta, "only beta=1 is supported")
+    if alpha != 1:
+        raise UnsupportedArgumentError("addmm", "alpha", alpha, "only alpha=1 is supported")
+    return linear(mat1, mat2.t(), input, constraint=constraint)
+
+
 torch_map: dict[Callable[..., Any], Callable[..., Any]] = {
     # activations
     F.gelu: gelu,
@@ -1182,6 +1199,7 @@ torch_map: dict[Callable[..., Any], Callable[..., Any]] = {
     operator.matmul: matmul,
     torch.bmm: matmul,
     torch.mm: matmul,
+    torch.addmm: _addmm,
     # normalisation (nn.RMSNorm records torch.rms_norm)
     F.layer_norm: layer_norm,
     F.rms_norm: rms_norm,
@@ -1220,7 +1238,7 @@ masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill`
 for _op in (
     dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
     rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
-    cross_entropy, mse_loss, _torch_softmax,
+    cross_entropy, mse_loss, _torch_softmax, _addmm,
 ):  # fmt: skip
     torch._dynamo.allow_in_graph(_op)
 del _op

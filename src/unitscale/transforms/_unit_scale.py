@@ -142,6 +142,11 @@ _UNIT_INIT: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
 )
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers: ``addmm(bias, x, weight)``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def _op_name(fn: Any) -> str:
     """The name users write for ``fn`` (``torch.nn.functional.gelu``, ``torch.sin``...)."""
     name = getattr(fn, "__name__", None)
@@ -443,8 +448,12 @@ def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
     replaced = {op for op, fn in mapping.items() if fn is not op}
     with torch.no_grad():
         for sub in module.modules():
-            for cls, op in _UNIT_INIT:
-                if not isinstance(sub, cls) or op not in replaced:
+            # HF Conv1D is initialised like a Linear when addmm is replaced.
+            rules = [(cls, op) for cls, op in _UNIT_INIT if isinstance(sub, cls)]
+            if _is_hf_conv1d(sub):
+                rules.append((type(sub), torch.addmm))
+            for _, op in rules:
+                if op not in replaced:
                     continue
                 weight = getattr(sub, "weight", None)
                 bias = getattr(sub, "bias", None)
