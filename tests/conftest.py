@@ -1,8 +1,17 @@
-"""Shared test fixtures: every test starts from a fixed random seed."""
+"""Shared test fixtures: every test starts from a fixed random seed.
+
+Scale tracking computes its statistics with a kernel compiled by ``torch.compile``; the
+suite uses the eager version of the same kernel (``UNITSCALE_STATS=eager``) to avoid paying
+compile time in every process. ``tests/test_tracking_metrics.py`` checks that the compiled
+kernel gives the same statistics and runs a tracked model with it.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+
+os.environ.setdefault("UNITSCALE_STATS", "eager")
 
 import pytest
 import torch

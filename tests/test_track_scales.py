@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-# Eager statistics: identical numbers, no compile time (test_tracking_metrics checks equality).
-os.environ.setdefault("UNITSCALE_STATS", "eager")
-
 import copy
 import math
 import pickle

@@ -85,8 +85,13 @@ def test_nan_and_inf_are_counted_not_raised() -> None:
     assert d.abs_max == math.inf and d.nan_count == 0
 
 
-def test_compiled_and_eager_statistics_agree() -> None:
-    from unitscale.tracking.metrics import _stats_kernel
+@pytest.fixture
+def compiled_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNITSCALE_STATS", "compiled")
+
+
+def test_compiled_and_eager_statistics_agree(compiled_statistics: None) -> None:
+    from unitscale.tracking.metrics import _kernel, _stats_kernel
 
     torch.manual_seed(2)
     for x in [torch.randn(1000) * 1e3, torch.randn(37, 5).t(), torch.randn(300).half()]:
@@ -95,6 +100,23 @@ def test_compiled_and_eager_statistics_agree() -> None:
         assert compiled.underflow == eager.underflow and compiled.overflow == eager.overflow
         for field in Metrics.Data.SCALAR_FIELDS:
             assert getattr(compiled, field) == pytest.approx(getattr(eager, field), rel=1e-5)
+    assert _kernel.compiled is not None and not _kernel.failed  # the compiled path ran
+
+
+def test_tracked_model_with_compiled_statistics(compiled_statistics: None) -> None:
+    from unitscale.transforms import track_scales
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    tracked = track_scales(model)
+    x = torch.randn(8, 16)
+    out = tracked(x)
+    assert torch.equal(out, model(x))
+    out.square().mean().backward()
+    graph = tracked.scales_graph()
+    gelu = next(n for n in graph.nodes if n.target is torch.nn.functional.gelu)
+    expected = torch.nn.functional.gelu(model[0](x)).detach()
+    assert gelu.meta["metrics"].fwd.mean_abs == pytest.approx(expected.abs().mean().item())
+    assert gelu.meta["metrics"].bwd is not None
 
 
 def test_statistics_do_not_modify_or_sync() -> None:
