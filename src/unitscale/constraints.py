@@ -75,7 +75,9 @@ def to_grad_input_scale(output_scale: float, grad_input_scale: float) -> float:
     return grad_input_scale
 
 
-def to_left_grad_scale(output_scale: float, left_grad_scale: float, right_grad_scale: float) -> float:
+def to_left_grad_scale(
+    output_scale: float, left_grad_scale: float, right_grad_scale: float
+) -> float:
     """For a binary op, keep the left operand's gradient at unit scale.
 
     >>> to_left_grad_scale(1.0, 2.0, 3.0)
@@ -84,7 +86,9 @@ def to_left_grad_scale(output_scale: float, left_grad_scale: float, right_grad_s
     return left_grad_scale
 
 
-def to_right_grad_scale(output_scale: float, left_grad_scale: float, right_grad_scale: float) -> float:
+def to_right_grad_scale(
+    output_scale: float, left_grad_scale: float, right_grad_scale: float
+) -> float:
     """For a binary op, keep the right operand's gradient at unit scale.
 
     >>> to_right_grad_scale(1.0, 2.0, 3.0)

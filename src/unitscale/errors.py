@@ -7,7 +7,7 @@ format or argument concerned and say what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["UnitScaleError", "UnsupportedArgumentError", "CaptureError"]
+__all__ = ["CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
 
 
 class UnitScaleError(Exception):
