@@ -39,6 +39,8 @@ Semantics, for every format and both roundings:
 Design constraints: everything is vectorised tensor arithmetic (integer bit manipulation on
 the float32/float64 view, plus one float addition for the subnormal range) with no Python
 loop over elements and no CPU-only op, so it runs on any device and under ``torch.compile``.
+That addition assumes float32 subnormals are not flushed to zero (PyTorch's default; see
+``torch.set_flush_denormal``).
 For ``rounding="nearest"`` with a preset that has a native torch dtype, the eager path uses
 that dtype's cast (exact, and fewer passes over memory) with saturation done on the narrow
 result; compiled code always takes the bit-manipulation path, which inductor fuses into a
