@@ -1235,10 +1235,11 @@ masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill`
 # made of: a tracked unit-scaled model then shows `linear`, `gelu`, ... at their unit-scaled
 # output, not the internal scaling steps (whose gradients, before scaling, are not tensors a
 # unit-scaled model would hold in low precision). Inductor still traces through them.
-for _op in (
+GRAPH_OPS: tuple[Callable[..., Any], ...] = (
     dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
     rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
     cross_entropy, mse_loss, _torch_softmax, _addmm,
-):  # fmt: skip
+)  # fmt: skip
+for _op in GRAPH_OPS:
     torch._dynamo.allow_in_graph(_op)
 del _op
