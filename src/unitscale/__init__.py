@@ -20,6 +20,7 @@ from ._modules import (
 )
 from ._version import __version__
 from .errors import UnitScaleError
+from .monitor import ScaleMonitor
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
@@ -47,4 +48,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "MLP",
     "TransformerDecoder",
     "TransformerLayer",
+    # watching scales during training
+    "ScaleMonitor",
 ]

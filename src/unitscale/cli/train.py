@@ -1,0 +1,311 @@
+"""``unitscale train``: plain vs unit-scaled training, in FP32 and in simulated FP8.
+
+The work is done by :mod:`unitscale.training` (the runs, the tables, the figures, the report)
+and :mod:`unitscale.monitor` (scales over training); this module parses options, shows
+progress on stderr, prints the summary on stdout and writes the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_OUT = "unitscale-train"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def _run_list(text: str) -> tuple[str, ...]:
+    from ..training import RUN_NAMES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RUN_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown run(s) {', '.join(unknown) or repr(text)}; choose from {','.join(RUN_NAMES)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} lists a run twice")
+    return names
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``train`` and its options."""
+    from ..training import RUN_NAMES, TrainConfig
+
+    d = TrainConfig()
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "train",
+        help="train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
+        "write loss curves, a CSV and a report",
+        description=(
+            "Train the built-in GPT on the bundled text four ways, with the same initial "
+            "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
+            "(E4M3 operands, E5M2 gradients, no loss scaling), unit-scaled in FP32, unit-scaled "
+            "with simulated FP8. Print the final training and held-out losses; write the loss "
+            "curves (PNG), a CSV of losses per step and a self-contained HTML report. Adam, "
+            "linear warm-up, cosine decay to 10%%; each model family has its own learning rate "
+            "(chosen by a sweep of the FP32 runs; see the README). With no options it finishes "
+            "in a few minutes on a 2-core CPU."
+        ),
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=d.steps,
+        metavar="N",
+        help=f"optimiser steps per run (default {d.steps})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=d.batch_size,
+        metavar="N",
+        help=f"sequences per batch (default {d.batch_size})",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=d.seq_len,
+        metavar="N",
+        help=f"bytes per sequence (default {d.seq_len})",
+    )
+    parser.add_argument(
+        "--width",
+        type=_positive_int,
+        default=d.hidden_size,
+        metavar="N",
+        help=f"model width, a multiple of --heads (default {d.hidden_size})",
+    )
+    parser.add_argument(
+        "--depth",
+        type=_positive_int,
+        default=d.depth,
+        metavar="N",
+        help=f"transformer blocks (default {d.depth})",
+    )
+    parser.add_argument(
+        "--heads",
+        type=_positive_int,
+        default=d.heads,
+        metavar="N",
+        help=f"attention heads (default {d.heads})",
+    )
+    parser.add_argument(
+        "--lr-plain",
+        type=_positive_float,
+        default=d.lr_plain,
+        metavar="LR",
+        help=f"peak learning rate of the plain runs (default {d.lr_plain:g})",
+    )
+    parser.add_argument(
+        "--lr-unit-scaled",
+        type=_positive_float,
+        default=d.lr_unit_scaled,
+        metavar="LR",
+        help=f"peak learning rate of the unit-scaled runs (default {d.lr_unit_scaled:g})",
+    )
+    parser.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        metavar="LR",
+        help="one peak learning rate for every run (overrides both)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="linear warm-up steps (default: 5%% of --steps)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        default=d.eval_every,
+        metavar="N",
+        help=f"held-out loss every N steps (default {d.eval_every})",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=_positive_int,
+        default=d.eval_batches,
+        metavar="N",
+        help=f"batches per evaluation (default {d.eval_batches})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="initialisation, data order and evaluation seed (default 0)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=_run_list,
+        default=RUN_NAMES,
+        metavar="LIST",
+        help=f"comma-separated runs (default {','.join(RUN_NAMES)})",
+    )
+    parser.add_argument(
+        "--monitor-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="record every tensor's scale every N steps (unitscale.monitor."
+        "ScaleMonitor): scales CSV and heatmaps per run, first NaN/Inf located; "
+        "runs are not compiled then",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the FP8 runs through Inductor (unitscale.transforms.compile); "
+        "on a CPU the compile time exceeds the time saved at the default size",
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(run=run)
+    return parser  # fmt: skip
+
+
+def _progress(start: float, message: str) -> None:
+    print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``unitscale train`` with parsed options; return the exit status."""
+    start = time.perf_counter()
+    try:
+        import matplotlib  # noqa: F401
+        import pandas  # noqa: F401
+    except ModuleNotFoundError as exc:
+        from . import CommandError
+
+        raise CommandError(
+            f"unitscale train needs {exc.name}: pip install 'unitscale[analysis]'"
+        ) from exc
+    from ..monitor import tensorboard_available
+    from ..training import (
+        TrainConfig,
+        plot_losses,
+        summary_text,
+        train_run,
+        write_losses_csv,
+        write_train_report,
+    )
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        from . import CommandError
+
+        raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        hidden_size=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        lr_plain=args.lr if args.lr is not None else args.lr_plain,
+        lr_unit_scaled=args.lr if args.lr is not None else args.lr_unit_scaled,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        monitor_every=args.monitor_every,
+        runs=args.runs,
+        compile_fp8=args.compile,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    _progress(
+        start,
+        f"training {len(config.runs)} run(s) of {config.steps} steps "
+        f"({', '.join(config.runs)}) on the bundled CPython documentation text",
+    )
+    results = {}
+    for name in config.runs:
+        results[name] = train_run(name, config, progress=not args.no_progress)
+        _progress(start, f"{name}: done in {results[name].seconds:.0f}s")
+
+    written: list[Path] = [write_losses_csv(results, out / "losses.csv")]
+    figure = plot_losses(results)
+    png = out / "loss_curves.png"
+    figure.savefig(png, dpi=100, metadata={"Software": None})
+    written.append(png)
+
+    heatmaps: list[tuple[str, Figure]] = []
+    tensorboard = tensorboard_available()
+    for name, result in results.items():
+        monitor = result.monitor
+        if monitor is None or not monitor.recorded_steps:
+            continue
+        written.append(monitor.to_csv(out / f"scales_{_slug(name)}.csv"))
+        for direction, what in (("fwd", "values"), ("bwd", "gradients")):
+            try:
+                ax = monitor.heatmap("rms", direction, title=f"{name}: rms of tensor {what}")
+            except Exception as exc:  # e.g. no backward records: skip that picture
+                _progress(start, f"{name}: no {direction} heatmap ({exc})")
+                continue
+            heatmap = cast("Figure", ax.figure)
+            path = out / f"scales_{_slug(name)}_{direction}.png"
+            heatmap.savefig(path, dpi=100, metadata={"Software": None})
+            written.append(path)
+            heatmaps.append((f"{name}: rms of tensor {what} over training (log2)", heatmap))
+        if tensorboard:
+            monitor.write_tensorboard(out / "tensorboard" / _slug(name), metrics=("rms",))
+    if config.monitor_every is not None:
+        if tensorboard:
+            written.append(out / "tensorboard")
+        else:
+            _progress(start, "note: tensorboard is not installed; no TensorBoard scalars written")
+
+    written.append(write_train_report(results, config, out / "report.html", heatmaps))
+    text = summary_text(results, config)
+    text += f"\nwrote {len(written)} outputs to {out}/: " + ", ".join(p.name for p in written)
+    text += "\n"
+    (out / "summary.txt").write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    _progress(start, "done")
+    return 0
