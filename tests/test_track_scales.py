@@ -395,3 +395,40 @@ def test_transformed_module_keeps_the_original_names() -> None:
     assert list(tracked.state_dict()) == list(model.state_dict())
     tracked.load_state_dict(model.state_dict())
     assert tracked.to(torch.float64).module[0].weight.dtype == torch.float64
+
+
+class Reshapes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.t()  # a parameter's only use is a reshape
+        h = x @ w
+        flat = h.flatten()  # h's only use
+        both = h.transpose(0, 1) * 2 + h.sum()  # h has several uses
+        return flat.square().sum() + both.sum()
+
+
+def test_reshape_statistics_are_exact() -> None:
+    torch.manual_seed(0)
+    model = Reshapes()
+    x = torch.randn(3, 6)
+    tracked = track_scales(model)
+    tracked(x).backward()
+    nodes = by_name(tracked.scales_graph())
+    reference = {}
+    h = x @ model.weight.t()
+    h.retain_grad()
+    flat = h.flatten()
+    flat.retain_grad()
+    (flat.square().sum() + (h.transpose(0, 1) * 2 + h.sum()).sum()).backward()
+    reference = {"h": h, "flat": flat}
+    for name, tensor in reference.items():
+        metrics = nodes[name].meta["metrics"]
+        assert metrics.fwd.mean_abs == pytest.approx(tensor.abs().mean().item(), rel=1e-6)
+        assert metrics.bwd.mean_abs == pytest.approx(tensor.grad.abs().mean().item(), rel=1e-6)
+    assert nodes["w"].meta["metrics"].bwd is not None
+    assert nodes["weight"].meta["metrics"].bwd.mean_abs == pytest.approx(
+        model.weight.grad.abs().mean().item(), rel=1e-6
+    )

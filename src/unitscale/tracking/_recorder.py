@@ -100,6 +100,8 @@ class TrackScalesPass(GraphPass):
         # Records for inputs go after the last placeholder so the signature stays intact.
         after_inputs = placeholders[-1] if placeholders else None
         aliases: dict[int, int] = {}
+        full_aliases: set[int] = set()
+        users = {node: list(node.users) for node in nodes}  # before records are inserted
         for node in nodes:
             value = _example_value(node)
             if node.op in ("output", "get_attr") or not _is_float_tensor(value):
@@ -112,8 +114,12 @@ class TrackScalesPass(GraphPass):
             source = _same_values_source(node)
             if source is not None and source.name in slots:
                 # A reshape of a recorded tensor: same values, so the same forward statistics
-                # (read from the source); only its gradient needs recording.
+                # (read from the source). If it is the source's only use, its gradient is the
+                # source's gradient too: nothing to record at all.
                 aliases[slot] = slots[source.name]
+                if users[source] == [node] and source.op != "placeholder":
+                    full_aliases.add(slot)
+                    continue
                 with graph.inserting_after(anchor):
                     graph.call_function(self.record, (node, slot, False))
                 continue
@@ -123,6 +129,7 @@ class TrackScalesPass(GraphPass):
                 after_inputs = record
         piece.data["slots"] = slots
         piece.data["aliases"] = aliases
+        piece.data["full_aliases"] = full_aliases
         return gm
 
     def intercept_call(
@@ -308,10 +315,13 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         piece = invocation.piece
         slots: dict[str, int] = piece.data.get("slots", {})
         fwd = dict(invocation.data.get("fwd", {}))
+        bwd = dict(invocation.data.get("bwd", {}))
+        full_aliases = piece.data.get("full_aliases", set())
         for slot, source in piece.data.get("aliases", {}).items():
             if source in fwd:
                 fwd[slot] = fwd[source]
-        bwd = invocation.data.get("bwd", {})
+            if slot in full_aliases and source in bwd:
+                bwd[slot] = bwd[source]
         env: dict[fx.Node, fx.Node] = {}
         lookup = env.__getitem__
         inputs = iter(

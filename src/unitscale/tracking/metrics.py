@@ -49,7 +49,7 @@ def _stats_kernel(x: Tensor) -> Tensor:
     A non-zero value underflows in a format when round-to-nearest-even takes it to zero,
     i.e. ``|x| <= min_subnormal / 2``; it overflows when ``|x| > max``.
     """
-    x = x.reshape(-1)
+    # No reshape: for a non-contiguous tensor it would materialise a copy.
     if x.dtype != torch.float64:
         x = x.float()
     a = x.abs()
