@@ -303,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
 
     written.append(write_train_report(results, config, out / "report.html", heatmaps))
     text = summary_text(results, config)
+    written.append(out / "summary.txt")
     text += f"\nwrote {len(written)} outputs to {out}/: " + ", ".join(p.name for p in written)
     text += "\n"
     (out / "summary.txt").write_text(text, encoding="utf-8")
