@@ -262,10 +262,11 @@ class TrackScalesPass(GraphPass):
                     tensor.requires_grad_()
 
 
-# Ops whose output holds exactly the values of their first argument, rearranged.
+# Ops whose output holds exactly the values of their first argument, rearranged (dtype
+# conversions count only when the dtype does not change: `logits.float()` on float32).
 _SAME_VALUES_METHODS = frozenset(
     "view reshape flatten unflatten permute transpose t contiguous unsqueeze squeeze view_as "
-    "reshape_as movedim swapaxes swapdims".split()
+    "reshape_as movedim swapaxes swapdims float double half bfloat16".split()
 )
 _SAME_VALUES_FUNCTIONS = frozenset(
     (torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.t, torch.unsqueeze)
