@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import warnings
 
 import numpy as np
@@ -115,6 +117,56 @@ def test_monitored_module_trains_the_models_own_parameters() -> None:
         expected = model(batch.input_ids, labels=batch.labels)
         got = monitor.module(batch.input_ids, labels=batch.labels)
     assert torch.equal(expected, got)
+    # A copy of the monitored module is an independent tracked module, not monitored.
+    clone = copy.deepcopy(monitor.module)
+    monitor.step()
+    clone(batch.input_ids, labels=batch.labels)
+    with pytest.raises(MonitorError, match=r"not called during step 2"):
+        monitor.step()
+    assert pickle.loads(pickle.dumps(monitor.module))._monitor is None
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        print("", end="")  # a graph break inside a loop: Dynamo skips the caller's frame
+        return x + torch.relu(h)
+
+
+class LoopWithBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_model_dynamo_cannot_capture_whole_is_monitored_whole() -> None:
+    model = LoopWithBreak()
+    monitor = ScaleMonitor(model, every=2)
+    x = torch.randn(3, 8)
+    for step in range(3):
+        if step == 0:
+            with pytest.warns(UserWarning, match="replayed with unitscale's eager tracer"):
+                loss = monitor.module(x)
+        else:
+            loss = monitor.module(x)
+        assert torch.equal(loss, model(x))
+        loss.backward()
+        monitor.step()
+    table = monitor.table()
+    for step in (0, 2):
+        rows = table[(table["step"] == step) & (table["metric"] == "rms")]
+        linears = rows[(rows["op"] == "linear") & (rows["direction"] == "bwd")]
+        assert list(linears["module"]) == ["blocks.0.proj", "blocks.1.proj", "head"]
 
 
 class Overflowing(nn.Module):

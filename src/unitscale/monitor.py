@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .capture._core import GraphPass, TransformedModule, _Capture, iter_tensors
+from .capture._core import GraphPass, TransformedModule, iter_tensors
 from .errors import UnitScaleError
 from .tracking._recorder import TrackScalesPass
 from .tracking.metrics import Metrics
@@ -156,37 +156,31 @@ class NonFiniteError(UnitScaleError, FloatingPointError):
         self.report = report
 
 
-class _MonitorPass(GraphPass):
-    """Last pass of a monitored chain: tells the monitor about each call. Changes no graph.
+class _MonitoredModule(TransformedModule):
+    """The tracked module of a :class:`ScaleMonitor`: tells the monitor about each call.
 
-    Reads: the call's arguments and outputs. Writes: nothing (the monitor keeps references).
+    A :class:`~unitscale.capture.TransformedModule` (same passes as ``track_scales``, so the
+    same capture, including the eager fallback), whose ``forward`` also hands the monitor the
+    call's inputs and outputs. A deep copy or an unpickled copy is not monitored.
     """
 
-    def __init__(self, monitor: ScaleMonitor | None = None) -> None:
-        self._monitor = None if monitor is None else weakref.ref(monitor)
+    def __init__(self, module: nn.Module, passes: Sequence[GraphPass]) -> None:
+        super().__init__(module, passes)
+        self._monitor: weakref.ReferenceType[ScaleMonitor] | None = None
 
-    def fresh(self) -> GraphPass:
-        # A copy (deepcopy, pickle) of the monitored module is not monitored.
-        return _MonitorPass()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._monitor = None
-
-    def _owner(self) -> ScaleMonitor | None:
-        return None if self._monitor is None else self._monitor()
-
-    def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
-        monitor = self._owner()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        monitor = None if self._monitor is None else self._monitor()
         if monitor is not None:
             monitor._before_call(args, kwargs)
-
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        monitor = self._owner()
+        output = super().forward(*args, **kwargs)
         if monitor is not None:
             monitor._after_call(output)
+        return output
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_monitor"] = None
+        return state
 
 
 @dataclass(frozen=True)
@@ -304,9 +298,9 @@ class ScaleMonitor:
                     f"ScaleMonitor: {name}={list(chosen)!r}: unknown metric(s) {unknown}; "
                     f"choose from {list(METRIC_NAMES)}"
                 )
-        self.module: TransformedModule = self._wrap(model)
-        self.module.passes[-1]._monitor = weakref.ref(self)  # type: ignore[attr-defined]
-        self._track: TrackScalesPass = self.module.passes[-2]  # type: ignore[assignment]
+        self.module: _MonitoredModule = self._wrap(model)
+        self.module._monitor = weakref.ref(self)
+        self._track: TrackScalesPass = self.module.passes[-1]  # type: ignore[assignment]
         self._writer: Any = None
         if tensorboard is not None:
             self._writer = (
@@ -323,7 +317,7 @@ class ScaleMonitor:
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _wrap(model: nn.Module) -> TransformedModule:
+    def _wrap(model: nn.Module) -> _MonitoredModule:
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             raise MonitorError(
                 "ScaleMonitor: the model is torch.compile'd; pass the original module "
@@ -342,15 +336,15 @@ class ScaleMonitor:
                 "statistics cannot be recorded; monitor the chain without compile, e.g. "
                 "ScaleMonitor(simulate_fp8(unit_scale(model)))"
             )
-        if any(isinstance(p, (TrackScalesPass, _MonitorPass)) for p in passes):
+        if any(isinstance(p, TrackScalesPass) for p in passes):
             raise MonitorError(
                 "ScaleMonitor: the model is already tracked (track_scales or another "
                 "ScaleMonitor); pass the untracked model"
             )
         # No copy: the monitored module runs the user's own parameters. The earlier passes
         # (unit_scale, simulate_format) are configuration and are applied again, fresh.
-        chain = (*(p.fresh() for p in passes), TrackScalesPass(), _MonitorPass())
-        return TransformedModule(inner, chain)
+        chain = (*(p.fresh() for p in passes), TrackScalesPass())
+        return _MonitoredModule(inner, chain)
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -378,7 +372,7 @@ class ScaleMonitor:
             f"{len(self.recorded_steps)}, non_finite={self.non_finite is not None})"
         )
 
-    # -- per call (from _MonitorPass) ------------------------------------------------------------
+    # -- per call (from _MonitoredModule) ---------------------------------------------------------
     def _forget_call(self) -> None:
         self._called = False
         self._args: tuple[Any, ...] | None = None
