@@ -32,3 +32,8 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Clear Dynamo's caches before interpreter shutdown (avoids noisy weakref callbacks)."""
+    torch._dynamo.reset()
