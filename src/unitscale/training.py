@@ -106,8 +106,11 @@ class TrainConfig:
         hidden_size: model width (a multiple of ``heads``).
         depth: transformer blocks.
         heads: attention heads.
-        lr_plain: peak learning rate of the plain model's runs (Adam).
-        lr_unit_scaled: peak learning rate of the unit-scaled model's runs (Adam).
+        lr_plain: peak learning rate of the plain model's runs (Adam). 3e-3 was the best final
+            held-out loss of an FP32-only sweep (seed 1) over 1e-3, 2e-3, 3e-3, 5e-3 and 1e-2.
+        lr_unit_scaled: peak learning rate of the unit-scaled model's runs (Adam). 5e-2 was the
+            best of the same sweep over 1e-2, 2e-2, 3e-2, 5e-2 and 1e-1: its weights are
+            N(0, 1), so an Adam step is a ~50x smaller relative change than in the plain model.
         warmup_steps: linear warm-up steps (None: 5% of ``steps``), then cosine decay to
             10% of the peak.
         seed: model initialisation, data order and held-out sample.
@@ -123,14 +126,14 @@ class TrainConfig:
         0.003
     """
 
-    steps: int = 400
+    steps: int = 1000
     batch_size: int = 16
     seq_len: int = 64
     hidden_size: int = 128
     depth: int = 2
     heads: int = 4
     lr_plain: float = 3e-3
-    lr_unit_scaled: float = 3e-2
+    lr_unit_scaled: float = 5e-2
     warmup_steps: int | None = None
     seed: int = 0
     eval_every: int = 50
