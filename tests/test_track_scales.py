@@ -432,3 +432,17 @@ def test_reshape_statistics_are_exact() -> None:
     assert nodes["weight"].meta["metrics"].bwd.mean_abs == pytest.approx(
         model.weight.grad.abs().mean().item(), rel=1e-6
     )
+
+
+def test_unrecorded_calls_leave_the_recorded_statistics_alone() -> None:
+    from unitscale.tracking import TrackScalesPass
+
+    tracked = track_scales(nn.Linear(4, 4))
+    tracked(torch.ones(2, 4)).sum().backward()
+    before = by_name(tracked.scales_graph())["weight"].meta["metrics"].bwd
+    track = tracked.pass_of_type(TrackScalesPass)
+    assert isinstance(track, TrackScalesPass)
+    track.enabled = False
+    tracked(torch.ones(2, 4) * 1000).sum().backward()
+    after = by_name(tracked.scales_graph())["weight"].meta["metrics"].bwd
+    assert after == before

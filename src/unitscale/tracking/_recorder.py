@@ -249,12 +249,14 @@ class TrackScalesPass(GraphPass):
         return hook
 
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
-        if not self.enabled:
-            return
+        # The last call's gradient hooks go first in any case: parameter hooks would otherwise
+        # keep firing on calls that are not recorded and overwrite the recorded statistics.
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._hooked = set()
+        if not self.enabled:
+            return
         self._param_grads = {}
         if torch.is_grad_enabled():
             for tensor in iter_tensors((args, kwargs)):
