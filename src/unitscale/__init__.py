@@ -1,6 +1,6 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, functional, scale
+from . import constraints, data, formats, functional, models, scale, transforms
 from ._modules import (
     GELU,
     MHSA,
@@ -26,10 +26,14 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
     "UnitScaleError",
     "__version__",
-    # submodules
+    # submodules (analysis, utils and cli import matplotlib/pandas: import them explicitly)
     "constraints",
+    "data",
+    "formats",
     "functional",
+    "models",
     "scale",
+    "transforms",
     # unit-scaled layers
     "Conv1d",
     "Embedding",
