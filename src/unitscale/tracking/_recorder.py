@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,8 @@ class TrackScalesPass(GraphPass):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
+        # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
+        self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._capture: _Capture | None = None
 
     def fresh(self) -> TrackScalesPass:
@@ -224,6 +227,15 @@ class TrackScalesPass(GraphPass):
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
             return
+        # The same tensor object, unmodified, seen again in this call (``x.float()`` on a
+        # float32 tensor returns ``x``; a tensor crossing a graph break enters the next piece):
+        # same values and, hooks firing on the same object, the same gradient. Share the
+        # first node's statistics.
+        first = self._seen.get(id(x))
+        if first is not None and first[0]() is x and first[1] == x._version:
+            invocation.data.setdefault("same", {})[slot] = (first[2], first[3])
+            return
+        self._seen[id(x)] = (weakref.ref(x), x._version, invocation, slot)
         if forward:
             invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
         if x.requires_grad and torch.is_grad_enabled():
@@ -257,6 +269,7 @@ class TrackScalesPass(GraphPass):
         self._hooked = set()
         if not self.enabled:
             return
+        self._seen = {}
         self._param_grads = {}
         if torch.is_grad_enabled():
             for tensor in iter_tensors((args, kwargs)):
@@ -320,6 +333,11 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         fwd = dict(invocation.data.get("fwd", {}))
         bwd = dict(invocation.data.get("bwd", {}))
         full_aliases = piece.data.get("full_aliases", set())
+        for slot, (other, source) in invocation.data.get("same", {}).items():
+            for stats, direction in ((fwd, "fwd"), (bwd, "bwd")):
+                same = other.data.get(direction, {}).get(source)
+                if same is not None:
+                    stats[slot] = same
         for slot, source in piece.data.get("aliases", {}).items():
             if source in fwd:
                 fwd[slot] = fwd[source]
