@@ -446,3 +446,31 @@ def test_unrecorded_calls_leave_the_recorded_statistics_alone() -> None:
     tracked(torch.ones(2, 4) * 1000).sum().backward()
     after = by_name(tracked.scales_graph())["weight"].meta["metrics"].bwd
     assert after == before
+
+
+class SameObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        g = h.float()  # float32 already: the same tensor object
+        print("", end="")  # h crosses a graph break unchanged
+        return (g * 2).sum() + h.square().sum()
+
+
+def test_a_tensor_seen_twice_has_the_same_exact_statistics() -> None:
+    torch.manual_seed(0)
+    model = SameObject()
+    x = torch.randn(3, 4)
+    tracked = track_scales(model)
+    tracked(x).backward()
+    nodes = by_name(tracked.scales_graph())
+    h = model.proj(x)
+    h.retain_grad()
+    ((h.float() * 2).sum() + h.square().sum()).backward()
+    for name in ("h", "g"):
+        metrics = nodes[name].meta["metrics"]
+        assert metrics.fwd.mean_abs == pytest.approx(h.abs().mean().item(), rel=1e-6)
+        assert metrics.bwd.mean_abs == pytest.approx(h.grad.abs().mean().item(), rel=1e-6)
