@@ -8,8 +8,11 @@ kernel gives the same statistics and runs a tracked model with it.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("UNITSCALE_STATS", "eager")
 
@@ -35,5 +38,24 @@ def single_thread() -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Clear Dynamo's caches before interpreter shutdown (avoids noisy weakref callbacks)."""
+    """Clear Dynamo's caches, without the noise of its weakref callbacks at shutdown.
+
+    torch 2.13's Dynamo raises a KeyError from a weakref callback
+    (``torch/_dynamo/utils.py``) when its caches are torn down; it is harmless and printed
+    after the test summary, so it is dropped here and only here.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        in_dynamo = tb is not None and tb.tb_frame.f_code.co_filename.endswith(
+            os.path.join("torch", "_dynamo", "utils.py")
+        )
+        if not (in_dynamo and isinstance(unraisable.exc_value, KeyError)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
     torch._dynamo.reset()
+    gc.collect()

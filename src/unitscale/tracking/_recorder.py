@@ -77,6 +77,7 @@ class TrackScalesPass(GraphPass):
         self._param_grads: dict[int, _Stats] = {}
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
+        self._call_inputs: list[int] = []
         self._capture: _Capture | None = None
 
     def fresh(self) -> TrackScalesPass:
@@ -194,7 +195,9 @@ class TrackScalesPass(GraphPass):
         self._partial = ""
         if not self.enabled:
             return
-        known = {i for inv in capture.trace for i in inv.input_ids}
+        # Ids of tensors alive for the whole call (its arguments, the parameters): an output
+        # that is one of them was not computed. (Ids of pieces' inputs may be reused by now.)
+        known = set(self._call_inputs) | {id(p) for p in module.module.parameters()}
         missing = 0
         for tensor in iter_tensors(output):
             hit = capture.produced.get(id(tensor))
@@ -270,6 +273,7 @@ class TrackScalesPass(GraphPass):
         if not self.enabled:
             return
         self._seen = {}
+        self._call_inputs = [id(t) for t in iter_tensors((args, kwargs))]
         self._param_grads = {}
         if torch.is_grad_enabled():
             for tensor in iter_tensors((args, kwargs)):
