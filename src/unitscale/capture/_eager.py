@@ -145,12 +145,9 @@ class EagerTrace:
             self.ids[id(value)] = (weakref.ref(value), index)
             self._record_value(value, index)
             return index
-        if isinstance(value, (list, tuple)):
-            return (
-                type(value)(self.ref(v) for v in value)
-                if not hasattr(value, "_fields")
-                else (tuple(self.ref(v) for v in value))
-            )
+        if isinstance(value, (list, tuple)):  # namedtuples become plain tuples
+            items = [self.ref(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
         if isinstance(value, dict):
             return {k: self.ref(v) for k, v in value.items()}
         return value
@@ -231,8 +228,8 @@ class EagerTrace:
         return handles
 
     # -- building ----------------------------------------------------------------------------
-    def build(self, arg_names: dict[int, str]) -> tuple[Piece, Invocation, dict[int, int]]:
-        """The recorded call as a piece, its invocation and ``slot -> slot`` renumbering."""
+    def build(self, arg_names: dict[int, str]) -> tuple[Piece, Invocation]:
+        """The recorded call as a piece and its invocation."""
         graph = fx.Graph()
         env: dict[tuple[str, int], fx.Node] = {}
         kinds: list[tuple[str, str]] = []
@@ -293,7 +290,7 @@ class EagerTrace:
         invocation = Invocation(
             piece, [id(v) for _, _, v in self.placeholders], [None] * len(self.placeholders)
         )
-        return piece, invocation, {}
+        return piece, invocation
 
 
 def _identifier(name: str) -> str:
@@ -354,6 +351,6 @@ def trace_eagerly(
         for handle in handles:
             handle.remove()
         set_current(None)
-    piece, invocation, _ = trace.build(_argument_names(module, args, kwargs))
+    piece, invocation = trace.build(_argument_names(module, args, kwargs))
     invocation.data = provisional.data
     return out, piece, invocation
