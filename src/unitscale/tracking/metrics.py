@@ -24,15 +24,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..formats import PRESETS
+
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
 
 #: ``key -> (smallest positive subnormal, largest finite value)`` of the formats whose
-#: under/overflow tracking reports.
+#: under/overflow tracking reports: the presets of :mod:`unitscale.formats`.
 FORMAT_RANGES: dict[str, tuple[float, float]] = {
-    "e4m3": (2.0**-9, 448.0),
-    "e5m2": (2.0**-16, 57344.0),
-    "fp16": (2.0**-24, 65504.0),
-    "bf16": (2.0**-133, float(torch.finfo(torch.bfloat16).max)),
+    key: (fmt.min_absolute_subnormal, fmt.max_absolute_value) for key, fmt in PRESETS.items()
 }
 FORMAT_KEYS: tuple[str, ...] = tuple(FORMAT_RANGES)
 
