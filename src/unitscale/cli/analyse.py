@@ -17,19 +17,11 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+from ._args import positive_int
+
 __all__ = ["add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-report"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -52,8 +44,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="builtin (default) | hf:<model_type> (small random transformers model, no "
         "download) | path/to/file.py:factory (a function returning a torch.nn.Module)",
     )
-    parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N")
-    parser.add_argument("--seq-len", type=_positive_int, default=128, metavar="N")
+    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
+    parser.add_argument("--seq-len", type=positive_int, default=128, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
     parser.add_argument(
         "--forward-only", action="store_true", help="track the forward pass only (no gradients)"

@@ -17,39 +17,11 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+from ._args import non_negative_int, positive_float, positive_int
+
 __all__ = ["add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-train"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
 
 
 def _run_list(text: str) -> tuple[str, ...]:
@@ -88,84 +60,84 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=d.steps,
         metavar="N",
         help=f"optimiser steps per run (default {d.steps})",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=d.batch_size,
         metavar="N",
         help=f"sequences per batch (default {d.batch_size})",
     )
     parser.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         default=d.seq_len,
         metavar="N",
         help=f"bytes per sequence (default {d.seq_len})",
     )
     parser.add_argument(
         "--width",
-        type=_positive_int,
+        type=positive_int,
         default=d.hidden_size,
         metavar="N",
         help=f"model width, a multiple of --heads (default {d.hidden_size})",
     )
     parser.add_argument(
         "--depth",
-        type=_positive_int,
+        type=positive_int,
         default=d.depth,
         metavar="N",
         help=f"transformer blocks (default {d.depth})",
     )
     parser.add_argument(
         "--heads",
-        type=_positive_int,
+        type=positive_int,
         default=d.heads,
         metavar="N",
         help=f"attention heads (default {d.heads})",
     )
     parser.add_argument(
         "--lr-plain",
-        type=_positive_float,
+        type=positive_float,
         default=d.lr_plain,
         metavar="LR",
         help=f"peak learning rate of the plain runs (default {d.lr_plain:g})",
     )
     parser.add_argument(
         "--lr-unit-scaled",
-        type=_positive_float,
+        type=positive_float,
         default=d.lr_unit_scaled,
         metavar="LR",
         help=f"peak learning rate of the unit-scaled runs (default {d.lr_unit_scaled:g})",
     )
     parser.add_argument(
         "--lr",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="LR",
         help="one peak learning rate for every run (overrides both)",
     )
     parser.add_argument(
         "--warmup-steps",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="linear warm-up steps (default: 5%% of --steps)",
     )
     parser.add_argument(
         "--eval-every",
-        type=_positive_int,
+        type=positive_int,
         default=d.eval_every,
         metavar="N",
         help=f"held-out loss every N steps (default {d.eval_every})",
     )
     parser.add_argument(
         "--eval-batches",
-        type=_positive_int,
+        type=positive_int,
         default=d.eval_batches,
         metavar="N",
         help=f"batches per evaluation (default {d.eval_batches})",
@@ -185,7 +157,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--monitor-every",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="record every tensor's scale every N steps (unitscale.monitor."
