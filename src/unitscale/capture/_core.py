@@ -38,10 +38,12 @@ from torch import Tensor, nn
 from ..errors import CaptureError, UnitScaleError
 
 __all__ = [
+    "NOT_INTERCEPTED",
     "GraphPass",
     "Invocation",
     "Piece",
     "TransformedModule",
+    "identifier",
     "module_path_of",
     "transformed",
     "warn_user",
@@ -126,6 +128,12 @@ class Invocation:
     input_ids: list[int]
     sources: list[tuple[int, int] | None]
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def identifier(name: str) -> str:
+    """A valid Python identifier derived from ``name`` (``emb.weight`` -> ``emb_weight``)."""
+    name = re.sub(r"\W", "_", name)
+    return name if name and not name[0].isdigit() else f"_{name}"
 
 
 def warn_user(message: str) -> None:

@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ._core import Invocation, Piece
+from ._core import Invocation, Piece, identifier
 
 __all__ = ["EagerTrace", "trace_eagerly"]
 
@@ -238,7 +238,7 @@ class EagerTrace:
         for i, (kind, name, value) in enumerate(self.placeholders):
             if kind == "input":
                 name = arg_names.get(id(value), name)
-            node = graph.placeholder(_identifier(name))
+            node = graph.placeholder(identifier(name))
             node.meta["example_value"] = value.to("meta")
             kinds.append((kind, name))
             env[("ph", i)] = node
@@ -293,16 +293,11 @@ class EagerTrace:
         return piece, invocation
 
 
-def _identifier(name: str) -> str:
-    name = re.sub(r"\W", "_", name)
-    return name if name and not name[0].isdigit() else f"_{name}"
-
-
 def _default_name(target: Any) -> str:
     if isinstance(target, str):
-        return _identifier(target)
+        return identifier(target)
     name = getattr(target, "__name__", "op")
-    return _identifier(name.strip("_") or "op")
+    return identifier(name.strip("_") or "op")
 
 
 def _argument_names(module: nn.Module, args: tuple[Any, ...], kwargs: dict) -> dict[int, str]:

@@ -16,7 +16,6 @@ and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it ha
 from __future__ import annotations
 
 import copy
-import re
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from ..capture._core import (
     Piece,
     TransformedModule,
     _Capture,
+    identifier,
     iter_tensors,
     module_path_of,
     warn_user,
@@ -308,11 +308,6 @@ def _same_values_source(node: fx.Node) -> fx.Node | None:
     return source if before.dtype == after.dtype and before.numel() == after.numel() else None
 
 
-def _sanitize(name: str) -> str:
-    name = re.sub(r"\W", "_", name)
-    return name if name and not name[0].isdigit() else f"_{name}"
-
-
 def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.Graph:
     """Join the pieces of the last call into one graph carrying metrics meta.
 
@@ -359,7 +354,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 if kind in ("param", "buffer"):
                     new = shared.get(name)
                     if new is None:
-                        new = _new_placeholder(graph, _sanitize(name), name, node, k)
+                        new = _new_placeholder(graph, identifier(name), name, node, k)
                         new.meta["module_path"] = name.rpartition(".")[0]
                         new.meta["requires_grad"] = kind == "param" and name in trainable
                         shared[name] = new
@@ -372,7 +367,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                     continue
                 clean = name if name not in input_names else f"{name}_{k}"
                 input_names.add(clean)
-                new = _new_placeholder(graph, _sanitize(clean), clean, node, k)
+                new = _new_placeholder(graph, identifier(clean), clean, node, k)
                 new.meta["module_path"] = ""
                 new.meta["requires_grad"] = False
                 # A tensor entering a later piece that no earlier piece returned was computed

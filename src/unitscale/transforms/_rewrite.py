@@ -8,15 +8,14 @@ from the node it belongs to, so that reports attribute it to the right module.
 
 from __future__ import annotations
 
-import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..capture._core import Piece, TransformedModule, _Capture, iter_tensors
+from ..capture._core import Piece, TransformedModule, _Capture, identifier, iter_tensors
 from ..errors import CaptureError
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "parameter_nodes",
     "placeholder_names",
     "refuse_after_tracking",
-    "sanitize",
     "uncaptured_outputs",
     "warn_uncaptured",
 ]
@@ -65,36 +63,25 @@ def parameter_nodes(gm: fx.GraphModule, piece: Piece) -> set[fx.Node]:
     return params
 
 
-def ancestors(node: fx.Node) -> set[fx.Node]:
-    """Every node ``node`` depends on (transitively), excluding itself."""
+def _reachable(node: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
+    stack = list(step(node))
     while stack:
         current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        stack.extend(current.all_input_nodes)
+        if current not in seen:
+            seen.add(current)
+            stack.extend(step(current))
     return seen
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node ``node`` depends on (transitively), excluding itself."""
+    return _reachable(node, lambda n: n.all_input_nodes)
 
 
 def descendants(node: fx.Node) -> set[fx.Node]:
     """Every node that depends on ``node`` (transitively), excluding itself."""
-    seen: set[fx.Node] = set()
-    stack = list(node.users)
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        stack.extend(current.users)
-    return seen
-
-
-def sanitize(name: str) -> str:
-    """A valid Python identifier derived from ``name`` (dots become underscores)."""
-    name = re.sub(r"\W", "_", name)
-    return name if name and not name[0].isdigit() else f"_{name}"
+    return _reachable(node, lambda n: n.users)
 
 
 def insert_call(
@@ -116,7 +103,7 @@ def insert_call(
         value: the ``example_value`` meta (same shape/dtype as the runtime value).
         meta_from: node whose source meta (module stack, stack trace) the new node shares.
     """
-    node = graph.create_node("call_function", target, args, {}, name=sanitize(name))
+    node = graph.create_node("call_function", target, args, {}, name=identifier(name))
     for key in _SOURCE_META:
         if key in meta_from.meta:
             node.meta[key] = meta_from.meta[key]
