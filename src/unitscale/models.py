@@ -327,15 +327,8 @@ class UnitScaledGPT(nn.Module):
         from . import functional as U
 
         _check_inputs("UnitScaledGPT", input_ids, self.config)
-        if (
-            attention_mask is not None
-            and not torch.compiler.is_compiling()
-            and not bool(attention_mask.all())
-        ):
-            raise ModelConfigError(
-                "UnitScaledGPT: attention_mask has zeros (padding), but the unit-scaled "
-                "attention is causal only; pass unpadded sequences or attention_mask=None"
-            )
+        if attention_mask is not None:
+            _refuse_padding(attention_mask)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = U.add(self.token_embedding(input_ids), self.position_embedding(positions))
         x = self.dropout(x)
@@ -346,6 +339,17 @@ class UnitScaledGPT(nn.Module):
         if labels is None:
             return logits
         return U.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+@torch.compiler.disable
+def _refuse_padding(attention_mask: Tensor) -> None:
+    """Raise for a padding mask, also while being compiled (where this runs eagerly, after a
+    graph break: the check reads the mask's values, which a graph cannot branch on)."""
+    if not bool(attention_mask.all()):
+        raise ModelConfigError(
+            "UnitScaledGPT: attention_mask has zeros (padding), but the unit-scaled "
+            "attention is causal only; pass unpadded sequences or attention_mask=None"
+        )
 
 
 def unit_scaled_gpt(config: GPTConfig | None = None, seed: int = 0) -> UnitScaledGPT:

@@ -312,6 +312,7 @@ class ScaleMonitor:
         self._step = 0
         self._records: list[_Record] = []
         self._table: pd.DataFrame | None = None
+        self._mutated_buffers: set[int] = set()  # ids of buffers the last call changed
         self._forget_call()
         self._track.enabled = self.recording
 
@@ -381,6 +382,8 @@ class ScaleMonitor:
         self._outputs: list[Tensor] = []
         self._output_grads: dict[int, Tensor] = {}
         self._versions: list[int] = []
+        self._buffer_versions: list[tuple[Tensor, int]] = []
+        self._saved_buffers: list[tuple[Tensor, Tensor]] = []
         self._replaying = False
 
     def _parameters(self) -> list[Tensor]:
@@ -401,10 +404,18 @@ class ScaleMonitor:
         for device in {p.device for p in params if p.device.type == "cuda"}:
             self._rng[str(device)] = torch.cuda.get_rng_state(device)
         self._versions = [p._version for p in params]
+        # Buffers the forward changed on the last call (running statistics) are saved, so that
+        # a replay starts from this step's values; other buffers are not copied every step.
+        buffers = [b for b in self.module.module.buffers() if not b.is_inference()]
+        self._saved_buffers = [
+            (b, b.detach().clone()) for b in buffers if id(b) in self._mutated_buffers
+        ]
+        self._buffer_versions = [(b, b._version) for b in buffers]
 
     def _after_call(self, output: Any) -> None:
         if self._replaying or not self.check_finite:
             return
+        self._mutated_buffers = {id(b) for b, v in self._buffer_versions if b._version != v}
         self._outputs = [t for t in iter_tensors(output) if t.is_floating_point()]
         for i, tensor in enumerate(self._outputs):
             if tensor.requires_grad:
@@ -542,10 +553,16 @@ class ScaleMonitor:
             raise MonitorError("no call to replay")
         params = self._parameters()
         saved_grads = [p.grad for p in params]
+        # The step's results (e.g. BatchNorm's running statistics) stay as the step left them:
+        # the replay starts from the values the step started from and its updates are undone.
+        step_buffers = [(b, b.detach().clone()) for b, _ in self._buffer_versions]
         devices = [torch.device(k) for k in self._rng if k != "cpu"]
         self._replaying = True
         self._track.enabled = True
         try:
+            with torch.no_grad():
+                for buffer, start in self._saved_buffers:
+                    buffer.copy_(start)
             with torch.random.fork_rng(devices=devices, enabled=True):
                 torch.set_rng_state(self._rng["cpu"])
                 for device in devices:
@@ -565,6 +582,9 @@ class ScaleMonitor:
         finally:
             for p, grad in zip(params, saved_grads, strict=True):
                 p.grad = grad
+            with torch.no_grad():
+                for buffer, result in step_buffers:
+                    buffer.copy_(result)
             self._replaying = False
         return self.module.scales_graph()
 

@@ -81,6 +81,16 @@ class GraphPass:
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
         """Called before every forward of the transformed module."""
 
+    def prepare_inputs(
+        self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Return the arguments the call runs with (after every :meth:`before_call`)."""
+        return args, kwargs
+
+    def finish_outputs(self, module: TransformedModule, output: Any) -> Any:
+        """Return what the caller receives for ``output`` (undoing :meth:`prepare_inputs`)."""
+        return output
+
     def intercept_call(
         self,
         module: TransformedModule,
@@ -356,9 +366,14 @@ class TransformedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         for graph_pass in self.passes:
             graph_pass.before_call(self, args, kwargs)
+        for graph_pass in self.passes:
+            args, kwargs = graph_pass.prepare_inputs(self, args, kwargs)
         if self._capture is None:
             self._capture = _Capture(self)
-        return self._capture.call(args, kwargs)
+        out = self._capture.call(args, kwargs)
+        for graph_pass in reversed(self.passes):
+            out = graph_pass.finish_outputs(self, out)
+        return out
 
     @property
     def capture(self) -> _Capture | None:
@@ -393,9 +408,53 @@ class TransformedModule(nn.Module):
                 raise
             return getattr(self._modules["module"], name)
 
+    # A parent module sees the wrapped module's tree under this module's own name, so that its
+    # named_parameters(), state_dict() and load_state_dict() agree ("block.weight", never
+    # "block.module.weight"): named_modules() and state_dict() skip the "module" level, and
+    # _load_from_state_dict() moves a parent's keys back to where its walk of _modules
+    # looks for them.
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """This module, then the wrapped module's tree under the same names (no ``module.``)."""
+        if memo is None:
+            memo = set()
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        yield from self.module.named_modules(memo, prefix, remove_duplicate)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's ``state_dict()``: keys are the original's."""
-        return self.module.state_dict(*args, **kwargs)
+        result = self.module.state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        metadata = getattr(result, "_metadata", None)
+        if prefix and isinstance(metadata, dict):
+            # A parent's load_state_dict() reads the wrapped module's metadata (its version)
+            # under "<prefix>module".
+            base = prefix[:-1]
+            for key in [k for k in metadata if k == base or k.startswith(prefix)]:
+                metadata[f"{base}.module{key[len(base) :]}"] = metadata[key]
+        return result
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Called by a parent's load_state_dict() only (ours delegates to the wrapped module).
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

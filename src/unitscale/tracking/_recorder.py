@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch._C import _functorch
 
 from ..capture._core import (
     NOT_INTERCEPTED,
@@ -78,6 +79,8 @@ class TrackScalesPass(GraphPass):
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._call_inputs: list[int] = []
+        # id(caller's tensor) -> (tensor, its alias, the alias's version) for the running call.
+        self._aliases: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._capture: _Capture | None = None
 
     def fresh(self) -> TrackScalesPass:
@@ -230,15 +233,27 @@ class TrackScalesPass(GraphPass):
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
             return
+        if _functorch.is_functorch_wrapped_tensor(x):
+            # Inside torch.vmap (or torch.func.grad) the value is a wrapper of a plain tensor
+            # that holds every batch element: record that tensor's statistics. Its gradient
+            # is recorded where the vmapped result leaves vmap, not on the wrapper.
+            while _functorch.is_functorch_wrapped_tensor(x):
+                x = _functorch.get_unwrapped(x)
+            if forward:
+                invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
+            return
         # The same tensor object, unmodified, seen again in this call (``x.float()`` on a
         # float32 tensor returns ``x``; a tensor crossing a graph break enters the next piece):
         # same values and, hooks firing on the same object, the same gradient. Share the
         # first node's statistics.
+        # Inference tensors have no version counter: they are never shared, only recorded.
+        version = None if x.is_inference() else x._version
         first = self._seen.get(id(x))
-        if first is not None and first[0]() is x and first[1] == x._version:
+        if first is not None and first[0]() is x and version is not None and first[1] == version:
             invocation.data.setdefault("same", {})[slot] = (first[2], first[3])
             return
-        self._seen[id(x)] = (weakref.ref(x), x._version, invocation, slot)
+        if version is not None:
+            self._seen[id(x)] = (weakref.ref(x), version, invocation, slot)
         if forward:
             invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
         if x.requires_grad and torch.is_grad_enabled():
@@ -270,15 +285,105 @@ class TrackScalesPass(GraphPass):
             handle.remove()
         self._handles = []
         self._hooked = set()
+        self._aliases = {}
         if not self.enabled:
             return
         self._seen = {}
-        self._call_inputs = [id(t) for t in iter_tensors((args, kwargs))]
         self._param_grads = {}
-        if torch.is_grad_enabled():
-            for tensor in iter_tensors((args, kwargs)):
-                if tensor.is_floating_point() and tensor.is_leaf and not tensor.requires_grad:
-                    tensor.requires_grad_()
+
+    def prepare_inputs(
+        self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Give the forward aliases of the caller's float tensors that require grad.
+
+        So the gradient with respect to each input is tracked while the caller's tensors stay
+        as they were (no ``requires_grad_()``). An alias shares the tensor's storage, so an
+        in-place op of the forward changes the caller's tensor as it would untracked. Tensors
+        passed directly or inside tuples are aliased; those inside lists, dicts or other
+        objects are left as they are (the forward may mutate the container), and so are
+        tensors that already require grad (their gradients are tracked on them).
+        """
+        if self.enabled and torch.is_grad_enabled():
+            args = self._alias_tree(args)
+            kwargs = {key: self._alias_tree(value) for key, value in kwargs.items()}
+        self._call_inputs = [id(t) for t in iter_tensors((args, kwargs))]
+        return args, kwargs
+
+    def _alias_tree(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if not _can_alias(value):
+                return value
+            hit = self._aliases.get(id(value))
+            if hit is None:
+                alias = _alias_requiring_grad(value)
+                hit = self._aliases[id(value)] = (value, alias, alias._version)
+            return hit[1]
+        if type(value) is tuple:
+            return tuple(self._alias_tree(v) for v in value)
+        return value
+
+    def finish_outputs(self, module: TransformedModule, output: Any) -> Any:
+        """Hand back the caller's own tensors where the forward returned an input's alias, and
+        make an in-place change of an alias visible on the tensor's version counter."""
+        aliases, self._aliases = self._aliases, {}
+        if not aliases:
+            return output
+        by_alias: dict[int, Tensor] = {}
+        for original, alias, version in aliases.values():
+            by_alias[id(alias)] = original
+            if alias._version != version:
+                torch.autograd.graph.increment_version(original)
+
+        def unalias(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                return by_alias.get(id(value), value)
+            if type(value) in (tuple, list):
+                return type(value)(unalias(v) for v in value)
+            return value
+
+        return unalias(output)
+
+
+class _RequireGrad(torch.autograd.Function):
+    """The identity on ``x``, made differentiable through ``anchor`` (see
+    :func:`_alias_requiring_grad`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, anchor: Tensor) -> Tensor:
+        # Marked dirty, ``x`` itself is returned with a gradient history: not a leaf and not a
+        # view, so the forward may modify it in place as it could the caller's tensor.
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _can_alias(tensor: Tensor) -> bool:
+    return (
+        type(tensor) is Tensor
+        and tensor.is_floating_point()
+        and not tensor.requires_grad
+        and tensor.layout == torch.strided
+        and not tensor.is_inference()
+        and not _functorch.is_functorch_wrapped_tensor(tensor)
+    )
+
+
+def _alias_requiring_grad(tensor: Tensor) -> Tensor:
+    """A tensor that shares ``tensor``'s storage and requires grad; ``tensor`` is untouched.
+
+    A new tensor on the same storage has its own version counter, so making it require grad
+    (which counts as an in-place change) does not bump the caller's.
+    """
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        alias.set_(
+            tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
+    anchor = torch.zeros((), requires_grad=True)
+    return _RequireGrad.apply(alias, anchor)
 
 
 # Ops whose output holds exactly the values of their first argument, rearranged (dtype

@@ -100,7 +100,9 @@ def masked_scaled_dot_product_attention(
     Without a mask this is :func:`unitscale.functional.scaled_dot_product_attention`. With
     one, the same scaling rule (see there) with ``n_i``, the number of keys query row ``i``
     sees, counted from the mask: the output is scaled by ``1/sqrt(mean v(n_i) / keep)``, the
-    query, key and value gradients by the rule's factors, combined by ``constraint``.
+    query, key and value gradients by the rule's factors, combined by ``constraint``. With
+    ``is_causal=True`` as well, a key is visible where both the mask and the causal rule
+    allow it (as PyTorch's own kernels combine them), and counted so.
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
@@ -131,10 +133,16 @@ def masked_scaled_dot_product_attention(
     score_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     logit_var = score_scale * score_scale * head_dim
     visible = _visible(attn_mask)
-    if is_causal:  # PyTorch refuses both; keep its error
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa
-        )
+    if is_causal:
+        # PyTorch's kernels then show a key where both the mask and the causal rule allow it
+        # (some backends refuse the pair instead): fold the rule into the mask, so that the
+        # key counts, hence the scales, are those of the keys actually seen.
+        causal = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).tril()
+        visible = visible & causal
+        if attn_mask.dtype == torch.bool:
+            attn_mask = visible
+        else:
+            attn_mask = torch.where(causal, attn_mask, float("-inf"))
     visible = visible.expand(*visible.shape[:-2], queries, keys)
     counts = visible.sum(-1).clamp(max=keys)
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32

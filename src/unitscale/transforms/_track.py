@@ -14,8 +14,9 @@ def track_scales(module: nn.Module) -> TransformedModule:
     """Return a tracked copy of ``module`` that records the scale of every tensor.
 
     The copy has independent parameters; ``module`` is not touched. Call the copy as you
-    would the module (float tensor inputs get ``requires_grad_()`` so that their gradients
-    are tracked), optionally call ``backward()``, then read ``tracked.scales_graph()``: a
+    would the module (the gradient of a float input is tracked through an internal alias: the
+    caller's tensors are never made to require grad), optionally call ``backward()``, then
+    read ``tracked.scales_graph()``: a
     ``torch.fx.Graph`` of the whole forward pass (every Dynamo graph break joined in order)
     whose nodes carry ``meta["metrics"]`` and the meta described in DESIGN.md section 3.
 
