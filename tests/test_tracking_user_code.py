@@ -237,3 +237,62 @@ def test_vmap_inside_forward_is_recorded_unwrapped() -> None:
     assert nodes["mul"].meta["metrics"].fwd.mean_abs == pytest.approx(expected, rel=1e-6)
     assert nodes["x"].meta["metrics"].bwd is not None
     assert not metrics._kernel.failed  # statistics did not fall back to eager for the process
+
+
+# -- frames TorchDynamo gives up on ----------------------------------------------------------
+class _BreakInLoop(nn.Module):
+    """TorchDynamo gives up on ``forward`` (a graph break inside a loop) and runs it eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+            if x.sum().item() > 1e9:
+                x = x * 0
+        return x
+
+
+@pytest.mark.parametrize("transform", [unit_scale, simulate_fp8, compile])
+def test_uncaptured_frame_warning_says_what_was_not_transformed(transform: object) -> None:
+    model = transform(_BreakInLoop())  # type: ignore[operator]
+    with pytest.warns(UserWarning, match="outside the graphs TorchDynamo captured") as caught:
+        model(torch.randn(2, 4))
+    message = str(caught[0].message)
+    assert "Nothing was transformed" in message
+    assert "not transformed: the ops using first.weight, first.bias, blocks.0.weight" in message
+    if transform is unit_scale:
+        assert "unit_scale re-initialised first.weight, first.bias, blocks.0.weight" in message
+    else:
+        assert "re-initialised" not in message
+
+
+# -- variable-length batches -----------------------------------------------------------------
+def test_variable_lengths_do_not_recompile_per_length() -> None:
+    from unitscale.models import GPTConfig, plain_gpt
+
+    model = plain_gpt(GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=64))
+    tracked = track_scales(model)
+    for length in (16, 23, 37, 50, 64, 19):
+        ids = torch.randint(0, 256, (2, length))
+        tracked(ids, labels=ids).backward()
+    # One static capture, then one with a dynamic length that serves every other length.
+    assert tracked.capture is not None and len(tracked.capture.pieces) <= 2
+    fresh = track_scales(model)
+    fresh(ids, labels=ids).backward()
+    ours, theirs = by_name(tracked.scales_graph()), by_name(fresh.scales_graph())
+    assert ours.keys() == theirs.keys()
+    for name, node in theirs.items():
+        assert ours[name].meta.get("shape") == node.meta.get("shape"), name
+        if node.meta["metrics"] is None:
+            continue
+        for direction in ("fwd", "bwd"):
+            expected = getattr(node.meta["metrics"], direction)
+            got = getattr(ours[name].meta["metrics"], direction)
+            assert (got is None) == (expected is None), (name, direction)
+            if expected is not None:
+                assert got.numel == expected.numel and got.rms == expected.rms, name

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch._C import _functorch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..capture._core import (
     NOT_INTERCEPTED,
@@ -55,6 +56,18 @@ def _example_value(node: fx.Node) -> Any:
 
 def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
+
+
+def _static_shape(value: Tensor) -> bool:
+    return all(isinstance(size, int) for size in value.shape)
+
+
+def _hint(size: Any) -> int:
+    """An int size, or the example size Dynamo traced a symbolic one with (-1 if unknown)."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) else -1
 
 
 class TrackScalesPass(GraphPass):
@@ -111,12 +124,20 @@ class TrackScalesPass(GraphPass):
         users = {node: list(node.users) for node in nodes}  # before records are inserted
         for node in nodes:
             value = _example_value(node)
-            if node.op in ("output", "get_attr") or not _is_float_tensor(value):
+            if node.op in ("output", "get_attr") or not isinstance(value, Tensor):
                 continue
             slot = len(slots)
             slots[node.name] = slot
             anchor = after_inputs if node.op == "placeholder" else node
             if anchor is None:  # pragma: no cover - placeholders always precede
+                continue
+            if not value.is_floating_point():
+                if not _static_shape(value):
+                    # A graph reused across sizes: only the call knows this one's shape.
+                    with graph.inserting_after(anchor):
+                        shape = graph.call_function(self.record_shape, (node, slot))
+                    if node.op == "placeholder":
+                        after_inputs = shape
                 continue
             source = _same_values_source(node)
             if source is not None and source.name in slots:
@@ -126,6 +147,10 @@ class TrackScalesPass(GraphPass):
                 aliases[slot] = slots[source.name]
                 if users[source] == [node] and source.op != "placeholder":
                     full_aliases.add(slot)
+                    if not _static_shape(value):
+                        # A graph reused across sizes: only the call knows this one's shape.
+                        with graph.inserting_after(anchor):
+                            graph.call_function(self.record_shape, (node, slot))
                     continue
                 with graph.inserting_after(anchor):
                     graph.call_function(self.record, (node, slot, False))
@@ -233,6 +258,7 @@ class TrackScalesPass(GraphPass):
         invocation = capture.current if capture is not None else None
         if invocation is None or not isinstance(x, Tensor):
             return
+        invocation.data.setdefault("shape", {})[slot] = tuple(x.shape)
         if _functorch.is_functorch_wrapped_tensor(x):
             # Inside torch.vmap (or torch.func.grad) the value is a wrapper of a plain tensor
             # that holds every batch element: record that tensor's statistics. Its gradient
@@ -265,6 +291,13 @@ class TrackScalesPass(GraphPass):
                 self._handles.append(x.register_hook(self._leaf_hook(id(x))))
             else:
                 self._handles.append(x.register_hook(self._grad_hook(invocation, slot)))
+
+    def record_shape(self, x: Any, slot: int) -> None:
+        """Store only the shape of ``x`` for ``slot`` (its statistics are another slot's)."""
+        capture = self._capture
+        invocation = capture.current if capture is not None else None
+        if self.enabled and invocation is not None and isinstance(x, Tensor):
+            invocation.data.setdefault("shape", {})[slot] = tuple(x.shape)
 
     def _grad_hook(self, invocation: Invocation, slot: int) -> Any:
         def hook(grad: Tensor) -> None:
@@ -410,7 +443,9 @@ def _same_values_source(node: fx.Node) -> fx.Node | None:
     before, after = _example_value(source), _example_value(node)
     if not (_is_float_tensor(before) and _is_float_tensor(after)):
         return None
-    return source if before.dtype == after.dtype and before.numel() == after.numel() else None
+    # Sizes may be symbolic (dynamic shapes): decide without adding guards.
+    same_numel = statically_known_true(before.numel() == after.numel())
+    return source if before.dtype == after.dtype and same_numel else None
 
 
 def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.Graph:
@@ -436,6 +471,8 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         slots: dict[str, int] = piece.data.get("slots", {})
         fwd = dict(invocation.data.get("fwd", {}))
         bwd = dict(invocation.data.get("bwd", {}))
+        # Shapes of this call (a graph captured with dynamic sizes serves several).
+        shapes: dict[int, tuple[int, ...]] = invocation.data.get("shape", {})
         full_aliases = piece.data.get("full_aliases", set())
         for slot, (other, source) in invocation.data.get("same", {}).items():
             for stats, direction in ((fwd, "fwd"), (bwd, "bwd")):
@@ -478,6 +515,8 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 # A tensor entering a later piece that no earlier piece returned was computed
                 # by code Dynamo ran eagerly: say so rather than pretend it is a model input.
                 new.meta["outside_graph"] = k > 0
+                if slot in shapes:
+                    new.meta["shape"] = shapes[slot]
                 env[node] = new
                 grad = bwd.get(slot) or track._param_grads.get(input_id)
                 _queue(pending, new, fwd.get(slot), grad)
@@ -493,6 +532,8 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 new.meta["requires_grad"] = False
                 env[node] = new
                 slot = slots.get(node.name)
+                if slot in shapes:
+                    new.meta["shape"] = shapes[slot]
                 _queue(pending, new, fwd.get(slot), bwd.get(slot))
         if len(outputs) <= k:  # a piece whose graph has no output node
             outputs.append([])
@@ -526,7 +567,9 @@ def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None
     value = _example_value(original)
     new.meta["outputs_float_tensor"] = _is_float_tensor(value)
     if isinstance(value, Tensor):
-        new.meta["shape"] = tuple(int(s) for s in value.shape)
+        # A symbolic size (a graph captured with dynamic sizes) is replaced by the call's own
+        # size when the slot was recorded; its hint stands in otherwise.
+        new.meta["shape"] = tuple(_hint(size) for size in value.shape)
         new.meta["dtype"] = value.dtype
     new.meta["module_path"] = module_path
     new.meta["subgraph"] = k

@@ -19,8 +19,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, transformed
+from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
 from ..errors import CaptureError
+from ._rewrite import warn_uncaptured
 
 __all__ = ["CompilePass", "compile"]
 
@@ -35,6 +36,12 @@ class CompilePass(GraphPass):
 
     def __repr__(self) -> str:
         return "CompilePass()"
+
+    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = warn_uncaptured(
+                module, capture, output, "compile", "the ops computing them run eagerly"
+            )
 
     def finish(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], piece: Piece

@@ -9,7 +9,7 @@ from the node it belongs to, so that reports attribute it to the right module.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -20,6 +20,7 @@ from ..errors import CaptureError
 
 __all__ = [
     "ancestors",
+    "captured_parameters",
     "descendants",
     "example_value",
     "insert_call",
@@ -140,18 +141,61 @@ def uncaptured_outputs(capture: _Capture, output: Any) -> int:
     return missing
 
 
+def captured_parameters(capture: _Capture) -> set[str]:
+    """Qualified names of the parameters that a graph captured in the last call received."""
+    return {
+        name
+        for invocation in capture.trace
+        for kind, name in invocation.piece.placeholders
+        if kind == "param"
+    }
+
+
+def _listed(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def warn_uncaptured(
-    module: TransformedModule, capture: _Capture, output: Any, op: str, consequence: str
+    module: TransformedModule,
+    capture: _Capture,
+    output: Any,
+    op: str,
+    consequence: str,
+    reinitialised: Collection[str] = (),
 ) -> bool:
-    """Warn (once per call site; returns whether it did) about outputs computed eagerly."""
+    """Warn (once per call site; returns whether it did) about outputs computed eagerly.
+
+    The message says what was transformed (the captured graphs), what was not (the
+    parameters no captured graph received: their ops ran as written) and which of those
+    ``reinitialised`` names (weights ``unit_scale`` re-initialised) are among them.
+    """
     missing = uncaptured_outputs(capture, output)
     if not missing:
         return False
-    warnings.warn(
+    graphs = len({id(invocation.piece) for invocation in capture.trace})
+    message = (
         f"{op}: {missing} floating-point output(s) of {type(module.module).__name__} were "
         "computed outside the graphs TorchDynamo captured (code it ran eagerly around a graph "
-        f"break, or a skipped function); {consequence}",
-        UserWarning,
-        stacklevel=7,
+        f"break, or a skipped function); {consequence}. "
     )
+    if graphs:
+        message += f"Transformed: the ops of the {graphs} captured graph(s)"
+    else:
+        message += "Nothing was transformed: TorchDynamo captured no graph of this call"
+    captured = captured_parameters(capture)
+    outside = [n for n, _ in module.module.named_parameters() if n not in captured]
+    if outside:
+        message += (
+            f"; not transformed: the ops using {_listed(outside)} (no captured graph "
+            "received these parameters)"
+        )
+    stale = [n for n in outside if n in reinitialised]
+    if stale:
+        message += (
+            f". unit_scale re-initialised {_listed(stale)} (N(0, 1) weights, 0 biases, 1 for "
+            "norms) for unit-scaled ops, but the ops using them run as written: fix the "
+            "graph break, or load the original weights into those modules"
+        )
+    warnings.warn(message, UserWarning, stacklevel=7)
     return True

@@ -239,6 +239,8 @@ class UnitScalePass(GraphPass):
     ) -> None:
         self.replace = _check_replace(replace)
         self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
+        #: Qualified names of the parameters ``unit_scale`` re-initialised (for warnings).
+        self.reinitialised: list[str] = []
 
     def __repr__(self) -> str:
         names = ", ".join(_op_name(k) for k in self.replace)
@@ -254,6 +256,7 @@ class UnitScalePass(GraphPass):
                 "unit_scale",
                 "the ops computing them are not unit-scaled (move the graph break, e.g. a "
                 "print or .item(), out of loops and nested modules)",
+                reinitialised=getattr(self, "reinitialised", ()),
             )
 
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
@@ -443,11 +446,15 @@ def _as_residual_add(node: fx.Node, params: set[fx.Node]) -> _ResidualAdd | None
     return None
 
 
-def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
-    """Re-initialise, in place, the parameters of modules whose op is unit-scaled."""
+def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> list[str]:
+    """Re-initialise, in place, the parameters of modules whose op is unit-scaled.
+
+    Returns the qualified names of the parameters it re-initialised.
+    """
     replaced = {op for op, fn in mapping.items() if fn is not op}
+    touched: list[str] = []
     with torch.no_grad():
-        for sub in module.modules():
+        for prefix, sub in module.named_modules():
             # HF Conv1D is initialised like a Linear when addmm is replaced.
             rules = [(cls, op) for cls, op in _UNIT_INIT if isinstance(sub, cls)]
             if _is_hf_conv1d(sub):
@@ -467,6 +474,12 @@ def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
                         weight[padding].zero_()
                 if isinstance(bias, torch.Tensor):
                     bias.zero_()
+                touched.extend(
+                    f"{prefix}.{name}" if prefix else name
+                    for name in ("weight", "bias")
+                    if isinstance(getattr(sub, name, None), torch.Tensor)
+                )
+    return touched
 
 
 def _check_order(module: nn.Module) -> None:
@@ -539,5 +552,5 @@ def unit_scale(
     _check_order(module)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
-    _init_unit_scale(result.module, graph_pass.mapping())
+    graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
     return result
