@@ -240,7 +240,7 @@ class _Capture:
         self.current: Invocation | None = None
         self.calls = 0  # calls that went through Dynamo
         self.compiled: Callable[..., Any] = torch.compile(
-            owner.module, backend=self.backend, dynamic=None
+            owner.module, backend=self.backend, dynamic=False
         )
 
     # Dynamo backend: called once per captured piece.

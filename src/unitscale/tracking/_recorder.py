@@ -493,6 +493,12 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
             if node.op == "placeholder":
                 (kind, name), input_id, source = next(inputs)
                 slot = slots.get(node.name)
+                example = _example_value(node)
+                if isinstance(example, torch.SymInt):
+                    # A size Dynamo passes to a graph captured with dynamic sizes: not a
+                    # model input; the joined graph shows its example value instead.
+                    env[node] = _hint(example)
+                    continue
                 if kind in ("param", "buffer"):
                     new = shared.get(name)
                     if new is None:
