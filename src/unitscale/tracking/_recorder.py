@@ -484,7 +484,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 fwd[slot] = fwd[source]
             if slot in full_aliases and source in bwd:
                 bwd[slot] = bwd[source]
-        env: dict[fx.Node, fx.Node] = {}
+        env: dict[fx.Node, Any] = {}  # a node, or an int standing for a symbolic size
         lookup = env.__getitem__
         inputs = iter(
             zip(piece.placeholders, invocation.input_ids, invocation.sources, strict=True)
