@@ -98,7 +98,7 @@ def test_simulate_fp8_matches_hand_quantised_reference_bit_for_bit() -> None:
     reference.load_state_dict(plain.state_dict())
     x = torch.randn(4, 8, 16)
 
-    simulated = simulate_fp8(plain)
+    simulated = simulate_fp8(plain, recipe="all-operands")
     out, grads = run(simulated, x.clone().requires_grad_())
     ref_out, ref_grads = run(reference, x.clone().requires_grad_())
     assert torch.equal(out, ref_out)
@@ -115,7 +115,7 @@ def test_simulate_fp8_matches_hand_quantised_reference_bit_for_bit() -> None:
 
 def test_gradients_of_quantised_operands_are_e5m2_and_others_are_not() -> None:
     torch.manual_seed(0)
-    model = simulate_fp8(OpsSimulated())
+    model = simulate_fp8(OpsSimulated(), recipe="all-operands")
     _, grads = run(model, torch.randn(4, 8, 16, requires_grad=True))
     # Weights feeding a single matmul-like op get their gradient quantised to E5M2 ...
     for name in ("lin.weight", "conv.weight"):
@@ -127,7 +127,7 @@ def test_gradients_of_quantised_operands_are_e5m2_and_others_are_not() -> None:
 
 def test_tracked_graph_shows_exactly_the_quantised_operands() -> None:
     torch.manual_seed(0)
-    model = track_scales(simulate_fp8(OpsSimulated()))
+    model = track_scales(simulate_fp8(OpsSimulated(), recipe="all-operands"))
     model(torch.randn(4, 8, 16)).sum().backward()
     graph = model.scales_graph()
     quantised = [n for n in graph.nodes if n.target is quantise_operand]

@@ -5,8 +5,9 @@ built-in GPT (:mod:`unitscale.models`) on the bundled text (:mod:`unitscale.data
 same initialisation, data order and seed:
 
 - ``plain-fp32``: the plain-PyTorch model;
-- ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (matmul
-  operands in E4M3, their gradients in E5M2, round to nearest), with no loss scaling;
+- ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (by default
+  the ``"hardware"`` recipe: matmul operands in E4M3, the gradient of each matmul's output in
+  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling;
 - ``unit-scaled-fp32``: its unit-scaled twin;
 - ``unit-scaled-fp8``: the twin under ``simulate_fp8``, again with no loss scaling.
 
@@ -120,6 +121,9 @@ class TrainConfig:
         runs: which of :data:`RUN_NAMES` to train, in that order.
         compile_fp8: run the FP8 runs through :func:`unitscale.transforms.compile` (Inductor);
             ignored for monitored runs, which cannot be compiled.
+        fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key the FP8 runs use
+            (``"hardware"``: E4M3 matmul inputs, E5M2 output gradients; ``"all-operands"``:
+            the gradients of every matmul input, weights included, in E5M2 as well).
 
     Example:
         >>> TrainConfig(steps=10, runs=("plain-fp32",)).lr_for("plain-fp32")
@@ -141,8 +145,15 @@ class TrainConfig:
     monitor_every: int | None = None
     runs: tuple[str, ...] = RUN_NAMES
     compile_fp8: bool = False
+    fp8_recipe: str = "hardware"
 
     def __post_init__(self) -> None:
+        from .transforms import FP8_RECIPES
+
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise TrainConfigError(
+                f"TrainConfig: fp8_recipe={self.fp8_recipe!r}; choose from {', '.join(FP8_RECIPES)}"
+            )
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "depth", "heads"):
             _check_positive_int(name, getattr(self, name))
         for name in ("eval_every", "eval_batches"):
@@ -276,7 +287,7 @@ def build_run_model(run: str, config: TrainConfig) -> nn.Module:
         from .transforms import compile as compile_module
         from .transforms import simulate_fp8
 
-        model = simulate_fp8(model)
+        model = simulate_fp8(model, recipe=config.fp8_recipe)
         if config.compile_fp8 and config.monitor_every is None:
             model = compile_module(model)
     return model
@@ -495,7 +506,8 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
     lines = [
         f"unitscale train: {config.steps} steps, batch {config.batch_size} x {config.seq_len} "
-        f"bytes, width {config.hidden_size}, depth {config.depth}, seed {config.seed}",
+        f"bytes, width {config.hidden_size}, depth {config.depth}, seed {config.seed}, "
+        f"FP8 recipe {config.fp8_recipe!r}",
         "",
     ]
     for i, row in enumerate(rows):
@@ -640,8 +652,10 @@ def write_train_report(
     parts.append("</table>")
     parts.append(
         "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "
-        "decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 (matmul "
-        "operands in E4M3, their gradients in E5M2, round to nearest) with no loss scaling.</p>"
+        "decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 with the "
+        f"{html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, gradients in "
+        "E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
+        "scaling.</p>"
     )
     all_figures = [("Loss curves", plot_losses(results)), *figures]
     parts.append("<h2>Figures</h2>")

@@ -50,12 +50,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Train the built-in GPT on the bundled text four ways, with the same initial "
             "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
-            "(E4M3 operands, E5M2 gradients, no loss scaling), unit-scaled in FP32, unit-scaled "
-            "with simulated FP8. Print the final training and held-out losses; write the loss "
-            "curves (PNG), a CSV of losses per step and a self-contained HTML report. Adam, "
-            "linear warm-up, cosine decay to 10%%; each model family has its own learning rate "
-            "(chosen by a sweep of the FP32 runs; see the README). With no options it finishes "
-            "in a few minutes on a 2-core CPU."
+            "(E4M3 operands, E5M2 output gradients, no loss scaling), unit-scaled in FP32, "
+            "unit-scaled with simulated FP8. Print the final training and held-out losses; "
+            "write the loss curves (PNG), a CSV of losses per step and a self-contained HTML "
+            "report. Adam, linear warm-up, cosine decay to 10%%; each model family has its own "
+            "learning rate (chosen by a sweep of the FP32 runs; see the README). With no "
+            "options it finishes in a few minutes on a 2-core CPU."
         ),
     )
     parser.add_argument(
@@ -171,6 +171,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "on a CPU the compile time exceeds the time saved at the default size",
     )
     parser.add_argument(
+        "--fp8-recipe",
+        choices=("hardware", "all-operands"),
+        default=d.fp8_recipe,
+        help="which tensors the FP8 runs round (unitscale.transforms.FP8_RECIPES): "
+        "'hardware' (default): matmul inputs in E4M3 and the gradient of each matmul's "
+        "output in E5M2; 'all-operands': the gradient of every matmul input, weights "
+        "included, in E5M2",
+    )
+    parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -229,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         monitor_every=args.monitor_every,
         runs=args.runs,
         compile_fp8=args.compile,
+        fp8_recipe=args.fp8_recipe,
     )
     out.mkdir(parents=True, exist_ok=True)
     _progress(
