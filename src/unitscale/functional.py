@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .constraints import apply_constraint
-from .errors import UnsupportedArgumentError
+from .errors import UnitScaleError, UnsupportedArgumentError
 from .scale import scale_bwd, scale_fwd, scale_fwd_bwd
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
@@ -100,7 +100,16 @@ def _finish(y: Tensor, output_scale: float, inplace: bool = True) -> Tensor:
 
 
 def _rsqrt(n: float) -> float:
-    """``1 / sqrt(n)``, with 1 for an empty fan (nothing is summed, nothing to correct)."""
+    """``1 / sqrt(n)``, with 1 for an empty fan (nothing is summed, nothing to correct).
+
+    A scale is never silently dropped: a NaN, infinite or negative ``n`` (a variance that
+    went wrong) raises instead of leaving the tensor unscaled.
+    """
+    if not math.isfinite(n) or n < 0:
+        raise UnitScaleError(
+            f"unitscale.functional: a scale was computed from the variance {n!r}, which is "
+            "not a finite non-negative number; this is a bug in unitscale, please report it"
+        )
     return 1.0 / math.sqrt(n) if n > 0 else 1.0
 
 
@@ -150,36 +159,53 @@ def _softmax_moment_table(lengths: Any, logit_var: float) -> tuple[Any, Any]:
     ``w_j``: ``E[w_1^k / S^k] = Γ(k)^-1 ∫ t^(k-1) ψ_k(t) φ(t)^(n-1) dt`` with
     ``ψ_k(t) = E[w^k exp(-t w)]`` and ``φ = ψ_0``. Both inner expectations and the outer
     integral (over ``u = log t``) use the trapezoid rule, which is spectrally accurate here.
+
+    Every term is evaluated as ``t^k ψ_k(t) = E[exp(k s - e^s)]`` with ``s = u + log w``,
+    which is bounded (by ``(k/e)^k``) for any logit variance, so nothing overflows; the
+    grid over ``u`` is sized from the variance: it covers ``-log w`` for every ``z`` on the
+    Gaussian grid plus the tails of ``exp(k s - e^s)`` (``e^(k s)`` below, ``exp(-e^s)``
+    above), at a step small enough to resolve both.
     """
     import numpy as np
 
     n = np.asarray(lengths, dtype=np.float64)[:, None]
     sigma = math.sqrt(logit_var)
-    z = np.linspace(-12.0, 12.0, 1201)
+    z_max = 12.0
+    # log w = sigma z: a step of at most 0.25 in log w keeps the z-sum spectrally accurate.
+    z = np.linspace(-z_max, z_max, max(1201, int(2 * z_max * sigma / 0.25) + 1))
     density = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) * (z[1] - z[0])
-    u = np.linspace(-40.0, 40.0, 1601)
-    t = np.exp(u)
-    log_w = sigma * z
-    laplace = np.exp(-np.outer(t, np.exp(log_w)))  # exp(-t w), (t, z)
-
-    def psi(k: int) -> Any:
-        return (laplace * np.exp(k * log_w)) @ density
-
-    log_phi = np.log(np.maximum(laplace @ density, 1e-300))
-    power_1 = np.exp((n - 1.0) * log_phi)
-    power_2 = np.exp(np.maximum(n - 2.0, 0.0) * log_phi)
+    # For each z, s = u + sigma z must span [-40, 7]: e^(k s) < 1e-17 below (k >= 1) and
+    # exp(-e^s) < 1e-400 above. The integrand is entire in s, so a step of 0.1 is ample.
+    u = np.arange(-sigma * z_max - 40.0, sigma * z_max + 7.0, 0.1)
+    s = np.minimum(u[:, None] + sigma * z[None, :], 700.0)  # (u, z); e^700 is still finite
+    exp_s = np.exp(s)
     du = u[1] - u[0]
 
-    def integral(k: int, integrand: Any) -> Any:  # ∫ t^(k-1) f dt = ∫ t^k f du
-        return (integrand * t**k).sum(axis=-1) * du
+    def t_psi(k: int) -> Any:  # t^k ψ_k(t) on the u grid
+        return np.exp(k * s - exp_s) @ density
+
+    log_phi = np.log(np.maximum(np.exp(-exp_s) @ density, 1e-300))
+    power_1 = np.exp((n - 1.0) * log_phi)
+    power_2 = np.exp(np.maximum(n - 2.0, 0.0) * log_phi)
+
+    def integral(t_psi_k: Any) -> Any:  # ∫ t^(k-1) f dt = ∫ t^k f du
+        return t_psi_k.sum(axis=-1) * du
 
     n = n[:, 0]
-    sum_p2 = n * integral(2, psi(2) * power_1)
-    sum_p3 = n * integral(3, psi(3) * power_1) / 2.0
+    psi_2 = t_psi(2)
+    sum_p2 = n * integral(psi_2 * power_1)
+    sum_p3 = n * integral(t_psi(3) * power_1) / 2.0
+    # t^4 ψ_2(t)^2 = (t^2 ψ_2(t))^2
     sum_p2_squared = (
-        n * integral(4, psi(4) * power_1) + n * (n - 1.0) * integral(4, psi(2) ** 2 * power_2)
+        n * integral(t_psi(4) * power_1) + n * (n - 1.0) * integral(psi_2**2 * power_2)
     ) / 6.0
-    return sum_p2, sum_p2 - 2.0 * sum_p3 + sum_p2_squared
+    v, g = sum_p2, sum_p2 - 2.0 * sum_p3 + sum_p2_squared
+    if not (np.all(np.isfinite(v)) and np.all(np.isfinite(g))):
+        raise UnitScaleError(
+            f"unitscale.functional: the softmax moments for logit variance {logit_var} are not "
+            "finite; this is a bug in unitscale, please report it with the shapes used"
+        )
+    return v, g
 
 
 @torch.compiler.assume_constant_result
@@ -399,9 +425,11 @@ def softmax(
     numerical integration (``v(n) -> e/n`` for large ``n``, so the output scale tends to
     ``n / sqrt(e - 1)`` and the gradient scale to ``sqrt(n / e)``). Ideal scales:
     output ``n / sqrt(n v - 1)``, grad-input ``sqrt(n / G)``. Default ``to_output_scale``:
-    both the output scale (output unit; true gradient, std ``sqrt(G/(n v - 1)) * ...`` below
-    1, e.g. 0.78 for n = 64); ``None``: both unit. The output keeps its mean: a unit-scaled
-    softmax sums to ``n / sqrt(n v - 1)``, not 1. ``n = 1`` is left unscaled.
+    both use the output scale (output unit; true gradient, whose std is then
+    ``n / sqrt(n v - 1) * sqrt(G / n) = sqrt(n G / (n v - 1))``: above 1, e.g. 1.21 for
+    n = 64, tending to ``sqrt(e / (e - 1)) ≈ 1.26`` for large ``n``); ``None``: both unit.
+    The output keeps its mean: a unit-scaled softmax sums to ``n / sqrt(n v - 1)``, not 1.
+    ``n = 1`` is left unscaled.
 
     Args:
         input: the logits, assumed i.i.d. N(0, 1) along ``dim``.
