@@ -514,17 +514,19 @@ class ScaleMonitor:
     def _non_finite_trigger(self, loss: Tensor | None) -> str:
         watched = [loss.detach()] if loss is not None else [t.detach() for t in self._outputs]
         grads = [p.grad for p in self._parameters() if p.grad is not None]
-        flags: list[Tensor] = []
-        kinds: list[str] = []
+        flags: dict[torch.device, list[Tensor]] = {}
+        kinds: dict[torch.device, list[str]] = {}
         for kind, tensors in (("loss", watched), ("gradients", grads)):
             for tensor in tensors:
                 if tensor.is_floating_point() and tensor.numel():
-                    flags.append(torch.isfinite(tensor).all().to("cpu", non_blocking=True))
-                    kinds.append(kind)
-        if not flags:
-            return ""
-        ok = torch.stack(flags).tolist()  # the one synchronisation per step
-        bad = [k for k, good in zip(kinds, ok, strict=True) if not good]
+                    flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+                    kinds.setdefault(tensor.device, []).append(kind)
+        bad: list[str] = []
+        for device, device_flags in flags.items():
+            # One blocking copy per device and step: it waits for the flags to be computed
+            # (a non-blocking copy to the host could be read before it lands: stale flags).
+            ok = torch.stack(device_flags).to("cpu").tolist()
+            bad += [k for k, good in zip(kinds[device], ok, strict=True) if not good]
         return " and ".join(k for k in ("loss", "gradients") if k in bad)
 
     def _locate(self, step: int, trigger: str) -> NonFiniteReport:
