@@ -101,11 +101,8 @@ def run(args: argparse.Namespace) -> int:
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
-    notes: list[str] = []
     progress(f"building {args.model} model(s)")
-    models = resolve_models(args.model, args.seq_len, args.seed, notes)
-    for note in notes:
-        progress(f"note: {note}")
+    models = resolve_models(args.model, args.seq_len, args.seed)
 
     graphs = {}
     tables = []

@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"unitscale train needs {exc.name}: pip install 'unitscale[analysis]'"
         ) from exc
-    from ..monitor import tensorboard_available
+    from ..monitor import MonitorError, tensorboard_available
     from ..training import (
         TrainConfig,
         plot_losses,
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         for direction, what in (("fwd", "values"), ("bwd", "gradients")):
             try:
                 ax = monitor.heatmap("rms", direction, title=f"{name}: rms of tensor {what}")
-            except Exception as exc:  # e.g. no backward records: skip that picture
+            except MonitorError as exc:  # no records in that direction: skip the picture
                 _progress(start, f"{name}: no {direction} heatmap ({exc})")
                 continue
             heatmap = cast("Figure", ax.figure)
