@@ -10,13 +10,24 @@ from unitscale.cli import main
 from unitscale.monitor import ScaleMonitor
 
 FACTORY = """
+import torch
 from torch import nn
 from unitscale.transforms import simulate_fp8
 
 
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 16)
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, input_ids, **unused):
+        return self.head(torch.tanh(self.emb(input_ids)))
+
+
 def simulated():
-    # unit_scale refuses a model that is already simulate_fp8'd ("unit-scale first").
-    return simulate_fp8(nn.Linear(4, 4))
+    # Trackable, but unit_scale refuses a model already simulate_fp8'd ("unit-scale first").
+    return simulate_fp8(Tiny())
 """
 
 
@@ -30,7 +41,8 @@ def test_analyse_fails_when_the_unit_scaled_twin_cannot_be_built(
     (tmp_path / "mine.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
-    assert main(["analyse", "--model", "mine.py:simulated", "--out", "out"]) == 1
+    args = ["analyse", "--model", "mine.py:simulated", "--forward-only", "--seq-len", "8"]
+    assert main([*args, "--batch-size", "2", "--out", "out"]) == 1
     errors = _errors(capsys.readouterr().err)
     assert len(errors) == 1, errors
     assert errors[0].startswith("unitscale analyse: error: unit_scale(mine.simulated) failed: ")
