@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from unitscale.tracking.metrics import FORMAT_RANGES, Metrics, stats_to_data, tensor_stats
 
@@ -119,9 +121,49 @@ def test_tracked_model_with_compiled_statistics(compiled_statistics: None) -> No
     assert gelu.meta["metrics"].bwd is not None
 
 
-def test_statistics_do_not_modify_or_sync() -> None:
-    x = torch.randn(100, requires_grad=True)
+class _NoHostReads(TorchFunctionMode):
+    """Raises on every way of reading a tensor's values on the host (a device sync on a GPU;
+    ``torch.cuda.set_sync_debug_mode`` is CUDA-only, so this works on any device)."""
+
+    READS = (
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.READS or (
+            func is torch.Tensor.to
+            and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        ):
+            raise AssertionError(f"host read during statistics: {func.__name__}")
+        return func(*args, **kwargs)
+
+
+def test_no_host_reads_is_able_to_fail() -> None:
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        bool(torch.ones(1) > 0)
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        torch.ones(1).to("cpu")
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(100, requires_grad=True),
+        torch.tensor([1.0, float("nan"), float("inf")]),
+        torch.empty(0),
+        torch.randn(8, 8).half().t(),
+    ],
+)
+def test_statistics_do_not_modify_or_sync(x: torch.Tensor) -> None:
     before = x.detach().clone()
-    v = tensor_stats(x)
+    with _NoHostReads():
+        v = tensor_stats(x)
     assert not v.requires_grad and v.dtype == torch.float64
-    assert torch.equal(x.detach(), before)
+    torch.testing.assert_close(x.detach(), before, rtol=0, atol=0, equal_nan=True)
