@@ -16,6 +16,9 @@
    An addition that is not a residual add becomes ``U.add`` only if its operands are two
    float tensors neither of which is computed from the other (``U.add`` assumes independent
    operands); ``x + 1``, size arithmetic and ``x + 0.04 * x**3`` stay plain additions.
+   A matmul ``x @ W`` whose right operand is a 2-D parameter becomes ``linear(x, W.t())``:
+   ``W`` is a weight (weight-gradient rule, re-initialised to N(0, 1) at its first capture
+   unless written since ``unit_scale`` returned), not a second activation.
    Attention with an explicit ``attn_mask`` uses
    :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
    the number of visible keys from the mask.
@@ -59,6 +62,7 @@ from ._rewrite import (
     insert_call,
     is_float_node,
     parameter_nodes,
+    placeholder_names,
     refuse_after_tracking,
     warn_uncaptured,
 )
@@ -239,6 +243,9 @@ class UnitScalePass(GraphPass):
     ) -> None:
         self.replace = _check_replace(replace)
         self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
+        # Parameter name -> version when unit_scale returned, for parameters that may turn
+        # out to be matmul weights (re-initialised at their first capture if unchanged).
+        self._versions: dict[str, int] | None = None
 
     def __repr__(self) -> str:
         names = ", ".join(_op_name(k) for k in self.replace)
@@ -273,6 +280,7 @@ class UnitScalePass(GraphPass):
             for inv in capture.trace
         )
         residual_adds = self._rewrite_residual_adds(graph, params, first_index)
+        weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture)
         replaced = self._replace_ops(graph)
         if residual_adds:
             self._unconstrain_after(residual_adds[-1])
@@ -289,6 +297,7 @@ class UnitScalePass(GraphPass):
                 logger.info("unit scaling function: %s", node.name)
         piece.data["unit_scale"] = {
             "replaced": [n.name for n in replaced],
+            "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
         }
         return gm
@@ -344,6 +353,58 @@ class UnitScalePass(GraphPass):
             found.append(residual)
         return found
 
+    def _matmul_weights_to_linear(
+        self,
+        graph: fx.Graph,
+        gm: fx.GraphModule,
+        piece: Piece,
+        params: set[fx.Node],
+        capture: _Capture,
+    ) -> list[str]:
+        """``x @ W`` with a 2-D parameter ``W`` becomes ``linear(x, W.t())``: a weight, scaled
+        and re-initialised as ``nn.Linear``'s is (not as a second activation). Returns the
+        parameters' qualified names."""
+        if self.mapping().get(F.linear) is F.linear:
+            return []  # linear is not unit-scaled: leave matmuls as they are
+        names = {n: name for n, (kind, name) in placeholder_names(gm, piece).items()}
+        found: list[str] = []
+        for node in list(graph.nodes):
+            if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
+                continue
+            left, right = node.args
+            value = example_value(right)
+            if right not in params or not is_float_node(left) or value.dim() != 2:
+                continue
+            assert isinstance(right, fx.Node)
+            with graph.inserting_before(node):
+                transposed = insert_call(
+                    graph, torch.t, (right,), name=f"{right.name}_t", value=value.t(),
+                    meta_from=node,
+                )  # fmt: skip
+            node.op = "call_function"
+            node.target = F.linear
+            node.args = (left, transposed)
+            name = names.get(right)
+            if name is not None:
+                found.append(name)
+                self._init_matmul_weight(capture, name)
+        return found
+
+    def _init_matmul_weight(self, capture: _Capture, name: str) -> None:
+        """Re-initialise a parameter used as a matmul weight to N(0, 1), as ``unit_scale``
+        does for ``nn.Linear``: at its first capture, unless it was written since
+        ``unit_scale`` returned (a loaded checkpoint or a training step is kept)."""
+        versions = getattr(self, "_versions", None)
+        if versions is None or name not in versions:
+            return
+        try:
+            parameter = capture.owner_module.get_parameter(name)
+        except AttributeError:
+            return
+        if parameter._version == versions.pop(name):
+            with torch.no_grad():
+                parameter.normal_(0.0, 1.0)
+
     def _replace_ops(self, graph: fx.Graph) -> list[fx.Node]:
         from .. import functional as U
 
@@ -383,6 +444,16 @@ class UnitScalePass(GraphPass):
             if node.op == "call_function" and callable(node.target):
                 if _accepts_constraint(node.target):
                     node.kwargs = {**node.kwargs, "constraint": None}
+
+
+_MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
+_MATMUL_METHODS = ("matmul", "__matmul__")
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _MATMUL_FUNCTIONS
+    return node.op == "call_method" and node.target in _MATMUL_METHODS
 
 
 def _has_mask(node: fx.Node) -> bool:
@@ -469,6 +540,12 @@ def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
                     bias.zero_()
 
 
+def _owns_initialised(module: nn.Module) -> bool:
+    return isinstance(
+        module, (nn.MultiheadAttention, *(cls for cls, _ in _UNIT_INIT))
+    ) or _is_hf_conv1d(module)
+
+
 def _check_order(module: nn.Module) -> None:
     refuse_after_tracking(module, "unit_scale")
     if not isinstance(module, TransformedModule):
@@ -540,4 +617,15 @@ def unit_scale(
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     _init_unit_scale(result.module, graph_pass.mapping())
+    # Parameters not owned by a module re-initialised above may turn out, at capture, to be
+    # matmul weights (x @ self.W): remember their versions to re-initialise them then.
+    owned = {
+        id(p)
+        for sub in result.module.modules()
+        if _owns_initialised(sub)
+        for p in sub.parameters(recurse=False)
+    }
+    graph_pass._versions = {
+        name: p._version for name, p in result.module.named_parameters() if id(p) not in owned
+    }
     return result
