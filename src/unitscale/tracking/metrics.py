@@ -55,9 +55,10 @@ def _stats_kernel(x: Tensor) -> Tensor:
     A non-zero value underflows in a format when round-to-nearest-even takes it to zero,
     i.e. ``|x| <= min_subnormal / 2``; it overflows when ``|x| > max``.
 
-    Sums are taken of ``x / abs_max`` (values in [-1, 1]) and rescaled in float64, so the
-    mean, variance and mean absolute value of any finite tensor are finite: squaring values
-    near 1e20 in float32 would overflow to Inf and make the variance NaN.
+    Sums accumulate in float64 and the variance is taken of ``x / abs_max`` (values in
+    [-1, 1]) and rescaled in float64, so the mean, variance and mean absolute value of any
+    finite tensor are finite: squaring values near 1e20 in float32 would overflow to Inf
+    and make the variance NaN.
     """
     # No reshape: for a non-contiguous tensor it would materialise a copy.
     if x.dtype != torch.float64:
@@ -66,12 +67,11 @@ def _stats_kernel(x: Tensor) -> Tensor:
     abs_max = a.amax()
     # Inf or NaN present (or all zeros): no rescaling, IEEE arithmetic says what happened.
     scale = torch.where(torch.isfinite(abs_max) & (abs_max > 0), abs_max, torch.ones_like(abs_max))
-    var, mean = torch.var_mean(x / scale, correction=0)
-    scale64 = scale.double()
+    var = torch.var(x / scale, correction=0).double()
     parts = [
-        (a / scale).sum().double() * scale64,
-        mean.double() * scale64,
-        var.double() * scale64 * scale64,
+        a.sum(dtype=torch.float64),  # float64 accumulation: finite, and exact for small sums
+        x.sum(dtype=torch.float64) / x.numel(),
+        var * scale.double() ** 2,
         abs_max.double(),
         a.amin().double(),
         _count(torch.isnan(x)),
