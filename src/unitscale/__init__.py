@@ -1,6 +1,7 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, data, formats, functional, models, scale, transforms
+from . import constraints, data, formats, functional, models, optim, parameter, scale, transforms
+from ._depth import DepthModuleList, DepthSequential
 from ._modules import (
     GELU,
     MHSA,
@@ -21,6 +22,7 @@ from ._modules import (
 from ._version import __version__
 from .errors import UnitScaleError
 from .monitor import ScaleMonitor
+from .parameter import Parameter
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
@@ -32,6 +34,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "formats",
     "functional",
     "models",
+    "optim",
+    "parameter",
     "scale",
     "transforms",
     # unit-scaled layers
@@ -52,6 +56,10 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "MLP",
     "TransformerDecoder",
     "TransformerLayer",
+    # u-muP: tagged parameters and depth-aware containers (optimisers in unitscale.optim)
+    "DepthModuleList",
+    "DepthSequential",
+    "Parameter",
     # watching scales during training
     "ScaleMonitor",
 ]

@@ -5,7 +5,9 @@ Each module holds parameters and configuration and calls one functional op in ``
 twin, the module subclasses it and takes the same constructor arguments (so ``state_dict``
 keys, ``repr`` and ``.to()`` behave the same), plus ``constraint=`` where the op has one.
 Weights are initialised to unit variance (``N(0, 1)``; norm weights to 1) and biases to 0,
-which is what the ops' scaling rules assume. Arguments the ops do not support are rejected
+which is what the ops' scaling rules assume. Every parameter is a u-μP-tagged
+:class:`unitscale.Parameter` (weights ``"weight"``, biases ``"bias"``, norm scales
+``"norm"``, the readout weight ``"output"``). Arguments the ops do not support are rejected
 when the module is built, not on the first call.
 
 Design constraints: no data-dependent Python control flow, so that every module compiles
@@ -20,8 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as U
+from ._depth import DepthModuleList
+from ._mult import check_mult
 from .constraints import apply_constraint
 from .errors import UnsupportedArgumentError
+from .parameter import tag_module, tag_parameter
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # layers
@@ -52,6 +57,10 @@ def _check_constraint(constraint: Constraint, scales: int) -> Constraint:
     """Fail at construction for an unknown constraint (or one that does not fit the op)."""
     apply_constraint(constraint, *([1.0] * scales))
     return constraint
+
+
+def _mult_repr(mult: float, name: str = "mult") -> str:
+    return "" if mult == 1.0 else f", {name}={mult:.4g}"
 
 
 def _reject(module: str, argument: str, value: object, default: object, fix: str) -> None:
@@ -89,6 +98,7 @@ class Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.constraint = _check_constraint(constraint, 2)
+        tag_module(self)
 
     def reset_parameters(self) -> None:
         """Weight ``N(0, 1)``, bias 0."""
@@ -106,9 +116,13 @@ class Linear(nn.Linear):
 class LinearReadout(Linear):
     """Unit-scaled readout layer; ``forward`` calls :func:`unitscale.functional.linear_readout`.
 
+    Its weight is tagged ``mup_type="output"``.
+
     Args:
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
         constraint: default ``to_grad_input_scale`` (see ``linear_readout``).
+        mup: use u-μP's readout scaling (see ``linear_readout``); ``constraint`` is then
+            not used.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -125,11 +139,17 @@ class LinearReadout(Linear):
         device: Any = None,
         dtype: torch.dtype | None = None,
         constraint: Constraint = "to_grad_input_scale",
+        mup: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype, constraint)
+        self.mup = mup
+        tag_parameter(self.weight, "output")  # type: ignore[arg-type]
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.linear_readout(input, self.weight, self.bias, self.constraint)
+        return U.linear_readout(input, self.weight, self.bias, self.constraint, mup=self.mup)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mup={self.mup}" if self.mup else super().extra_repr()
 
 
 class Conv1d(nn.Conv1d):
@@ -182,6 +202,7 @@ class Conv1d(nn.Conv1d):
             dtype,
         )
         self.constraint = _check_constraint(constraint, 2)
+        tag_module(self)
 
     def reset_parameters(self) -> None:
         """Weight ``N(0, 1)``, bias 0."""
@@ -216,6 +237,10 @@ class LayerNorm(nn.LayerNorm):
         1.0
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tag_module(self)
+
     def forward(self, input: Tensor) -> Tensor:
         return U.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
@@ -230,6 +255,10 @@ class RMSNorm(nn.RMSNorm):
         >>> round(RMSNorm(256)(0.2 * torch.randn(64, 256)).std().item(), 2)
         1.0
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tag_module(self)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)
@@ -284,6 +313,7 @@ class Embedding(nn.Embedding):
             device,
             dtype,
         )
+        tag_module(self)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.embedding(input, self.weight, self.padding_idx)
@@ -324,6 +354,7 @@ class GELU(nn.GELU):
     Args:
         approximate: ``"none"`` or ``"tanh"``.
         constraint: see :func:`~unitscale.functional.gelu`.
+        mult: u-μP multiplier of the input (see :func:`~unitscale.functional.gelu`).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -332,16 +363,20 @@ class GELU(nn.GELU):
     """
 
     def __init__(
-        self, approximate: str = "none", constraint: Constraint = "to_output_scale"
+        self,
+        approximate: str = "none",
+        constraint: Constraint = "to_output_scale",
+        mult: float = 1.0,
     ) -> None:
         super().__init__(approximate)
         self.constraint = _check_constraint(constraint, 2)
+        self.mult = check_mult("GELU", mult)
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.gelu(input, self.approximate, self.constraint)
+        return U.gelu(input, self.approximate, self.constraint, mult=self.mult)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, constraint={self.constraint!r}"
+        return f"{super().extra_repr()}, constraint={self.constraint!r}{_mult_repr(self.mult)}"
 
 
 class SiLU(nn.SiLU):
@@ -350,6 +385,7 @@ class SiLU(nn.SiLU):
     Args:
         inplace: must be False.
         constraint: see :func:`~unitscale.functional.silu`.
+        mult: u-μP multiplier of the input (see :func:`~unitscale.functional.silu`).
 
     Raises:
         UnsupportedArgumentError: ``inplace=True``.
@@ -360,16 +396,19 @@ class SiLU(nn.SiLU):
         1.0
     """
 
-    def __init__(self, inplace: bool = False, constraint: Constraint = "to_output_scale") -> None:
+    def __init__(
+        self, inplace: bool = False, constraint: Constraint = "to_output_scale", mult: float = 1.0
+    ) -> None:
         _reject("SiLU", "inplace", inplace, False, "use inplace=False")
         super().__init__(inplace)
         self.constraint = _check_constraint(constraint, 2)
+        self.mult = check_mult("SiLU", mult)
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.silu(input, constraint=self.constraint)
+        return U.silu(input, constraint=self.constraint, mult=self.mult)
 
     def extra_repr(self) -> str:
-        return f"constraint={self.constraint!r}"
+        return f"constraint={self.constraint!r}{_mult_repr(self.mult)}"
 
 
 class Softmax(nn.Softmax):
@@ -378,6 +417,7 @@ class Softmax(nn.Softmax):
     Args:
         dim: the dimension to normalise over; required.
         constraint: see :func:`~unitscale.functional.softmax`.
+        mult: u-μP multiplier of the logits (see :func:`~unitscale.functional.softmax`).
 
     Raises:
         UnsupportedArgumentError: ``dim`` is None.
@@ -388,19 +428,22 @@ class Softmax(nn.Softmax):
         1.0
     """
 
-    def __init__(self, dim: int | None = None, constraint: Constraint = "to_output_scale") -> None:
+    def __init__(
+        self, dim: int | None = None, constraint: Constraint = "to_output_scale", mult: float = 1.0
+    ) -> None:
         if dim is None:
             raise UnsupportedArgumentError(
                 "Softmax", "dim", None, "pass the dimension to normalise over, e.g. dim=-1"
             )
         super().__init__(dim)
         self.constraint = _check_constraint(constraint, 2)
+        self.mult = check_mult("Softmax", mult)
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.softmax(input, self.dim, constraint=self.constraint)
+        return U.softmax(input, self.dim, constraint=self.constraint, mult=self.mult)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, constraint={self.constraint!r}"
+        return f"{super().extra_repr()}, constraint={self.constraint!r}{_mult_repr(self.mult)}"
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
@@ -410,6 +453,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     Args:
         weight, size_average, reduce: not supported; must be None.
         ignore_index, reduction, label_smoothing: as for ``nn.CrossEntropyLoss``.
+        mult: u-μP multiplier of the logits (see :func:`~unitscale.functional.cross_entropy`).
 
     Raises:
         UnsupportedArgumentError: an unsupported argument is given.
@@ -428,6 +472,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         reduce: bool | None = None,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
+        mult: float = 1.0,
     ) -> None:
         _reject("CrossEntropyLoss", "weight", weight, None, "class weights are not supported")
         _reject("CrossEntropyLoss", "size_average", size_average, None, "use reduction=")
@@ -435,6 +480,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         super().__init__(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
         )
+        self.mult = check_mult("CrossEntropyLoss", mult)
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         return U.cross_entropy(
@@ -443,6 +489,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
             ignore_index=self.ignore_index,
             reduction=self.reduction,
             label_smoothing=self.label_smoothing,
+            mult=self.mult,
         )
 
 
@@ -467,6 +514,7 @@ class MLP(nn.Module):
         constraint: passed to every op (``None``: every tensor unit-scaled, gradients
             scaled; default ``to_output_scale``: true gradients within the block).
         device, dtype: for the parameters.
+        activation_mult: u-μP multiplier of the GELU's input.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -482,11 +530,12 @@ class MLP(nn.Module):
         constraint: Constraint = "to_output_scale",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        activation_mult: float = 1.0,
     ) -> None:
         super().__init__()
         inner = expansion_factor * hidden_size
         self.up = Linear(hidden_size, inner, bias, device, dtype, constraint)
-        self.act = GELU(constraint=constraint)
+        self.act = GELU(constraint=constraint, mult=activation_mult)
         self.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -508,6 +557,8 @@ class MHSA(nn.Module):
         bias: give the projections biases.
         constraint: passed to every op.
         device, dtype: for the parameters.
+        attn_mult: u-μP multiplier of the attention scores (see
+            :func:`~unitscale.functional.scaled_dot_product_attention`).
 
     Raises:
         UnsupportedArgumentError: ``hidden_size`` is not divisible by ``heads``.
@@ -529,6 +580,7 @@ class MHSA(nn.Module):
         constraint: Constraint = "to_output_scale",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        attn_mult: float = 1.0,
     ) -> None:
         super().__init__()
         if heads < 1 or hidden_size % heads:
@@ -539,6 +591,7 @@ class MHSA(nn.Module):
         self.dropout_p = dropout_p
         self.is_causal = is_causal
         self.constraint = _check_constraint(constraint, 4)
+        self.attn_mult = check_mult("MHSA", attn_mult)
         self.qkv = Linear(hidden_size, 3 * hidden_size, bias, device, dtype, constraint)
         self.out = Linear(hidden_size, hidden_size, bias, device, dtype, constraint)
 
@@ -553,13 +606,14 @@ class MHSA(nn.Module):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.is_causal,
             constraint=self.constraint,
+            mult=self.attn_mult,
         )
         return self.out(attended.transpose(-2, -3).flatten(-2))
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, dropout_p={self.dropout_p}, is_causal={self.is_causal}, "
-            f"constraint={self.constraint!r}"
+            f"constraint={self.constraint!r}{_mult_repr(self.attn_mult, 'attn_mult')}"
         )
 
 
@@ -582,6 +636,8 @@ class TransformerLayer(nn.Module):
         bias: give the linear layers biases.
         constraint: passed to every op.
         device, dtype: for the parameters.
+        attn_mult, activation_mult: u-μP multipliers of the attention scores and of the
+            MLP's activation input.
 
     Raises:
         UnsupportedArgumentError: a ``tau`` outside (0, 1), or bad ``heads``.
@@ -606,6 +662,8 @@ class TransformerLayer(nn.Module):
         constraint: Constraint = "to_output_scale",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        attn_mult: float = 1.0,
+        activation_mult: float = 1.0,
     ) -> None:
         super().__init__()
         for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
@@ -616,10 +674,14 @@ class TransformerLayer(nn.Module):
         self.attn_tau = attn_tau
         self.mlp_tau = mlp_tau
         self.attn_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
-        self.attn = MHSA(hidden_size, heads, dropout_p, is_causal, bias, constraint, device, dtype)
+        self.attn = MHSA(
+            hidden_size, heads, dropout_p, is_causal, bias, constraint, device, dtype, attn_mult
+        )
         self.attn_dropout = Dropout(dropout_p)
         self.mlp_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
-        self.mlp = MLP(hidden_size, mlp_expansion_factor, bias, constraint, device, dtype)
+        self.mlp = MLP(
+            hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
+        )
         self.mlp_dropout = Dropout(dropout_p)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -646,7 +708,15 @@ class TransformerDecoder(nn.Module):
     block (``k = 1 .. 2 depth``, attention and MLP blocks alternating) uses
     ``tau_k = 1 / (k + 1)``, which makes the output the equally weighted, unit-scaled sum of
     the embedding and every branch (a running mean). Give floats to use the same ``tau`` in
-    every layer.
+    every layer. With ``mup=True``, or ``residual_mult``/``residual_attn_ratio`` given, the
+    taus follow u-μP's :func:`~unitscale.functional.transformer_residual_scaling_rule`.
+
+    u-μP (``mup=True``): the residual rule above (``residual_mult``, ``residual_attn_ratio``
+    default 1), and the readout's u-μP scaling (``LinearReadout(mup=True)``: output
+    multiplier ``1/fan_in``). The layers are held in a :class:`~unitscale.DepthModuleList`,
+    so every layer parameter has ``mup_scaling_depth = depth``; train with
+    :mod:`unitscale.optim`. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α
+    multipliers) apply with or without ``mup``.
 
     Args:
         hidden_size: model width.
@@ -659,6 +729,12 @@ class TransformerDecoder(nn.Module):
         bias: give the layers' linear layers biases.
         constraint: passed to every op of the layers (the readout keeps its own default).
         device, dtype: for the parameters.
+        residual_mult, residual_attn_ratio: u-μP residual multipliers (None: 1 with ``mup``,
+            else the running-mean schedule); ignored where ``attn_tau``/``mlp_tau`` is given.
+        attn_mult: multiplier of the attention scores.
+        activation_mult: multiplier of the MLP activation's input.
+        loss_mult: multiplier of the logits inside the loss.
+        mup: u-μP readout and residual rule (see above).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -685,27 +761,45 @@ class TransformerDecoder(nn.Module):
         constraint: Constraint = "to_output_scale",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        residual_mult: float | None = None,
+        residual_attn_ratio: float | None = None,
+        attn_mult: float = 1.0,
+        activation_mult: float = 1.0,
+        loss_mult: float = 1.0,
+        mup: bool = False,
     ) -> None:
         super().__init__()
+        self.mup = mup
+        self.loss_mult = check_mult("TransformerDecoder", loss_mult)
+        if mup or residual_mult is not None or residual_attn_ratio is not None:
+            rule = U.transformer_residual_scaling_rule(
+                1.0 if residual_mult is None else residual_mult,
+                1.0 if residual_attn_ratio is None else residual_attn_ratio,
+            )
+            taus = [rule(k, 2 * depth) for k in range(2 * depth)]
+        else:
+            taus = [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
         self.embedding = Embedding(vocab_size, hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(
+        self.layers = DepthModuleList(
             TransformerLayer(
                 hidden_size,
                 heads,
                 mlp_expansion_factor,
                 dropout_p,
                 True,
-                1.0 / (2 * i + 2) if attn_tau is None else attn_tau,
-                1.0 / (2 * i + 3) if mlp_tau is None else mlp_tau,
+                taus[2 * i] if attn_tau is None else attn_tau,
+                taus[2 * i + 1] if mlp_tau is None else mlp_tau,
                 bias,
                 constraint,
                 device,
                 dtype,
+                attn_mult,
+                activation_mult,
             )
             for i in range(depth)
         )
         self.final_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
-        self.readout = LinearReadout(hidden_size, vocab_size, False, device, dtype)
+        self.readout = LinearReadout(hidden_size, vocab_size, False, device, dtype, mup=mup)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
         """Logits, or the mean cross-entropy loss when ``labels`` are given.
@@ -726,4 +820,6 @@ class TransformerDecoder(nn.Module):
         logits = self.readout(self.final_norm(x))
         if labels is None:
             return logits
-        return U.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
+        return U.cross_entropy(
+            logits.flatten(0, -2), labels.flatten(), ignore_index=-100, mult=self.loss_mult
+        )

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._mult import check_mult, gelu_moments, silu_moments
+from ._residual import transformer_residual_scaling_rule
 from .constraints import apply_constraint
 from .errors import UnsupportedArgumentError
 from .scale import scale_bwd, scale_fwd, scale_fwd_bwd
@@ -60,6 +62,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "add",
     "residual_add",
     "residual_split",
+    "transformer_residual_scaling_rule",
     # embedding and attention
     "embedding",
     "scaled_dot_product_attention",
@@ -218,14 +221,14 @@ def _attention_moments(
     return _MOMENT_CACHE[key]
 
 
-def _softmax_scales(length: int) -> tuple[float, float]:
-    """Ideal (output, grad-input) scales of a softmax over ``length`` unit-variance logits."""
+def _softmax_scales(length: int, mult: float = 1.0) -> tuple[float, float]:
+    """Ideal (output, grad-input) scales of ``softmax(mult * x)`` over ``length`` unit logits."""
     n = _static_int(length)
     if n <= 1:
         return 1.0, 1.0  # softmax of one element is the constant 1, its gradient is zero
-    v, g = _attention_moments(1, n, False, 1.0)
-    # Var(p_j) = E[p_j^2] - E[p_j]^2 = v/n - 1/n^2; E[grad_j^2] = G/n.
-    return n / math.sqrt(n * v - 1.0), math.sqrt(n / g)
+    v, g = _attention_moments(1, n, False, mult * mult)
+    # Var(p_j) = E[p_j^2] - E[p_j]^2 = v/n - 1/n^2; E[grad_j^2] = mult^2 G/n.
+    return n / math.sqrt(n * v - 1.0), math.sqrt(n / g) / mult
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +291,10 @@ def _elementwise(
 
 
 def gelu(
-    input: Tensor, approximate: str = "none", constraint: Constraint = "to_output_scale"
+    input: Tensor,
+    approximate: str = "none",
+    constraint: Constraint = "to_output_scale",
+    mult: float = 1.0,
 ) -> Tensor:
     """Unit-scaled GELU (``F.gelu``).
 
@@ -298,16 +304,22 @@ def gelu(
     Default ``to_output_scale``: both use 1.7009, the output is unit and the gradient (a true
     gradient) has std 1.148. ``None``: both unit, gradient scaled by 1.4811/1.7009.
 
+    With ``mult`` (u-μP's α): ``y = s * gelu(mult * input)``, ideal scales
+    ``1 / std(gelu(mult x))`` and ``1 / rms(mult gelu'(mult x))``, computed by quadrature
+    (:mod:`unitscale._mult`; no closed form; error below 1e-9 for mult in [1/16, 16]).
+
     Args:
         input: the input, assumed unit-scaled.
         approximate: ``"none"`` or ``"tanh"``, as for ``F.gelu``.
         constraint: see :func:`scale_elementwise`.
+        mult: positive multiplier applied to the input before the nonlinearity.
 
     Returns:
-        ``gelu(input)`` times the output scale.
+        ``gelu(mult * input)`` times the output scale.
 
     Raises:
-        UnsupportedArgumentError: ``approximate`` is not ``"none"`` or ``"tanh"``.
+        UnsupportedArgumentError: ``approximate`` is not ``"none"`` or ``"tanh"``, or
+            ``mult`` is not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -316,14 +328,23 @@ def gelu(
     """
     if approximate not in _GELU_STD:
         raise UnsupportedArgumentError("gelu", "approximate", approximate, 'use "none" or "tanh"')
+    mult = check_mult("gelu", mult)
+    if mult == 1.0:
+        std, grad_rms = _GELU_STD[approximate], _GELU_GRAD_RMS[approximate]
+    else:
+        std, grad_rms = gelu_moments(mult, approximate)
+        input = scale_fwd_bwd(input, mult, mult)  # a true gradient: d/dx f(m x) = m f'(m x)
     # gelu's backward reads its input only, so its output can be scaled in place
-    return _elementwise(
-        F.gelu, 1.0 / _GELU_STD[approximate], 1.0 / _GELU_GRAD_RMS[approximate], constraint, True
-    )(input, approximate=approximate)
+    return _elementwise(F.gelu, 1.0 / std, 1.0 / grad_rms, constraint, True)(
+        input, approximate=approximate
+    )
 
 
 def silu(
-    input: Tensor, inplace: bool = False, constraint: Constraint = "to_output_scale"
+    input: Tensor,
+    inplace: bool = False,
+    constraint: Constraint = "to_output_scale",
+    mult: float = 1.0,
 ) -> Tensor:
     """Unit-scaled SiLU (``F.silu``).
 
@@ -331,16 +352,21 @@ def silu(
     (numerical integration): ideal output scale 1.7872, grad-input scale 1.6233. Default
     ``to_output_scale``: both 1.7872 (true gradient with std 1.101); ``None``: both unit.
 
+    With ``mult`` (u-μP's α): ``y = s * silu(mult * input)``, ideal scales
+    ``1 / std(silu(mult x))`` and ``1 / rms(mult silu'(mult x))`` by quadrature
+    (:mod:`unitscale._mult`; no closed form; error below 1e-9 for mult in [1/16, 16]).
+
     Args:
         input: the input, assumed unit-scaled.
         inplace: must be False (unit scaling returns a new tensor).
         constraint: see :func:`scale_elementwise`.
+        mult: positive multiplier applied to the input before the nonlinearity.
 
     Returns:
-        ``silu(input)`` times the output scale.
+        ``silu(mult * input)`` times the output scale.
 
     Raises:
-        UnsupportedArgumentError: ``inplace=True``.
+        UnsupportedArgumentError: ``inplace=True`` or ``mult`` not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -348,10 +374,18 @@ def silu(
         1.0
     """
     _reject("silu", "inplace", inplace, False, "use inplace=False")
-    return _elementwise(F.silu, 1.0 / _SILU_STD, 1.0 / _SILU_GRAD_RMS, constraint, True)(input)
+    mult = check_mult("silu", mult)
+    if mult == 1.0:
+        std, grad_rms = _SILU_STD, _SILU_GRAD_RMS
+    else:
+        std, _, grad_rms = silu_moments(mult)
+        input = scale_fwd_bwd(input, mult, mult)  # a true gradient: d/dx f(m x) = m f'(m x)
+    return _elementwise(F.silu, 1.0 / std, 1.0 / grad_rms, constraint, True)(input)
 
 
-def silu_glu(input: Tensor, gate: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
+def silu_glu(
+    input: Tensor, gate: Tensor, constraint: Constraint = "to_output_scale", mult: float = 1.0
+) -> Tensor:
     """Unit-scaled SiLU-gated linear unit: ``input * silu(gate)`` (SwiGLU's nonlinearity).
 
     Scaling rule, for independent ``input, gate ~ N(0, 1)``: the output has zero mean and
@@ -361,13 +395,21 @@ def silu_glu(input: Tensor, gate: Tensor, constraint: Constraint = "to_output_sc
     Default ``to_output_scale``: all three 1.6765 (true gradients, gate gradient std 1.033);
     ``None``: all unit.
 
+    With ``mult`` (u-μP's α, on the gate): ``y = s * input * silu(mult * gate)``; the same
+    rule with ``rms(silu(mult g))`` (output and input) and ``rms(mult silu'(mult g))`` (gate),
+    by quadrature (:mod:`unitscale._mult`).
+
     Args:
         input: the linear half, assumed unit-scaled.
         gate: the gate half, assumed unit-scaled, same shape as ``input`` (or broadcastable).
         constraint: a constraint taking an output and two grad scales, or None.
+        mult: positive multiplier applied to the gate before the SiLU.
 
     Returns:
-        ``input * silu(gate)`` times the output scale.
+        ``input * silu(mult * gate)`` times the output scale.
+
+    Raises:
+        UnsupportedArgumentError: ``mult`` is not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -375,8 +417,14 @@ def silu_glu(input: Tensor, gate: Tensor, constraint: Constraint = "to_output_sc
         >>> round(silu_glu(x, g).std().item(), 2)
         1.0
     """
+    mult = check_mult("silu_glu", mult)
+    if mult == 1.0:
+        rms, grad_rms = _SILU_RMS, _SILU_GRAD_RMS
+    else:
+        _, rms, grad_rms = silu_moments(mult)
+        gate = scale_fwd_bwd(gate, mult, mult)  # a true gradient: d/dg silu(m g) = m silu'(m g)
     out_scale, input_scale, gate_scale = apply_constraint(
-        constraint, 1.0 / _SILU_RMS, 1.0 / _SILU_RMS, 1.0 / _SILU_GRAD_RMS
+        constraint, 1.0 / rms, 1.0 / rms, 1.0 / grad_rms
     )
     input = _prescale(input, input_scale, out_scale)
     gate = _prescale(gate, gate_scale, out_scale)
@@ -389,6 +437,7 @@ def softmax(
     _stacklevel: int = 3,
     dtype: torch.dtype | None = None,
     constraint: Constraint = "to_output_scale",
+    mult: float = 1.0,
 ) -> Tensor:
     """Unit-scaled softmax (``F.softmax``).
 
@@ -403,18 +452,24 @@ def softmax(
     1, e.g. 0.78 for n = 64); ``None``: both unit. The output keeps its mean: a unit-scaled
     softmax sums to ``n / sqrt(n v - 1)``, not 1. ``n = 1`` is left unscaled.
 
+    With ``mult`` (u-μP's α): ``y = s * softmax(mult * input)``. The logits ``mult x`` are
+    i.i.d. N(0, mult²), so the same rule holds with ``v`` and ``G`` integrated at logit
+    variance ``mult²`` (exact, as above) and the gradient ``mult`` times larger: ideal
+    scales ``n / sqrt(n v - 1)`` and ``sqrt(n / G) / mult``.
+
     Args:
         input: the logits, assumed i.i.d. N(0, 1) along ``dim``.
         dim: the dimension to normalise over; required.
         _stacklevel: accepted for compatibility with ``F.softmax`` and ignored.
         dtype: as for ``F.softmax``.
         constraint: see :func:`scale_elementwise`.
+        mult: positive multiplier applied to the logits.
 
     Returns:
-        ``softmax(input, dim)`` times the output scale.
+        ``softmax(mult * input, dim)`` times the output scale.
 
     Raises:
-        UnsupportedArgumentError: ``dim`` is None.
+        UnsupportedArgumentError: ``dim`` is None or ``mult`` not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -425,7 +480,10 @@ def softmax(
         raise UnsupportedArgumentError(
             "softmax", "dim", None, "pass the dimension to normalise over, e.g. dim=-1"
         )
-    out_scale, in_scale = apply_constraint(constraint, *_softmax_scales(input.shape[dim]))
+    mult = check_mult("softmax", mult)
+    out_scale, in_scale = apply_constraint(constraint, *_softmax_scales(input.shape[dim], mult))
+    if mult != 1.0:
+        input = scale_fwd_bwd(input, mult, mult)  # a true gradient; in_scale includes 1/mult
     output = F.softmax(_prescale(input, in_scale, out_scale), dim, dtype=dtype)
     return _finish(output, out_scale, inplace=False)  # softmax's backward reads its output
 
@@ -576,6 +634,8 @@ def linear_readout(
     weight: Tensor,
     bias: Tensor | None = None,
     constraint: Constraint = "to_grad_input_scale",
+    *,
+    mup: bool = False,
 ) -> Tensor:
     """Unit-scaled readout (final) linear layer, e.g. a language model's head.
 
@@ -587,11 +647,21 @@ def linear_readout(
     to uniform. Weight and bias gradients are scaled by ``1/sqrt(batch)`` as in
     :func:`linear`.
 
+    ``mup=True`` is u-μP's readout: output multiplier ``1/fan_in`` (μP's, not unit
+    scaling's ``1/sqrt(fan_in)``) and input-gradient scale ``1/sqrt(fan_out)``, untied
+    (``constraint`` is not used). The readout's input is correlated with its weight after
+    a few steps (the body learns along ``W^T``), so ``W x`` grows like ``fan_in``, not
+    ``sqrt(fan_in)``: only a ``1/fan_in`` multiplier keeps the logits' *change* independent
+    of width; the logits start at std ``1/sqrt(fan_in)``. The input gradient is
+    ``fan_in / sqrt(fan_out)`` times the true one: a constant factor on every
+    upstream gradient, which Adam ignores and unit scaling wants (it is unit).
+
     Args:
         input: ``(..., fan_in)``, assumed unit-scaled.
         weight: ``(fan_out, fan_in)``, assumed unit variance.
         bias: optional ``(fan_out,)``.
         constraint: a two-scale constraint, or None (both directions unit).
+        mup: u-μP's readout scaling (above).
 
     Returns:
         ``(..., fan_out)``.
@@ -601,7 +671,20 @@ def linear_readout(
         >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64))
         >>> round(y.std().item(), 2)  # sqrt(64 / 1024)
         0.25
+        >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64), mup=True)
+        >>> round(y.std().item() * 8, 1)  # std 1 / sqrt(64)
+        1.0
     """
+    if mup:
+        fan_out, fan_in = weight.shape[0], weight.shape[-1]
+        batch = input.numel() // max(fan_in, 1)
+        weight_grad_scale = _rsqrt(batch)
+        weight = scale_fwd_bwd(weight, 1.0 / max(fan_in, 1), weight_grad_scale)
+        if bias is not None:
+            bias = scale_bwd(bias, weight_grad_scale)
+        # grad_x = g (W / fan_in) * fan_in / sqrt(fan_out) = g W / sqrt(fan_out): unit.
+        input = scale_bwd(input, max(fan_in, 1) * _rsqrt(fan_out))
+        return F.linear(input, weight, bias)
     return _linear(input, weight, bias, constraint)
 
 
@@ -937,6 +1020,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     constraint: Constraint = "to_output_scale",
+    mult: float = 1.0,
 ) -> Tensor:
     """Unit-scaled attention (``F.scaled_dot_product_attention``).
 
@@ -962,6 +1046,10 @@ def scaled_dot_product_attention(
     about 10-20% high. One scale serves every position, so with ``is_causal`` early rows
     (which average few values) come out larger than late ones; the tensor as a whole is unit.
 
+    With ``mult`` (u-μP's α_attn): the scores are ``mult * scale * q.k``, i.e. the score
+    scale becomes ``mult * scale`` (``mult / sqrt(E)`` by default) and everything above
+    holds with that scale (``σ² = mult² scale² E``, moments integrated exactly at it).
+
     Args:
         query, key, value: as for ``F.scaled_dot_product_attention``, assumed unit-scaled.
         attn_mask: unsupported (the scale depends on how many keys each query sees); use
@@ -971,6 +1059,7 @@ def scaled_dot_product_attention(
         scale: score scale; None means ``1/sqrt(E)``.
         enable_gqa: grouped-query attention, as in PyTorch.
         constraint: a constraint taking an output and three grad scales, or None.
+        mult: positive multiplier of the attention scores.
 
     Returns:
         ``(..., L, Ev)``.
@@ -995,9 +1084,12 @@ def scaled_dot_product_attention(
         raise UnsupportedArgumentError(
             "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
         )
+    mult = check_mult("scaled_dot_product_attention", mult)
     queries, keys = _static_int(query.shape[-2]), _static_int(key.shape[-2])
     head_dim, value_dim = _static_int(query.shape[-1]), value.shape[-1]
-    score_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    score_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * mult
+    if mult != 1.0:
+        scale = score_scale
     logit_var = score_scale * score_scale * head_dim
     mean_v, mean_g = _attention_moments(queries, keys, bool(is_causal), logit_var)
     keep = 1.0 - dropout_p
@@ -1042,6 +1134,7 @@ def cross_entropy(
     reduce: bool | None = None,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    mult: float = 1.0,
 ) -> Tensor:
     """Cross-entropy loss (``F.cross_entropy``) with a unit-scaled gradient.
 
@@ -1056,6 +1149,11 @@ def cross_entropy(
     ``batch`` counts every row, so with ignored targets the remaining rows' gradients are
     ``batch / kept`` times larger than unit (a static scale cannot know ``kept``).
 
+    With ``mult`` (u-μP's α_loss): the loss is ``cross_entropy(mult * input)`` (a softmax
+    temperature of ``1 / mult``). Its gradient is ``mult (p - y)`` with ``p`` the softmax of
+    logits of variance ``mult²``, so ``v`` is integrated at that variance and the scale
+    divided by ``mult``: ``sqrt(C / (v - 2/C + Σ y²)) / mult``.
+
     Args:
         input: logits ``(batch, C)``, ``(C,)`` or ``(batch, C, d1, ...)``.
         target: class indices (``int64``), as for ``F.cross_entropy``.
@@ -1065,12 +1163,14 @@ def cross_entropy(
         reduce: deprecated in PyTorch; must be None.
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         label_smoothing: as for ``F.cross_entropy``.
+        mult: positive multiplier of the logits.
 
     Returns:
-        The (unscaled) loss.
+        The (unscaled) loss of ``mult * input``.
 
     Raises:
-        UnsupportedArgumentError: an unsupported argument, or probability targets.
+        UnsupportedArgumentError: an unsupported argument, probability targets, or ``mult``
+            not positive.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -1093,12 +1193,15 @@ def cross_entropy(
         )
     classes = _static_int(input.shape[1] if input.dim() >= 2 else input.shape[0])
     batch = input.numel() // max(classes, 1)
-    v, _ = _attention_moments(1, classes, False, 1.0)
+    mult = check_mult(op, mult)
+    v, _ = _attention_moments(1, classes, False, mult * mult)
     eps = float(label_smoothing)
     target_sq = (1.0 - eps) ** 2 + 2.0 * eps * (1.0 - eps) / classes + eps * eps / classes
-    grad_scale = math.sqrt(classes / max(v - 2.0 / classes + target_sq, 1e-12))
+    grad_scale = math.sqrt(classes / max(v - 2.0 / classes + target_sq, 1e-12)) / mult
     if reduction == "mean":
         grad_scale *= batch
+    if mult != 1.0:
+        input = scale_fwd_bwd(input, mult, mult)  # a true gradient; grad_scale has 1/mult
     return F.cross_entropy(
         scale_bwd(input, grad_scale),
         target,

@@ -51,6 +51,7 @@ from torch import nn
 
 from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
 from ..errors import CaptureError, UnitScaleError
+from ..parameter import tag_model
 from ._attention import masked_scaled_dot_product_attention
 from ._rewrite import (
     ancestors,
@@ -499,9 +500,10 @@ def unit_scale(
     adds become ``residual_split``/``residual_add`` (attention and MLP branches weighted by
     ``residual_tau``), ops after the last residual add are unconstrained, and its
     ``nn.Linear``, ``nn.Conv1d`` and ``nn.Embedding`` weights are re-initialised to N(0, 1)
-    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. The
-    graph is captured, and logged, at the first call (again on recompilation). See the
-    module docstring for the residual-add rule.
+    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. Its
+    parameters are tagged for u-μP (:func:`unitscale.parameter.tag_model`), so
+    :mod:`unitscale.optim` can train it. The graph is captured, and logged, at the first
+    call (again on recompilation). See the module docstring for the residual-add rule.
 
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
@@ -540,4 +542,5 @@ def unit_scale(
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     _init_unit_scale(result.module, graph_pass.mapping())
+    tag_model(result.module)  # so that unitscale.optim's u-muP optimisers can train it
     return result
