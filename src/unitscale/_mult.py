@@ -35,6 +35,10 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def check_mult(op: str, mult: float) -> float:
     """``mult`` as a float, or :class:`UnsupportedArgumentError` if it is not positive and
     finite (a multiplier of 0 or a negative one has no unit-scaling rule)."""
+    if isinstance(mult, torch.SymFloat | torch.SymInt):
+        # Dynamo makes a float module attribute symbolic once it has seen two values; the
+        # scales are computed from its value, so specialise on it (a guard, not a graph break).
+        mult = float(mult)
     if isinstance(mult, bool) or not isinstance(mult, (int, float)):
         raise UnsupportedArgumentError(op, "mult", mult, "use a positive number, e.g. 1.0")
     if not (math.isfinite(mult) and mult > 0.0):
