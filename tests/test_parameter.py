@@ -87,7 +87,7 @@ def test_parameter_is_an_nn_parameter_and_checks_its_tags() -> None:
         Parameter(torch.ones(3), "hidden")
     with pytest.raises(ParameterTagError, match="mup_scaling_depth=0"):
         Parameter(torch.ones(3), "weight", 0)
-    with pytest.raises(ParameterTagError, match="expected an nn.Parameter"):
+    with pytest.raises(ParameterTagError, match=r"expected an nn\.Parameter"):
         tag_parameter(torch.ones(3), "weight")  # type: ignore[arg-type]
 
 

@@ -89,7 +89,9 @@ def coord_data(
             outputs: dict[str, Tensor] = {}
             handles = [
                 model.get_submodule(name).register_forward_hook(
-                    lambda _m, _i, out, name=name: outputs.__setitem__(name, out.detach())
+                    lambda _m, _i, out, name=name, seen=outputs: seen.__setitem__(
+                        name, out.detach()
+                    )
                 )
                 for name in names
             ]
