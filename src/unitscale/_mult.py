@@ -95,13 +95,13 @@ def _gelu_tanh_grad(z: Any) -> Any:
 def _silu(z: Any) -> Any:
     import numpy as np
 
-    return z / (1.0 + np.exp(-z))
+    return z / (1.0 + np.exp(-np.clip(z, -500.0, 500.0)))  # clipped: no overflow warning
 
 
 def _silu_grad(z: Any) -> Any:
     import numpy as np
 
-    s = 1.0 / (1.0 + np.exp(-z))
+    s = 1.0 / (1.0 + np.exp(-np.clip(z, -500.0, 500.0)))
     return s * (1.0 + z * (1.0 - s))
 
 
