@@ -173,7 +173,7 @@ def _stream(
     parts = {"embedding": x.clone(), "attention": torch.zeros_like(x), "mlp": torch.zeros_like(x)}
     for k in range(layers):
         t = tau(k, layers)
-        residual, skip = U.residual_split(x, t)
+        _residual, skip = U.residual_split(x, t)
         branch = torch.randn_like(x)  # a unit-scaled branch output
         x = U.residual_add(branch, skip, t)
         for name in parts:
