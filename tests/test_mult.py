@@ -55,6 +55,18 @@ def test_elementwise_mult_keeps_unit_scale(name: str, mult: float, shape: tuple[
     # the forward is the plain op of the mult-scaled input times one (static) scale
     reference = plain(mult * x.detach())
     torch.testing.assert_close(y.detach(), _fitted_scale(y, reference) * reference)
+    # ... and that scale is the documented one (constraint=None: the ideal output scale)
+    assert _fitted_scale(y, reference) == pytest.approx(DOCUMENTED[name](mult, shape), rel=1e-5)
+
+
+# The documented output scale of each op: 1 / std(f(mult x)), by quadrature for GELU/SiLU;
+# n / sqrt(n v - 1) with v integrated at logit variance mult^2 for softmax.
+DOCUMENTED: dict[str, Callable[[float, tuple[int, ...]], float]] = {
+    "gelu": lambda m, shape: 1 / moments("gelu", m)[0],
+    "gelu_tanh": lambda m, shape: 1 / moments("gelu_tanh", m)[0],
+    "silu": lambda m, shape: 1 / moments("silu", m)[0],
+    "softmax": lambda m, shape: U._softmax_scales(shape[-1], m)[0],
+}
 
 
 def _fitted_scale(y: Tensor, reference: Tensor) -> float:
