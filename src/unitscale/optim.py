@@ -168,7 +168,18 @@ def _named(params: Any) -> list[dict[str, Any]]:
     items = list(params)
     if items and all(isinstance(item, dict) for item in items):
         return [
-            {**group, "params": [pair for g in _named(group["params"]) for pair in g["params"]]}
+            {
+                **group,
+                "params": [
+                    pair
+                    for g in _named(
+                        [group["params"]]
+                        if isinstance(group["params"], Tensor)
+                        else group["params"]
+                    )
+                    for pair in g["params"]
+                ],
+            }
             for group in items
         ]
     pairs = []
@@ -226,8 +237,6 @@ def scaled_parameters(
             raise ValueError("unitscale.optim.scaled_parameters: pass lr= (the base rate)")
         base_decay = options.pop("weight_decay", weight_decay)
         for name, param in group["params"]:
-            if not param.requires_grad:
-                continue
             if has_mup_tags(param):
                 scale = lr_scale_func(param)
             elif allow_untagged:
