@@ -170,7 +170,13 @@ TRANSFORMS: dict[str, Callable[[nn.Module], nn.Module]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name == "compile" else name
+        for name in TRANSFORMS
+    ],
+)
 def test_transforms_keep_tags(name: str) -> None:
     model = us.TransformerDecoder(8, depth=2, heads=2, vocab_size=10, mup=True)
     expected = tags(model)
@@ -195,6 +201,7 @@ def test_unit_scale_tags_a_plain_model() -> None:
     us.optim.AdamW(model.parameters(), lr=0.1)  # every parameter has a rule
 
 
+@pytest.mark.slow
 def test_unit_scale_tags_a_transformers_model() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
