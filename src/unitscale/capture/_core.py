@@ -35,6 +35,7 @@ import torch._dynamo
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._compat import dynamo_recompile_limit
 from ..errors import CaptureError, UnitScaleError
 
 __all__ = [
@@ -299,9 +300,7 @@ class _Capture:
         self.trace = []
         self.produced = {}
         try:
-            with torch._dynamo.config.patch(
-                recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT
-            ):
+            with dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True):
                 out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
