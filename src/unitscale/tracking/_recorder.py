@@ -106,6 +106,9 @@ class TrackScalesPass(GraphPass):
         aliases: dict[int, int] = {}
         full_aliases: set[int] = set()
         users = {node: list(node.users) for node in nodes}  # before records are inserted
+        # One bound-method object for every record node: torch < 2.6's fx code generation
+        # requires a global's name to map to the identical object each time it appears.
+        record_fn = self.record
         for node in nodes:
             value = _example_value(node)
             if node.op in ("output", "get_attr") or not _is_float_tensor(value):
@@ -125,10 +128,10 @@ class TrackScalesPass(GraphPass):
                     full_aliases.add(slot)
                     continue
                 with graph.inserting_after(anchor):
-                    graph.call_function(self.record, (node, slot, False))
+                    graph.call_function(record_fn, (node, slot, False))
                 continue
             with graph.inserting_after(anchor):
-                record = graph.call_function(self.record, (node, slot))
+                record = graph.call_function(record_fn, (node, slot))
             if node.op == "placeholder":
                 after_inputs = record
         piece.data["slots"] = slots
