@@ -1,4 +1,4 @@
-"""Unit-scaled attention with an explicit mask, for ``unit_scale``.
+"""Unit-scaled attention with an explicit mask (``unit_scale`` maps masked SDPA calls here).
 
 :func:`unitscale.functional.scaled_dot_product_attention` derives its scales from how many
 keys each query sees, which it knows only for ``is_causal`` or no mask, so it refuses
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import functional as U
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
+from ._nonlinear import _softmax_moment_table, scaled_dot_product_attention
 
 __all__ = ["masked_scaled_dot_product_attention"]
 
@@ -42,11 +42,11 @@ def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]
 
         lengths = np.arange(1, keys + 1)
         if keys <= 512:
-            v, g = U._softmax_moment_table(lengths, logit_var)
+            v, g = _softmax_moment_table(lengths, logit_var)
         else:
             # As unitscale.functional does: exact up to 256, interpolated in log n beyond.
             grid = np.unique(np.concatenate([np.arange(1, 257), np.geomspace(256, keys, 96)]))
-            v_grid, g_grid = U._softmax_moment_table(grid, logit_var)
+            v_grid, g_grid = _softmax_moment_table(grid, logit_var)
             log_n, log_grid = np.log(lengths), np.log(grid)
             v = np.interp(log_n, log_grid, v_grid * grid) / lengths
             g = np.interp(log_n, log_grid, g_grid * grid) / lengths
@@ -119,7 +119,7 @@ def masked_scaled_dot_product_attention(
         1.0
     """
     if attn_mask is None:
-        return U.scaled_dot_product_attention(
+        return scaled_dot_product_attention(
             query, key, value, None, dropout_p, is_causal, scale, enable_gqa, constraint
         )
     if not 0.0 <= dropout_p < 1.0:

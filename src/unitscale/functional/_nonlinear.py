@@ -28,7 +28,6 @@ need the moments of a softmax (``softmax``, ``scaled_dot_product_attention``,
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -36,41 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .constraints import apply_constraint
-from .errors import UnsupportedArgumentError
-from .scale import scale_bwd, scale_fwd, scale_fwd_bwd
-
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
-    # elementwise
-    "dropout",
-    "gelu",
-    "scale_elementwise",
-    "silu",
-    "silu_glu",
-    "softmax",
-    # matmul-like
-    "conv1d",
-    "linear",
-    "linear_readout",
-    "matmul",
-    # normalisation
-    "layer_norm",
-    "rms_norm",
-    # addition and residuals
-    "add",
-    "residual_add",
-    "residual_split",
-    # embedding and attention
-    "embedding",
-    "scaled_dot_product_attention",
-    # losses
-    "cross_entropy",
-    "mse_loss",
-    # graph transform support
-    "torch_map",
-]
-
-Constraint = str | None
+from ..constraints import apply_constraint
+from .._lazy_dynamo import assume_constant_result
+from ..errors import UnsupportedArgumentError
+from ..scale import scale_bwd
+from ._common import (
+    Constraint,
+    _finish,
+    _prescale,
+    _reject,
+    _rsqrt,
+    _specialised_int,
+)
 
 # Moments of elementwise nonlinearities at x ~ N(0, 1), by numerical integration (trapezoid
 # rule on [-40, 40], 8e5 points; tests/test_functional.py recomputes them).
@@ -81,57 +57,6 @@ _SILU_STD = 0.5595384678495278
 _SILU_RMS = 0.5964692111326139
 _SILU_GRAD_RMS = 0.6160213889512496
 
-
-# --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _prescale(x: Tensor, grad_scale: float, output_scale: float) -> Tensor:
-    """Scale ``x``'s gradient so that, after the output's ``scale_fwd_bwd(., s, s)``, the
-    gradient of ``x`` carries ``grad_scale`` in total (a no-op when the two are equal)."""
-    return scale_bwd(x, grad_scale / output_scale)
-
-
-def _finish(y: Tensor, output_scale: float, inplace: bool = True) -> Tensor:
-    """Multiply the op's output by ``output_scale`` with a true gradient. In place unless the
-    op's backward needs its output (softmax, attention): the output is the op's own."""
-    return scale_fwd_bwd(y, output_scale, output_scale, inplace=inplace)
-
-
-def _rsqrt(n: float) -> float:
-    """``1 / sqrt(n)``, with 1 for an empty fan (nothing is summed, nothing to correct)."""
-    return 1.0 / math.sqrt(n) if n > 0 else 1.0
-
-
-def _is_float_tensor(x: object) -> bool:
-    return isinstance(x, Tensor) and x.is_floating_point()
-
-
-def _static_int(n: int) -> int:
-    """Return ``n`` as a plain ``int``. Under ``torch.compile`` with dynamic shapes ``len`` of
-    a ``range`` makes Dynamo specialise on the size (a guard and a recompile per value),
-    which the softmax-moment scales need: they are computed numerically, not traced."""
-    return len(range(n))
-
-
-def _single(value: Any, op: str, argument: str) -> Any:
-    """Accept ``v`` or a one-element tuple/list ``(v,)`` (what ``nn.Conv1d`` passes)."""
-    if isinstance(value, tuple | list):
-        if len(value) != 1:
-            raise UnsupportedArgumentError(
-                op, argument, value, "conv1d takes one value (or a 1-tuple) per argument"
-            )
-        return value[0]
-    return value
-
-
-def _reject(op: str, argument: str, value: object, default: object, fix: str) -> None:
-    """Raise :class:`UnsupportedArgumentError` when ``value`` is not the default."""
-    if value is None if default is None else value == default:
-        return
-    shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor) else value
-    raise UnsupportedArgumentError(op, argument, shown, fix)
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +107,7 @@ def _softmax_moment_table(lengths: Any, logit_var: float) -> tuple[Any, Any]:
     return sum_p2, sum_p2 - 2.0 * sum_p3 + sum_p2_squared
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _attention_moments(
     queries: int, keys: int, causal: bool, logit_var: float
 ) -> tuple[float, float]:
@@ -220,7 +145,7 @@ def _attention_moments(
 
 def _softmax_scales(length: int) -> tuple[float, float]:
     """Ideal (output, grad-input) scales of a softmax over ``length`` unit-variance logits."""
-    n = _static_int(length)
+    n = _specialised_int(length)
     if n <= 1:
         return 1.0, 1.0  # softmax of one element is the constant 1, its gradient is zero
     v, g = _attention_moments(1, n, False, 1.0)
@@ -465,466 +390,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
 
 
 # --------------------------------------------------------------------------------------------
-# matmul-like ops
-# --------------------------------------------------------------------------------------------
-
-
-def _matmul_fans(left: Tensor, right: Tensor) -> tuple[int, int, int]:
-    """(terms per output, per left-gradient, per right-gradient element) of ``left @ right``.
-
-    Every output element sums ``k`` products; there are ``numel(out) * k`` products in all
-    and each input element (broadcast or not) takes part in ``numel(out) * k / numel(input)``
-    of them, each adding one term to its gradient.
-    """
-    k = left.shape[-1]
-    left_shape = tuple(left.shape) if left.dim() > 1 else (1, left.shape[0])
-    right_shape = tuple(right.shape) if right.dim() > 1 else (right.shape[0], 1)
-    batch = torch.broadcast_shapes(left_shape[:-2], right_shape[:-2])
-    products = math.prod(batch) * left_shape[-2] * right_shape[-1] * k
-    return k, products // max(left.numel(), 1), products // max(right.numel(), 1)
-
-
-def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
-    """Unit-scaled ``torch.matmul`` of two activations (neither is treated as a weight).
-
-    Scaling rule, for i.i.d. N(0, 1) operands ``input (..., m, k)`` (the left one) and
-    ``other (..., k, n)`` (the right one):
-    each output sums ``k`` unit products (std ``sqrt(k)``); each left-gradient element sums
-    ``n`` (times any broadcast batch) and each right-gradient element ``m`` (times any
-    broadcast batch, e.g. the whole batch for a 2-D ``other``). Ideal scales:
-    ``1/sqrt(k)``, ``1/sqrt(fan_left)``, ``1/sqrt(fan_right)``. Default
-    ``to_output_scale``: all three ``1/sqrt(k)`` (true gradients, std
-    ``sqrt(fan / k)``); ``to_left_grad_scale``/``to_right_grad_scale`` keep one gradient
-    unit; ``None``: all unit.
-
-    Args:
-        input: left operand, assumed unit-scaled.
-        other: right operand, assumed unit-scaled.
-        constraint: a constraint taking an output and two grad scales, or None.
-
-    Returns:
-        ``input @ other`` times the output scale.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> round(matmul(torch.randn(64, 512), torch.randn(512, 64)).std().item(), 1)
-        1.0
-    """
-    k, fan_left, fan_right = _matmul_fans(input, other)
-    out_scale, left_scale, right_scale = apply_constraint(
-        constraint, _rsqrt(k), _rsqrt(fan_left), _rsqrt(fan_right)
-    )
-    left = _prescale(input, left_scale, out_scale)
-    right = _prescale(other, right_scale, out_scale)
-    return _finish(torch.matmul(left, right), out_scale)
-
-
-def _linear(input: Tensor, weight: Tensor, bias: Tensor | None, constraint: Constraint) -> Tensor:
-    fan_out, fan_in = weight.shape[0], weight.shape[-1]
-    batch = input.numel() // max(fan_in, 1)
-    out_scale, in_scale = apply_constraint(constraint, _rsqrt(fan_in), _rsqrt(fan_out))
-    weight_grad_scale = _rsqrt(batch)
-    # F.linear(x, s * W) = s * (x W^T): the output scale rides on the (smaller) weight, whose
-    # own gradient factor is set independently (weights are never constrained).
-    weight = scale_fwd_bwd(weight, out_scale, weight_grad_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, weight_grad_scale)
-    # grad_x = (in/out) * grad_y (s W) = in * grad_y W: a no-op under to_output_scale.
-    return F.linear(scale_bwd(input, in_scale / out_scale), weight, bias)
-
-
-def linear(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    constraint: Constraint = "to_output_scale",
-) -> Tensor:
-    """Unit-scaled linear layer (``F.linear``): ``y = s * input @ weight.T + bias``.
-
-    Scaling rule, for unit ``input (..., fan_in)`` and ``weight (fan_out, fan_in)`` and a
-    unit incoming gradient, with ``batch = input.numel() / fan_in``: the output sums
-    ``fan_in`` unit products (ideal scale ``1/sqrt(fan_in)``), the input's gradient sums
-    ``fan_out`` (``1/sqrt(fan_out)``), the weight's and bias's gradients sum ``batch``
-    (``1/sqrt(batch)``). Default ``to_output_scale``: the input gradient also uses
-    ``1/sqrt(fan_in)`` (true gradient, std ``sqrt(fan_out / fan_in)``);
-    ``to_grad_input_scale`` makes the input gradient unit and the output std
-    ``sqrt(fan_in / fan_out)``; ``None``: both unit. Weight and bias gradients are never
-    constrained: they are always ``1/sqrt(batch)`` times the true ``grad_y^T x`` (so they
-    are not the true gradient unless ``batch`` is 1, a deliberate unit-scaling choice). The
-    bias is added unscaled (it starts at zero).
-
-    Args:
-        input: ``(..., fan_in)``, assumed unit-scaled.
-        weight: ``(fan_out, fan_in)``, assumed unit variance.
-        bias: optional ``(fan_out,)``.
-        constraint: a two-scale constraint, or None.
-
-    Returns:
-        ``(..., fan_out)``.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> y = linear(torch.randn(256, 1024), torch.randn(512, 1024))
-        >>> y.shape, round(y.std().item(), 1)
-        (torch.Size([256, 512]), 1.0)
-    """
-    return _linear(input, weight, bias, constraint)
-
-
-def linear_readout(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    constraint: Constraint = "to_grad_input_scale",
-) -> Tensor:
-    """Unit-scaled readout (final) linear layer, e.g. a language model's head.
-
-    The same op and ideal scales as :func:`linear`; only the default constraint differs.
-    The backward pass of the whole network starts here, so ``to_grad_input_scale`` keeps the
-    gradient that enters the network unit (``1/sqrt(fan_out)`` for both directions, a true
-    gradient), and lets the output (the logits) take std ``sqrt(fan_in / fan_out)``: below 1
-    when the vocabulary is larger than the hidden size, so the initial predictions are close
-    to uniform. Weight and bias gradients are scaled by ``1/sqrt(batch)`` as in
-    :func:`linear`.
-
-    Args:
-        input: ``(..., fan_in)``, assumed unit-scaled.
-        weight: ``(fan_out, fan_in)``, assumed unit variance.
-        bias: optional ``(fan_out,)``.
-        constraint: a two-scale constraint, or None (both directions unit).
-
-    Returns:
-        ``(..., fan_out)``.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64))
-        >>> round(y.std().item(), 2)  # sqrt(64 / 1024)
-        0.25
-    """
-    return _linear(input, weight, bias, constraint)
-
-
-def conv1d(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    stride: int | tuple[int, ...] = 1,
-    padding: int | str | tuple[int, ...] = 0,
-    dilation: int | tuple[int, ...] = 1,
-    groups: int = 1,
-    constraint: Constraint = "to_output_scale",
-) -> Tensor:
-    """Unit-scaled 1-D convolution (``F.conv1d``).
-
-    Scaling rule, for unit ``input (N, C_in, L)`` and ``weight (C_out, C_in/groups, K)``: each
-    output sums ``fan_in = C_in/groups * K`` products; each input element receives gradient
-    from ``C_out/groups`` channels times about ``K / stride`` taps, so
-    ``fan_out = C_out/groups * K / stride`` (exact away from the edges; assumes
-    ``stride <= K`` and ``L >> K``); weight and bias gradients sum ``N * L_out`` terms.
-    Factors and constraints as in :func:`linear` (default ``to_output_scale``; weight and
-    bias gradients ``1/sqrt(N * L_out)``, never constrained).
-
-    Args:
-        input: ``(N, C_in, L)`` or ``(C_in, L)``, assumed unit-scaled.
-        weight: ``(C_out, C_in/groups, K)``, assumed unit variance.
-        bias: optional ``(C_out,)``.
-        stride, padding, dilation, groups: as for ``F.conv1d`` (ints or 1-tuples;
-            ``padding`` may be ``"same"`` or ``"valid"``).
-        constraint: a two-scale constraint, or None.
-
-    Returns:
-        ``(N, C_out, L_out)``.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> y = conv1d(torch.randn(8, 64, 256), torch.randn(32, 64, 3))
-        >>> y.shape, round(y.std().item(), 1)
-        (torch.Size([8, 32, 254]), 1.0)
-    """
-    step: int = _single(stride, "conv1d", "stride")
-    spread: int = _single(dilation, "conv1d", "dilation")
-    pad: int | str = _single(padding, "conv1d", "padding")
-    out_channels, in_per_group, kernel = weight.shape
-    length = input.shape[-1]
-    if pad == "same":
-        out_length = length
-    else:
-        pad_total = 0 if pad == "valid" else 2 * int(pad)
-        out_length = (length + pad_total - spread * (kernel - 1) - 1) // step + 1
-    batch = input.numel() // max(input.shape[-2] * length, 1) * out_length
-    fan_in = in_per_group * kernel
-    fan_out = out_channels // groups * kernel / step
-    out_scale, in_scale = apply_constraint(constraint, _rsqrt(fan_in), _rsqrt(fan_out))
-    weight_grad_scale = _rsqrt(batch)
-    weight = scale_fwd_bwd(weight, out_scale, weight_grad_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, weight_grad_scale)
-    input = scale_bwd(input, in_scale / out_scale)
-    return F.conv1d(input, weight, bias, step, pad, spread, groups)
-
-
-# --------------------------------------------------------------------------------------------
-# normalisation
-# --------------------------------------------------------------------------------------------
-
-
-def _norm_param_scale(input: Tensor, normalized_shape: Any) -> float:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    return _rsqrt(input.numel() // max(math.prod(shape), 1))
-
-
-def layer_norm(
-    input: Tensor,
-    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-) -> Tensor:
-    """Unit-scaled layer norm (``F.layer_norm``).
-
-    Scaling rule: the normalised output has unit std per row by construction (with the
-    weight at its initial 1 and bias 0), so no forward factor. The input gradient
-    ``(g - mean(g) - x̂ mean(g x̂)) / σ`` has std ``sqrt(1 - 2/n) / σ``: unit for a unit
-    input (``σ = 1``) up to ``O(1/n)``, so no factor and no constraint: the input gradient is
-    the true gradient. The weight and bias gradients sum over the ``batch`` rows
-    (``input.numel() / prod(normalized_shape)``) and are scaled by ``1/sqrt(batch)``, which
-    assumes the rows' incoming gradients are independent. A norm in front of attention
-    breaks that: attention averages rows, so the gradient of a shift shared by all rows
-    adds up instead of cancelling, and those weight and bias gradients come out larger
-    (about 2x for 128 causal positions).
-
-    Args:
-        input: the input; unit-scaled rows give unit input gradients.
-        normalized_shape: trailing shape to normalise over.
-        weight: optional elementwise scale (initialise to ones).
-        bias: optional elementwise shift (initialise to zeros).
-        eps: as for ``F.layer_norm``.
-
-    Returns:
-        The normalised input, same shape.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> round(layer_norm(3 * torch.randn(64, 512), (512,)).std().item(), 2)
-        1.0
-    """
-    param_scale = _norm_param_scale(input, normalized_shape)
-    if weight is not None:
-        weight = scale_bwd(weight, param_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, param_scale)
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    return F.layer_norm(input, shape, weight, bias, eps)
-
-
-def rms_norm(
-    input: Tensor,
-    normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
-    weight: Tensor | None = None,
-    eps: float | None = None,
-) -> Tensor:
-    """Unit-scaled RMS norm (``F.rms_norm``).
-
-    Scaling rule: the output has unit rms per row by construction (weight at its initial
-    1), so no forward factor; the input gradient ``(g - x̂ mean(g x̂)) / rms(x)`` has std
-    ``sqrt(1 - 1/n)`` for a unit input, so no factor and no constraint (true gradient). The
-    weight gradient sums over the ``batch`` rows and is scaled by ``1/sqrt(batch)``.
-
-    Args:
-        input: the input; unit-scaled rows give unit input gradients.
-        normalized_shape: trailing shape to normalise over.
-        weight: optional elementwise scale (initialise to ones).
-        eps: as for ``F.rms_norm``.
-
-    Returns:
-        The normalised input, same shape.
-
-    Example:
-        >>> _ = torch.manual_seed(0)
-        >>> round(rms_norm(0.1 * torch.randn(64, 512), (512,)).std().item(), 2)
-        1.0
-    """
-    if weight is not None:
-        weight = scale_bwd(weight, _norm_param_scale(input, normalized_shape))
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    return F.rms_norm(input, shape, weight, eps)
-
-
-# --------------------------------------------------------------------------------------------
-# addition and residuals
-# --------------------------------------------------------------------------------------------
-
-
-def add(
-    input: Any, other: Any, alpha: float = 1, constraint: Constraint = "to_output_scale"
-) -> Any:
-    """Unit-scaled addition of two independent tensors (``torch.add``).
-
-    Scaling rule, for independent unit ``input`` and ``other``: ``input + alpha * other`` has
-    std ``sqrt(1 + alpha^2)``; each operand's gradient sums the incoming gradient over the
-    dimensions it was broadcast along (``numel(out) / numel(operand)`` terms) and ``other``'s
-    is also multiplied by ``alpha``. Ideal scales: output ``1/sqrt(1 + alpha^2)``, input
-    ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
-    Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
-    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit.
-
-    Only an addition of two floating-point tensors is scaled. If either operand is a Python
-    number, a non-float tensor or a symbolic size, this is the plain addition (adding a
-    constant does not change a tensor's scale), so ``U.add`` can stand in for every
-    ``operator.add`` in a captured graph. It assumes the operands are independent: adding a
-    residual branch to its own input is :func:`residual_add`'s job.
-
-    Args:
-        input: left operand.
-        other: right operand.
-        alpha: multiplier of ``other``, as for ``torch.add``.
-        constraint: a constraint taking an output and two grad scales, or None.
-
-    Returns:
-        The scaled sum (or the plain sum, see above).
-
-    Example:
-        >>> add(torch.ones(2), torch.ones(2)).tolist()  # (1 + 1) / sqrt(2)
-        [1.4142135381698608, 1.4142135381698608]
-        >>> add(torch.ones(2), 1.0).tolist()
-        [2.0, 2.0]
-    """
-    if not (_is_float_tensor(input) and _is_float_tensor(other)):
-        return input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
-    out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
-    out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
-    input_ideal = _rsqrt(out_numel // max(input.numel(), 1))
-    other_ideal = _rsqrt(out_numel // max(other.numel(), 1)) / abs(alpha) if alpha != 0 else 1.0
-    out_scale, input_scale, other_scale = apply_constraint(
-        constraint, out_ideal, input_ideal, other_ideal
-    )
-    input = _prescale(input, input_scale, out_scale)
-    other = _prescale(other, other_scale, out_scale)
-    summed = input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
-    return _finish(summed, out_scale)
-
-
-def _check_tau(op: str, tau: float) -> None:
-    if not 0.0 < tau < 1.0:
-        raise UnsupportedArgumentError(
-            op, "tau", tau, "tau is the residual branch's share of the variance: use 0 < tau < 1"
-        )
-
-
-def residual_split(input: Tensor, tau: float = 0.5) -> tuple[Tensor, Tensor]:
-    """Split a residual stream into ``(residual, skip)``: the start of a residual block.
-
-    Forward: both outputs are ``input``. Backward: the gradients of ``residual`` and
-    ``skip`` are multiplied by ``sqrt(tau)`` and ``sqrt(1 - tau)`` before they are summed,
-    undoing the ``1/sqrt(tau)`` and ``1/sqrt(1 - tau)`` that :func:`residual_add` puts on them.
-    So, for independent unit gradients on the two outputs, the input gradient
-    ``sqrt(tau) g_r + sqrt(1 - tau) g_s`` is unit; and the pair split-add together computes
-    the true gradient of ``sqrt(tau) f(x) + sqrt(1 - tau) x`` while every tensor inside the
-    branch ``f`` sees a unit gradient. No constraint applies.
-
-    Args:
-        input: the residual stream, assumed unit-scaled.
-        tau: the residual branch's share of the variance, ``0 < tau < 1``; use the same
-            value in the matching :func:`residual_add`.
-
-    Returns:
-        ``(residual, skip)``: feed ``residual`` through the branch, ``skip`` straight to
-        :func:`residual_add`.
-
-    Raises:
-        UnsupportedArgumentError: ``tau`` outside (0, 1).
-
-    Example:
-        >>> x = torch.ones(3, requires_grad=True)
-        >>> r, s = residual_split(x, tau=0.36)
-        >>> (r + s).sum().backward()
-        >>> [round(v, 2) for v in x.grad.tolist()]  # sqrt(0.36) + sqrt(0.64)
-        [1.4, 1.4, 1.4]
-    """
-    _check_tau("residual_split", tau)
-    return scale_bwd(input, math.sqrt(tau)), scale_bwd(input, math.sqrt(1.0 - tau))
-
-
-def residual_add(residual: Tensor, skip: Tensor, tau: float = 0.5) -> Tensor:
-    """Combine a residual branch with its skip: ``sqrt(tau) residual + sqrt(1 - tau) skip``.
-
-    Scaling rule: for independent unit ``residual`` and ``skip`` the weighted sum has unit
-    variance (``tau + (1 - tau) = 1``); ``tau`` is the branch's share. Backward: each input
-    receives the incoming gradient unchanged (unit), not the true ``sqrt(tau) g`` and
-    ``sqrt(1 - tau) g``; the matching :func:`residual_split` applies those factors where the
-    two paths meet, so the block as a whole has true gradients. No constraint applies.
-
-    Args:
-        residual: the output of the residual branch, assumed unit-scaled.
-        skip: the ``skip`` output of :func:`residual_split`.
-        tau: the branch's share of the variance, ``0 < tau < 1`` (same as the split).
-
-    Returns:
-        The unit-scaled sum.
-
-    Raises:
-        UnsupportedArgumentError: ``tau`` outside (0, 1).
-
-    Example:
-        >>> y = residual_add(torch.ones(2), torch.ones(2), tau=0.36)  # 0.6 + 0.8
-        >>> [round(v, 4) for v in y.tolist()]
-        [1.4, 1.4]
-    """
-    _check_tau("residual_add", tau)
-    return scale_fwd(residual, math.sqrt(tau)) + scale_fwd(skip, math.sqrt(1.0 - tau))
-
-
-# --------------------------------------------------------------------------------------------
 # embedding and attention
 # --------------------------------------------------------------------------------------------
-
-
-def embedding(
-    input: Tensor,
-    weight: Tensor,
-    padding_idx: int | None = None,
-    max_norm: float | None = None,
-    norm_type: float = 2.0,
-    scale_grad_by_freq: bool = False,
-    sparse: bool = False,
-) -> Tensor:
-    """Unit-scaled embedding lookup (``F.embedding``).
-
-    Scaling rule: the output is rows of a unit-variance weight, so no forward factor. The
-    weight's gradient adds the incoming gradients of every occurrence of a token; with
-    ``tokens = input.numel()`` spread uniformly over ``num_embeddings`` rows, an element's
-    gradient variance is ``tokens / num_embeddings`` on average, so it is scaled by
-    ``sqrt(num_embeddings / tokens)`` (rows of frequent tokens stay above 1, unused rows 0).
-    Never constrained (a weight).
-
-    Args:
-        input: integer token ids.
-        weight: ``(num_embeddings, embedding_dim)``, assumed unit variance.
-        padding_idx: as for ``F.embedding``.
-        max_norm: unsupported (it rescales the weight in place); must be None.
-        norm_type: only used with ``max_norm``; must be 2.0.
-        scale_grad_by_freq: unsupported (unit scaling sets the gradient scale); must be False.
-        sparse: unsupported; must be False.
-
-    Returns:
-        ``(*input.shape, embedding_dim)``.
-
-    Raises:
-        UnsupportedArgumentError: one of the unsupported arguments is given.
-
-    Example:
-        >>> w = torch.ones(10, 4, requires_grad=True)
-        >>> embedding(torch.arange(10).repeat(4), w).sum().backward()
-        >>> w.grad[0].tolist()  # 4 occurrences, scaled by sqrt(10 / 40)
-        [2.0, 2.0, 2.0, 2.0]
-    """
-    _reject("embedding", "max_norm", max_norm, None, "renormalise the weight yourself")
-    _reject("embedding", "norm_type", norm_type, 2.0, "norm_type only applies with max_norm")
-    _reject("embedding", "scale_grad_by_freq", scale_grad_by_freq, False, "unit scaling sets it")
-    _reject("embedding", "sparse", sparse, False, "use dense gradients (sparse=False)")
-    weight = scale_bwd(weight, math.sqrt(weight.shape[0] / max(input.numel(), 1)))
-    return F.embedding(input, weight, padding_idx)
 
 
 def scaled_dot_product_attention(
@@ -995,8 +462,8 @@ def scaled_dot_product_attention(
         raise UnsupportedArgumentError(
             "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
         )
-    queries, keys = _static_int(query.shape[-2]), _static_int(key.shape[-2])
-    head_dim, value_dim = _static_int(query.shape[-1]), value.shape[-1]
+    queries, keys = _specialised_int(query.shape[-2]), _specialised_int(key.shape[-2])
+    head_dim, value_dim = _specialised_int(query.shape[-1]), value.shape[-1]
     score_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     logit_var = score_scale * score_scale * head_dim
     mean_v, mean_g = _attention_moments(queries, keys, bool(is_causal), logit_var)
@@ -1091,7 +558,7 @@ def cross_entropy(
             f"<{target.dtype} tensor>",
             "pass class indices (int64), not probabilities",
         )
-    classes = _static_int(input.shape[1] if input.dim() >= 2 else input.shape[0])
+    classes = _specialised_int(input.shape[1] if input.dim() >= 2 else input.shape[0])
     batch = input.numel() // max(classes, 1)
     v, _ = _attention_moments(1, classes, False, 1.0)
     eps = float(label_smoothing)
@@ -1153,93 +620,3 @@ def mse_loss(
     return F.mse_loss(
         scale_bwd(input, grad_scale), scale_bwd(target, grad_scale), reduction=reduction
     )
-
-
-# --------------------------------------------------------------------------------------------
-# torch_map: what a captured graph calls -> the unit-scaled op
-# --------------------------------------------------------------------------------------------
-
-
-def _torch_softmax(input: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
-    """``torch.softmax`` / ``Tensor.softmax`` take ``dtype`` third, ``F.softmax`` does not."""
-    return softmax(input, dim, dtype=dtype)
-
-
-def _addmm(
-    input: Tensor,
-    mat1: Tensor,
-    mat2: Tensor,
-    *,
-    beta: float = 1,
-    alpha: float = 1,
-    constraint: Constraint = "to_output_scale",
-) -> Tensor:
-    """``torch.addmm(bias, x, w)`` as HF's ``Conv1D`` uses it: a linear with ``w.T`` weight."""
-    if beta != 1:
-        raise UnsupportedArgumentError("addmm", "beta", beta, "only beta=1 is supported")
-    if alpha != 1:
-        raise UnsupportedArgumentError("addmm", "alpha", alpha, "only alpha=1 is supported")
-    return linear(mat1, mat2.t(), input, constraint=constraint)
-
-
-torch_map: dict[Callable[..., Any], Callable[..., Any]] = {
-    # activations
-    F.gelu: gelu,
-    F.silu: silu,
-    F.softmax: softmax,
-    torch.softmax: _torch_softmax,
-    torch.Tensor.softmax: _torch_softmax,
-    F.dropout: dropout,
-    # matmul-like (F.linear is torch._C._nn.linear, what Dynamo records for nn.Linear;
-    # F.conv1d is torch.conv1d)
-    F.linear: linear,
-    F.conv1d: conv1d,
-    torch.matmul: matmul,
-    torch.Tensor.matmul: matmul,
-    operator.matmul: matmul,
-    torch.bmm: matmul,
-    torch.mm: matmul,
-    torch.addmm: _addmm,
-    # normalisation (nn.RMSNorm records torch.rms_norm)
-    F.layer_norm: layer_norm,
-    F.rms_norm: rms_norm,
-    torch.rms_norm: rms_norm,
-    # embedding, attention, losses
-    F.embedding: embedding,
-    F.scaled_dot_product_attention: scaled_dot_product_attention,
-    F.cross_entropy: cross_entropy,
-    F.mse_loss: mse_loss,
-    # additions: U.add scales only float-tensor + float-tensor and is the plain add otherwise,
-    # so it is safe for the adds that remain once residual adds have been found.
-    torch.add: add,
-    torch.Tensor.add: add,
-    operator.add: add,
-}
-"""Maps each ``torch`` / ``torch.nn.functional`` function (and the ``torch.Tensor`` method or
-``operator`` function a captured graph may call instead) to its unit-scaled equivalent,
-which accepts the same arguments. Used by :func:`unitscale.transforms.unit_scale` on the
-``call_function`` targets of a Dynamo graph; for a ``call_method`` node look up
-``getattr(torch.Tensor, node.target)``.
-
-Not included: residual adds (found by dependency analysis in ``unit_scale`` and replaced by
-:func:`residual_split` / :func:`residual_add`), and ops whose scale is unchanged.
-``operator.add``/``torch.add`` map to :func:`add`, which only scales the sum of two
-floating-point tensors (as ``1/sqrt(2)`` for two same-shape independent unit tensors) and
-is otherwise the plain addition, so sizes, integer tensors and ``x + 1`` are untouched.
-Caveat: an additive mask (``scores + mask``) is scaled with the scores (masked entries stay
-masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill``.
-"""
-
-
-# Each unit-scaled op is one node in a TorchDynamo graph rather than the primitives it is
-# made of: a tracked unit-scaled model then shows `linear`, `gelu`, ... at their unit-scaled
-# output, not the internal scaling steps (whose gradients, before scaling, are not tensors a
-# unit-scaled model would hold in low precision). Inductor still traces through them.
-GRAPH_OPS: tuple[Callable[..., Any], ...] = (
-    dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
-    rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
-    cross_entropy, mse_loss, _torch_softmax, _addmm,
-)  # fmt: skip
-for _op in GRAPH_OPS:
-    torch._dynamo.allow_in_graph(_op)
-del _op

@@ -24,36 +24,27 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..capture._core import (
+from ..capture import (
     NOT_INTERCEPTED,
+    Capture,
     GraphPass,
     Invocation,
     Piece,
+    Stage,
     TransformedModule,
-    _Capture,
+    example_value,
     identifier,
     iter_tensors,
     module_path_of,
+    trace_eagerly,
     warn_user,
 )
-from ..capture._eager import trace_eagerly
 from .metrics import Metrics, stats_to_data, tensor_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 _Stats = tuple[int, Tensor]  # (numel, statistics vector on the tensor's device)
-
-
-def _example_value(node: fx.Node) -> Any:
-    value = node.meta.get("example_value")
-    if value is None and "grapharg" in node.meta:
-        value = getattr(node.meta["grapharg"], "fake_tensor", None)
-    return value
-
-
-def _is_float_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 class TrackScalesPass(GraphPass):
@@ -63,6 +54,10 @@ class TrackScalesPass(GraphPass):
     Writes: ``piece.data["slots"]`` (node name -> slot); per invocation,
     ``invocation.data["fwd"]``/``["bwd"]`` (slot -> statistics vector on the device).
     """
+
+    stage = Stage.TRACK
+    applied = "is tracked by track_scales"
+    order_fix = "apply track_scales last, e.g. track_scales({op}(model))"
 
     def __init__(self) -> None:
         #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
@@ -78,9 +73,9 @@ class TrackScalesPass(GraphPass):
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._call_inputs: list[int] = []
-        self._capture: _Capture | None = None
+        self._capture: Capture | None = None
 
-    def fresh(self) -> TrackScalesPass:
+    def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
         clone.engine = self.engine
         return clone
@@ -93,7 +88,7 @@ class TrackScalesPass(GraphPass):
         self.engine = state.get("engine", "dynamo")
 
     # -- capture time ------------------------------------------------------------------------
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         self._capture = capture
         slots: dict[str, int] = {}
         graph = gm.graph
@@ -107,8 +102,8 @@ class TrackScalesPass(GraphPass):
         full_aliases: set[int] = set()
         users = {node: list(node.users) for node in nodes}  # before records are inserted
         for node in nodes:
-            value = _example_value(node)
-            if node.op in ("output", "get_attr") or not _is_float_tensor(value):
+            value = example_value(node)
+            if node.op in ("output", "get_attr") or not (isinstance(value, Tensor) and value.is_floating_point()):
                 continue
             slot = len(slots)
             slots[node.name] = slot
@@ -139,7 +134,7 @@ class TrackScalesPass(GraphPass):
     def intercept_call(
         self,
         module: TransformedModule,
-        capture: _Capture,
+        capture: Capture,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -179,7 +174,7 @@ class TrackScalesPass(GraphPass):
     def _eager_call(
         self,
         module: TransformedModule,
-        capture: _Capture,
+        capture: Capture,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -190,7 +185,7 @@ class TrackScalesPass(GraphPass):
         capture.last_trace = [invocation]
         return out
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         """Note whether ops ran outside the captured graphs (see :meth:`intercept_call`)."""
         self._partial = ""
         if not self.enabled:
@@ -302,7 +297,7 @@ def _same_values_source(node: fx.Node) -> fx.Node | None:
     source = node.args[0] if node.args else None
     if not isinstance(source, fx.Node):
         return None
-    before, after = _example_value(source), _example_value(node)
+    before, after = example_value(source), example_value(node)
     if not (_is_float_tensor(before) and _is_float_tensor(after)):
         return None
     return source if before.dtype == after.dtype and before.numel() == after.numel() else None
@@ -418,7 +413,7 @@ def _new_placeholder(
 
 def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None:
     new.meta = {key: original.meta[key] for key in _KEPT_META if key in original.meta}
-    value = _example_value(original)
+    value = example_value(original)
     new.meta["outputs_float_tensor"] = _is_float_tensor(value)
     if isinstance(value, Tensor):
         new.meta["shape"] = tuple(int(s) for s in value.shape)

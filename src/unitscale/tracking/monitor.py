@@ -318,7 +318,7 @@ class ScaleMonitor:
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _wrap(model: nn.Module) -> _MonitoredModule:
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        if is_optimized_module(model):
             raise MonitorError(
                 "ScaleMonitor: the model is torch.compile'd; pass the original module "
                 "(model._orig_mod): tracked code cannot run compiled"

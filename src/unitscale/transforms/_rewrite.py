@@ -15,39 +15,29 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..capture._core import Piece, TransformedModule, _Capture, identifier, iter_tensors
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    identifier,
+    is_float_node,
+    iter_tensors,
+)
 from ..errors import CaptureError
 
 __all__ = [
     "ancestors",
     "descendants",
-    "example_value",
     "insert_call",
-    "is_float_node",
     "parameter_nodes",
     "placeholder_names",
-    "refuse_after_tracking",
     "uncaptured_outputs",
     "warn_uncaptured",
 ]
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
-
-
-def example_value(node: Any) -> Any:
-    """The value Dynamo recorded for ``node`` (a FakeTensor, tuple...), or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value")
-    if value is None and "grapharg" in node.meta:
-        value = getattr(node.meta["grapharg"], "fake_tensor", None)
-    return value
-
-
-def is_float_node(node: Any) -> bool:
-    """Whether ``node`` is an fx node whose value is a floating-point tensor."""
-    value = example_value(node)
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def placeholder_names(gm: fx.GraphModule, piece: Piece) -> dict[fx.Node, tuple[str, str]]:
@@ -111,19 +101,7 @@ def insert_call(
     return node
 
 
-def refuse_after_tracking(module: nn.Module, op: str) -> None:
-    """Raise if ``module`` is tracked: a graph rewrite after ``track_scales`` would change
-    values behind the tracked graph's back, so tracking must come last."""
-    if isinstance(module, TransformedModule) and any(
-        hasattr(graph_pass, "scales_graph") for graph_pass in module.passes
-    ):
-        raise CaptureError(
-            f"unitscale.{op}: the module is already tracked by track_scales; apply "
-            f"track_scales last, e.g. track_scales({op}(model))"
-        )
-
-
-def uncaptured_outputs(capture: _Capture, output: Any) -> int:
+def uncaptured_outputs(capture: Capture, output: Any) -> int:
     """How many float tensors in ``output`` no captured graph produced or received.
 
     Such tensors were computed by code TorchDynamo ran eagerly (around a graph break inside
@@ -141,7 +119,7 @@ def uncaptured_outputs(capture: _Capture, output: Any) -> int:
 
 
 def warn_uncaptured(
-    module: TransformedModule, capture: _Capture, output: Any, op: str, consequence: str
+    module: TransformedModule, capture: Capture, output: Any, op: str, consequence: str
 ) -> bool:
     """Warn (once per call site; returns whether it did) about outputs computed eagerly."""
     missing = uncaptured_outputs(capture, output)
