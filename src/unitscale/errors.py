@@ -7,7 +7,7 @@ format or argument concerned and say what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
+__all__ = ["AnalysisError", "CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
 
 
 class UnitScaleError(Exception):
@@ -28,3 +28,7 @@ class UnsupportedArgumentError(UnitScaleError, ValueError):
 
 class CaptureError(UnitScaleError, RuntimeError):
     """A module's forward pass could not be captured as a graph."""
+
+
+class AnalysisError(UnitScaleError, ValueError):
+    """A graph or an argument given to an analysis function cannot be used."""

@@ -19,8 +19,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from .analysis.dataframe import AnalysisError
-from .tracking.metrics import Metrics
+from ..errors import AnalysisError
+from ..tracking.metrics import Metrics
 
 __all__ = ["analyse_module"]
 
@@ -117,7 +117,7 @@ def analyse_module(
         >>> print(code.splitlines()[2].strip())
         y = x * 2  # (-> 1, <- 1)
     """
-    from .transforms import track_scales
+    from ..transforms import track_scales
 
     if metric not in Metrics.Data.SCALAR_FIELDS:
         raise AnalysisError(

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
-    from ..data import example_batch
+    from ..experiments.data import example_batch
     from ..transforms import prune_same_scale_tensors, track_scales
     from ._models import call_model, resolve_models
 

@@ -25,7 +25,7 @@ DEFAULT_OUT = "unitscale-train"
 
 
 def _run_list(text: str) -> tuple[str, ...]:
-    from ..training import RUN_NAMES
+    from ..experiments.training import RUN_NAMES
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in RUN_NAMES]
@@ -40,7 +40,7 @@ def _run_list(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``train`` and its options."""
-    from ..training import RUN_NAMES, TrainConfig
+    from ..experiments.training import RUN_NAMES, TrainConfig
 
     d = TrainConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"unitscale train needs {exc.name}: pip install 'unitscale[analysis]'"
         ) from exc
-    from ..monitor import tensorboard_available
-    from ..training import (
+    from ..analysis.tensorboard import tensorboard_available
+    from ..experiments.training import (
         TrainConfig,
         plot_losses,
         summary_text,

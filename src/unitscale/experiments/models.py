@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import UnitScaleError
+from .. import functional as U
+from .. import modules as us
+from ..errors import UnitScaleError
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # configuration
@@ -282,8 +284,6 @@ class UnitScaledGPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig) -> None:
-        import unitscale as us
-
         super().__init__()
         self.config = config
         depth = config.depth
@@ -324,8 +324,6 @@ class UnitScaledGPT(nn.Module):
         Raises:
             ModelConfigError: for a sequence longer than ``config.seq_len`` or a padding mask.
         """
-        from . import functional as U
-
         _check_inputs("UnitScaledGPT", input_ids, self.config)
         if (
             attention_mask is not None

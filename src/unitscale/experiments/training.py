@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnitScaleError
+from ..tracking import NonFiniteReport, ScaleMonitor
 from .data import Batch, batches
-from .errors import UnitScaleError
 from .models import GPTConfig, plain_gpt, unit_scaled_gpt
-from .monitor import NonFiniteReport, ScaleMonitor
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -273,8 +273,8 @@ def build_run_model(run: str, config: TrainConfig) -> nn.Module:
     build = unit_scaled_gpt if _family(run) == "unit-scaled" else plain_gpt
     model: nn.Module = build(model_config, seed=config.seed)
     if _is_fp8(run):
-        from .transforms import compile as compile_module
-        from .transforms import simulate_fp8
+        from ..transforms import compile as compile_module
+        from ..transforms import simulate_fp8
 
         model = simulate_fp8(model)
         if config.compile_fp8 and config.monitor_every is None:

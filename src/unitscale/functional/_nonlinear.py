@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..constraints import apply_constraint
 from .._lazy_dynamo import assume_constant_result
+from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
 from ..scale import scale_bwd
 from ._common import (
@@ -56,7 +56,6 @@ _GELU_GRAD_RMS = {"none": 0.6751672871699427, "tanh": 0.6751428337604438}
 _SILU_STD = 0.5595384678495278
 _SILU_RMS = 0.5964692111326139
 _SILU_GRAD_RMS = 0.6160213889512496
-
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import UnsupportedArgumentError
 from .._lazy_dynamo import when_dynamo_imported
+from ..errors import UnsupportedArgumentError
 from ._common import Constraint
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._nonlinear import (

@@ -34,6 +34,7 @@ from ..capture import (
     TransformedModule,
     example_value,
     identifier,
+    is_float_node,
     iter_tensors,
     module_path_of,
     trace_eagerly,
@@ -102,8 +103,7 @@ class TrackScalesPass(GraphPass):
         full_aliases: set[int] = set()
         users = {node: list(node.users) for node in nodes}  # before records are inserted
         for node in nodes:
-            value = example_value(node)
-            if node.op in ("output", "get_attr") or not (isinstance(value, Tensor) and value.is_floating_point()):
+            if node.op in ("output", "get_attr") or not is_float_node(node):
                 continue
             slot = len(slots)
             slots[node.name] = slot
@@ -212,6 +212,19 @@ class TrackScalesPass(GraphPass):
                     "scales_graph()"
                 )
 
+    def release_hooks(self) -> None:
+        """Remove the gradient hooks of the last recorded call.
+
+        The pass keeps its hooks on parameters (leaves) until its next *enabled* call, so
+        while recording is off they would still compute gradient statistics and overwrite
+        the recorded ones; a caller that reads each recorded call at once (``ScaleMonitor``)
+        drops them with this.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked = set()
+
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
         """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
         return build_scales_graph(module, self)
@@ -297,8 +310,10 @@ def _same_values_source(node: fx.Node) -> fx.Node | None:
     source = node.args[0] if node.args else None
     if not isinstance(source, fx.Node):
         return None
+    if not (is_float_node(source) and is_float_node(node)):
+        return None
     before, after = example_value(source), example_value(node)
-    if not (_is_float_tensor(before) and _is_float_tensor(after)):
+    if before is None or after is None:  # pragma: no cover - float nodes have values
         return None
     return source if before.dtype == after.dtype and before.numel() == after.numel() else None
 
@@ -414,7 +429,7 @@ def _new_placeholder(
 def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None:
     new.meta = {key: original.meta[key] for key in _KEPT_META if key in original.meta}
     value = example_value(original)
-    new.meta["outputs_float_tensor"] = _is_float_tensor(value)
+    new.meta["outputs_float_tensor"] = is_float_node(original)
     if isinstance(value, Tensor):
         new.meta["shape"] = tuple(int(s) for s in value.shape)
         new.meta["dtype"] = value.dtype

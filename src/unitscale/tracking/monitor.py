@@ -18,15 +18,14 @@ Design constraints:
 - the monitor never copies or changes the user's model; it keeps, per step, only references
   to the inputs, the RNG state, the outputs and the output gradients (dropped at ``step()``);
 - nothing is copied to the host on steps that do not record, except the one finiteness flag;
-- the records come from :func:`unitscale.analysis.dataframe.graph_records`, the same records as
-  ``graph_to_dataframe`` of ``track_scales`` on the same step; presentation (the heatmap, CSV,
-  TensorBoard) only consumes the table. pandas, matplotlib and tensorboard are imported where
-  they are used.
+- the records come from :func:`~unitscale.tracking.records.graph_records`, the same as
+  ``graph_to_dataframe`` of ``track_scales`` on the same step; presentation (the heatmap and
+  TensorBoard export, in :mod:`unitscale.analysis`) only consumes the table. pandas,
+  matplotlib and tensorboard are imported where they are used.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 import weakref
@@ -39,10 +38,13 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .capture._core import GraphPass, TransformedModule, iter_tensors
-from .errors import UnitScaleError
-from .tracking._recorder import TrackScalesPass
-from .tracking.metrics import Metrics
+from .._lazy_dynamo import is_optimized_module
+from ..capture import GraphPass, Stage, TransformedModule, iter_tensors
+from ..errors import UnitScaleError
+from ._recorder import TrackScalesPass
+from .metrics import Metrics
+from .records import METRIC_NAMES, op_name
+from .rows import prepare_rows
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -58,9 +60,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "NonFiniteReport",
     # the monitor
     "ScaleMonitor",
-    # presentation
-    "scale_heatmap",
-    "tensorboard_available",
 ]
 
 #: Columns of :meth:`ScaleMonitor.table`, in order.
@@ -184,7 +183,7 @@ class _MonitoredModule(TransformedModule):
 
 
 @dataclass(frozen=True)
-class _Record:
+class MonitorRecord:
     """One tensor, direction and step of the long table (every metric of it)."""
 
     step: int
@@ -277,8 +276,6 @@ class ScaleMonitor:
         tensorboard: str | os.PathLike[str] | Any | None = None,
         tensorboard_metrics: Sequence[str] = ("mean_abs",),
     ) -> None:
-        from .analysis.dataframe import METRIC_NAMES
-
         self.every = None if every is None else _positive_int("every", every)
         if on_non_finite not in ("warn", "raise", "ignore"):
             raise MonitorError(
@@ -304,13 +301,15 @@ class ScaleMonitor:
         self._writer: Any = None
         if tensorboard is not None:
             self._writer = (
-                tensorboard if hasattr(tensorboard, "add_scalar") else _summary_writer(tensorboard)
+                tensorboard
+                if hasattr(tensorboard, "add_scalar")
+                else _tensorboard().summary_writer(tensorboard)
             )
             self._check_tb_metrics(self.tensorboard_metrics)
         #: The first non-finite value found, or None.
         self.non_finite: NonFiniteReport | None = None
         self._step = 0
-        self._records: list[_Record] = []
+        self._records: list[MonitorRecord] = []
         self._table: pd.DataFrame | None = None
         self._forget_call()
         self._track.enabled = self.recording
@@ -330,20 +329,20 @@ class ScaleMonitor:
         inner, passes = (
             (model.module, model.passes) if isinstance(model, TransformedModule) else (model, ())
         )
-        if passes and passes[-1].compiles:
+        if passes and passes[-1].stage is Stage.COMPILE:
             raise MonitorError(
                 "ScaleMonitor: the model is compiled by unitscale.transforms.compile, whose "
                 "statistics cannot be recorded; monitor the chain without compile, e.g. "
                 "ScaleMonitor(simulate_fp8(unit_scale(model)))"
             )
-        if any(isinstance(p, TrackScalesPass) for p in passes):
+        if any(p.stage is Stage.TRACK for p in passes):
             raise MonitorError(
                 "ScaleMonitor: the model is already tracked (track_scales or another "
                 "ScaleMonitor); pass the untracked model"
             )
         # No copy: the monitored module runs the user's own parameters. The earlier passes
         # (unit_scale, simulate_format) are configuration and are applied again, fresh.
-        chain = (*(p.fresh() for p in passes), TrackScalesPass())
+        chain = (*(p.without_state() for p in passes), TrackScalesPass())
         return _MonitoredModule(inner, chain)
 
     # -- state --------------------------------------------------------------------------------
@@ -460,7 +459,7 @@ class ScaleMonitor:
                     report = self._locate(step, trigger)
                 self.non_finite = report
         finally:
-            _release_hooks(self._track)
+            self._track.release_hooks()
             self._step += 1
             self._track.enabled = self.recording
             self._forget_call()
@@ -472,19 +471,17 @@ class ScaleMonitor:
         return report
 
     def _collect(self, step: int, graph: fx.Graph) -> None:
-        from .analysis._prepare import prepare_rows
-
         if not any(n.op != "output" for n in graph.nodes):
             return
         all_rows = prepare_rows(graph, prune_same_scale=False, where="ScaleMonitor")
         kept = {r.node for r in prepare_rows(graph, prune_same_scale=True, where="ScaleMonitor")}
-        new: list[_Record] = []
+        new: list[MonitorRecord] = []
         for position, row in enumerate(all_rows):
             for rec in (row.fwd, row.bwd):
                 if rec is None:
                     continue
                 new.append(
-                    _Record(
+                    MonitorRecord(
                         step=step,
                         tensor=rec.name,
                         direction=rec.direction,
@@ -500,7 +497,7 @@ class ScaleMonitor:
         self._records.extend(new)
         self._table = None
         if self._writer is not None:
-            _write_scalars(self._writer, new, self.tensorboard_metrics)
+            _tensorboard().write_scalars(self._writer, new, self.tensorboard_metrics)
 
     def _check_weights_unchanged(self) -> None:
         versions = [p._version for p in self._parameters()]
@@ -611,13 +608,15 @@ class ScaleMonitor:
     ) -> Axes:
         """Plot ``metric`` of every tensor (rows) at every recorded step (columns).
 
-        See :func:`scale_heatmap`.
+        See :func:`unitscale.analysis.scale_heatmap`.
         """
         if metric not in self.metrics:
             raise MonitorError(
                 f"ScaleMonitor.heatmap: metric={metric!r} was not kept; pass it in "
                 f"ScaleMonitor(metrics=...) (kept: {list(self.metrics)})"
             )
+        from ..analysis.heatmap import scale_heatmap
+
         return scale_heatmap(
             self.table(),
             metric,
@@ -645,8 +644,8 @@ class ScaleMonitor:
         """
         chosen = self.tensorboard_metrics if metrics is None else tuple(metrics)
         self._check_tb_metrics(chosen)
-        target = writer if hasattr(writer, "add_scalar") else _summary_writer(writer)
-        _write_scalars(target, self._records, chosen)
+        target = writer if hasattr(writer, "add_scalar") else _tensorboard().summary_writer(writer)
+        _tensorboard().write_scalars(target, self._records, chosen)
         if target is not writer and hasattr(target, "close"):
             target.close()
 
@@ -665,20 +664,6 @@ class ScaleMonitor:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _release_hooks(track: TrackScalesPass) -> None:
-    """Remove the gradient hooks of the last recorded call.
-
-    ``TrackScalesPass`` keeps its hooks on parameters (leaves) until its next *enabled* call,
-    so on the steps the monitor does not record they would still compute gradient statistics
-    and overwrite the recorded ones. The monitor reads each recorded step at once, so it drops
-    them here.
-    """
-    for handle in track._handles:
-        handle.remove()
-    track._handles = []
-    track._hooked = set()
-
-
 def _first_non_finite(graph: fx.Graph, step: int, trigger: str) -> NonFiniteReport:
     nodes = [n for n in graph.nodes if isinstance(n.meta.get("metrics"), Metrics)]
 
@@ -686,8 +671,6 @@ def _first_non_finite(graph: fx.Graph, step: int, trigger: str) -> NonFiniteRepo
         return str(node.meta.get("clean_name", node.name))
 
     def report(node: fx.Node, direction: str, neighbours: list[tuple[str, float]]) -> Any:
-        from .analysis.dataframe import op_name
-
         data = getattr(node.meta["metrics"], direction)
         return NonFiniteReport(
             step=step,
@@ -740,153 +723,8 @@ def _import(module: str, package: str) -> Any:
         raise MonitorError(f"ScaleMonitor needs {package}: pip install {package}") from error
 
 
-def _summary_writer(log_dir: str | os.PathLike[str]) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ModuleNotFoundError as error:  # torch's module imports the tensorboard package
-        raise MonitorError(
-            f"ScaleMonitor: writing TensorBoard scalars to {str(log_dir)!r} needs the "
-            "tensorboard package: pip install tensorboard (or pass any writer object with "
-            "add_scalar)"
-        ) from error
-    return SummaryWriter(log_dir=str(log_dir))
+def _tensorboard() -> Any:
+    """The TensorBoard export of :mod:`unitscale.analysis` (presentation; imported on use)."""
+    from ..analysis import tensorboard
 
-
-def tensorboard_available() -> bool:
-    """True when ``torch.utils.tensorboard`` (the ``tensorboard`` package) can be imported."""
-    import importlib.util
-
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def _write_scalars(writer: Any, records: Iterable[_Record], metrics: Sequence[str]) -> None:
-    for r in records:
-        for metric in metrics:
-            value = r.metrics.get(metric)
-            if value is not None:
-                writer.add_scalar(f"{metric}/{r.direction}/{r.label}", float(value), r.step)
-    if hasattr(writer, "flush"):
-        writer.flush()
-
-
-def scale_heatmap(
-    table: pd.DataFrame,
-    metric: str = "mean_abs",
-    direction: str = "fwd",
-    *,
-    title: str = "",
-    prune_same_scale: bool = True,
-    ax: Axes | None = None,
-) -> Axes:
-    """Heatmap of one metric over training: a row per tensor, a column per recorded step.
-
-    Colours are ``log2(value)`` on a diverging scale centred on 0 (unit scale, white): red
-    above, blue below. Zeros and missing values are light grey; NaN and Inf are black.
-
-    Args:
-        table: a long table as :meth:`ScaleMonitor.table` returns (columns ``step``,
-            ``tensor``, ``direction``, ``metric``, ``value``, ``label``, ``row`` and
-            ``same_scale``).
-        metric: the metric shown (``"mean_abs"``, ``"rms"``, ``"abs_max"``, ...).
-        direction: ``"fwd"`` (values) or ``"bwd"`` (gradients).
-        title: the title (default: the metric and direction).
-        prune_same_scale: hide tensors that always have their single input's scale (views).
-        ax: draw into this Axes (default: a new figure sized to the number of rows).
-
-    Returns:
-        The Axes; save with ``ax.figure.savefig("heatmap.png")``.
-
-    Raises:
-        MonitorError: for a direction or metric with no rows in ``table``.
-
-    Example:
-        >>> import pandas as pd
-        >>> t = pd.DataFrame({"step": [0, 10], "tensor": ["x", "x"], "direction": "fwd",
-        ...                   "metric": "rms", "value": [1.0, 4.0], "label": "x", "row": 0,
-        ...                   "same_scale": False})
-        >>> ax = scale_heatmap(t, "rms")
-        >>> [t.get_text() for t in ax.get_yticklabels()], ax.images[0].get_array()[0].tolist()
-        (['x'], [0.0, 2.0])
-    """
-    import numpy as np
-
-    if direction not in ("fwd", "bwd"):
-        raise MonitorError(f"scale_heatmap: direction={direction!r} must be 'fwd' or 'bwd'")
-    rows = table[(table["metric"] == metric) & (table["direction"] == direction)]
-    if prune_same_scale and "same_scale" in rows:
-        # A tensor shown at any step is shown at every step.
-        shown = set(rows.loc[~rows["same_scale"].astype(bool), "tensor"])
-        rows = rows[rows["tensor"].isin(shown)]
-    if rows.empty:
-        raise MonitorError(
-            f"scale_heatmap: no {direction} values of metric {metric!r} in the table; record "
-            "some steps first, and check the metric name"
-        )
-    order = rows.groupby("tensor", sort=False)["row"].min().sort_values(kind="stable")
-    steps = sorted(rows["step"].unique())
-    grid = rows.pivot(index="tensor", columns="step", values="value").reindex(
-        index=order.index, columns=steps
-    )
-    present = (
-        rows.assign(_present=1.0)
-        .pivot(index="tensor", columns="step", values="_present")
-        .reindex(index=order.index, columns=steps)
-        .notna()
-        .to_numpy()
-    )
-    labels_by_tensor = rows.groupby("tensor", sort=False)["label"].last()
-    labels = [str(labels_by_tensor[t]) for t in order.index]
-    values = grid.to_numpy(dtype=float)
-    bad = present & ~np.isfinite(values)  # a recorded NaN or Inf (not a missing cell)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logs = np.where((values > 0) & np.isfinite(values), np.log2(values), np.nan)
-    masked = np.ma.masked_invalid(logs)
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import ListedColormap, TwoSlopeNorm
-    from matplotlib.figure import Figure
-
-    n_rows, n_steps = values.shape
-    if ax is None:
-        longest = max((len(s) for s in labels), default=10)
-        left_in = min(0.4 + 0.055 * longest, 4.5)
-        width_in = max(7.0, left_in + 0.9 + min(0.16 * n_steps, 10.0))
-        height_in = min(max(0.15 * n_rows + 1.4, 3.0), 60.0)
-        fig = Figure(figsize=(width_in, height_in))
-        FigureCanvasAgg(fig)
-        fig.subplots_adjust(
-            left=left_in / width_in, right=1 - 1.1 / width_in, top=1 - 0.8 / height_in,
-            bottom=0.6 / height_in,
-        )  # fmt: skip
-        ax = fig.add_subplot()
-    finite = masked.compressed()
-    span = float(max(np.abs(finite).max(), 1.0)) if finite.size else 1.0
-    cmap = _colormap()
-    image = ax.imshow(
-        masked,
-        aspect="auto",
-        interpolation="nearest",
-        cmap=cmap,
-        norm=TwoSlopeNorm(vcenter=0.0, vmin=-span, vmax=span),
-    )
-    if bad.any():
-        overlay = np.ma.masked_where(~bad, np.ones_like(values))
-        ax.imshow(overlay, aspect="auto", interpolation="nearest", cmap=ListedColormap(["black"]))
-    colorbar = ax.figure.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
-    colorbar.set_label(f"log2({metric})")
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(labels, fontsize=7 if n_rows <= 60 else 6)
-    tick_every = max(1, math.ceil(n_steps / 20))
-    ticks = list(range(0, n_steps, tick_every))
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([str(int(steps[i])) for i in ticks], fontsize=7, rotation=90)
-    ax.set_xlabel("step")
-    kind = "values (forward)" if direction == "fwd" else "gradients (backward)"
-    ax.set_title(title or f"{metric} of tensor {kind} over training", fontsize=10)
-    return ax
-
-
-def _colormap() -> Any:
-    from matplotlib import colormaps
-
-    return colormaps["RdBu_r"].with_extremes(bad="#dddddd")
+    return tensorboard

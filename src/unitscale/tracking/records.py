@@ -1,10 +1,10 @@
-"""The table of tracked scales: one row per graph node and direction.
+"""The records of a tracked graph: one :class:`ScaleRecord` per graph node and direction.
 
 Design constraints: this is the one place that reads the node meta written by
 :func:`unitscale.transforms.track_scales` (``metrics``, ``clean_name``, ``module_path``,
-``requires_grad``, ``shape``/``dtype`` or Dynamo's ``example_value``); the plot, the HTML report
-and the command only consume the records and the DataFrame built here. pandas is imported
-inside :func:`graph_to_dataframe` so that ``import unitscale`` stays light.
+``requires_grad``, ``shape``/``dtype`` or Dynamo's ``example_value``); the table
+(:func:`unitscale.analysis.graph_to_dataframe`), the plot, the HTML report, ``ScaleMonitor``
+and the command only consume these records.
 """
 
 from __future__ import annotations
@@ -12,30 +12,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
 
-from ..errors import UnitScaleError
-from ..tracking.metrics import FORMAT_KEYS, Metrics
-
-if TYPE_CHECKING:
-    import pandas as pd
+from ..errors import AnalysisError
+from .metrics import FORMAT_KEYS, Metrics
 
 __all__ = [
     "ID_COLUMNS",
     "METRIC_NAMES",
-    "AnalysisError",
     "ScaleRecord",
     "graph_records",
-    "graph_to_dataframe",
     "op_name",
 ]
-
-
-class AnalysisError(UnitScaleError, ValueError):
-    """A graph or an argument given to an analysis function cannot be used."""
 
 
 #: Every metric column, in order (the keys of ``Metrics.Data.as_dict()``).
@@ -201,38 +192,3 @@ def graph_records(graph: Graph, where: str = "graph_records") -> Iterator[ScaleR
                 inputs=inputs,
                 metrics=dict(data.as_dict()),
             )
-
-
-def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
-    """Tabulate a tracked graph: one row per node and direction, with every metric.
-
-    Columns: ``order``, ``node``, ``name`` (clean name), ``module`` (module path), ``op``,
-    ``weight``, ``direction`` (``"fwd"``/``"bwd"``), ``tensor_type``
-    (``"x"``/``"w"``/``"grad_x"``/``"grad_w"``), ``shape``, ``dtype``, then every metric of
-    ``Metrics.Data.as_dict()`` (``mean_abs``, ..., ``underflow_e4m3``, ``overflow_e4m3``, ...).
-
-    Args:
-        graph: ``tracked.scales_graph()`` of a module tracked with
-            :func:`unitscale.transforms.track_scales`.
-
-    Returns:
-        A pandas DataFrame in graph (execution) order, forward row before backward row.
-
-    Raises:
-        AnalysisError: when ``graph`` is not a graph, is empty, or carries no metrics.
-
-    Example:
-        >>> g = Graph()
-        >>> x = g.placeholder("x")
-        >>> x.meta.update(clean_name="x", metrics=Metrics(
-        ...     fwd=Metrics.Data(1.0, 0.0, 1.2, 3.0, 0.0, 1.2, 16),
-        ...     bwd=Metrics.Data(0.5, 0.0, 0.6, 2.0, 0.0, 0.6, 16)))
-        >>> df = graph_to_dataframe(g)
-        >>> df[["name", "direction", "tensor_type", "mean_abs"]].values.tolist()
-        [['x', 'fwd', 'x', 1.0], ['x', 'bwd', 'grad_x', 0.5]]
-    """
-    import pandas as pd
-
-    rows = [r.as_row() for r in graph_records(graph, "graph_to_dataframe")]
-    df = pd.DataFrame(rows, columns=[*ID_COLUMNS, *METRIC_NAMES])
-    return df.astype({"order": "int64", "numel": "int64", "weight": "bool"})

@@ -1,4 +1,5 @@
-"""Shared preparation for the plot and the report: which tensors to show, and data flow."""
+"""Rows of a tracked graph for the plot, the report and ``ScaleMonitor``: which tensors to
+show, in which order, and the data flow between them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from dataclasses import dataclass, field
 
 from torch.fx import Graph
 
-from .dataframe import ScaleRecord, graph_records
+from .prune import prune_same_scale_tensors
+from .records import ScaleRecord, graph_records
 
 
 @dataclass
@@ -45,8 +47,6 @@ def prepare_rows(graph: Graph, prune_same_scale: bool, where: str) -> list[Tenso
     """
     records = list(graph_records(graph, where))  # validates the graph
     if prune_same_scale:
-        from ..transforms import prune_same_scale_tensors
-
         graph = prune_same_scale_tensors(graph)
         records = list(graph_records(graph, where))
     rows: dict[str, TensorRow] = {}

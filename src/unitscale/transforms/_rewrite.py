@@ -13,19 +13,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.fx as fx
-from torch import Tensor, nn
 
 from ..capture import (
     Capture,
     Piece,
-    Stage,
     TransformedModule,
-    example_value,
     identifier,
-    is_float_node,
     iter_tensors,
 )
-from ..errors import CaptureError
 
 __all__ = [
     "ancestors",

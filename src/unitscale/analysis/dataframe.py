@@ -1,0 +1,63 @@
+"""The table of tracked scales: one row per graph node and direction.
+
+Design constraints: the rows are the records of :mod:`unitscale.tracking.records` (the one
+place that reads tracking's node meta); pandas is imported inside
+:func:`graph_to_dataframe` so that ``import unitscale`` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.fx import Graph
+
+from ..errors import AnalysisError
+from ..tracking.records import ID_COLUMNS, METRIC_NAMES, ScaleRecord, graph_records, op_name
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "ID_COLUMNS",
+    "METRIC_NAMES",
+    "AnalysisError",
+    "ScaleRecord",
+    "graph_records",
+    "graph_to_dataframe",
+    "op_name",
+]
+
+
+def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
+    """Tabulate a tracked graph: one row per node and direction, with every metric.
+
+    Columns: ``order``, ``node``, ``name`` (clean name), ``module`` (module path), ``op``,
+    ``weight``, ``direction`` (``"fwd"``/``"bwd"``), ``tensor_type``
+    (``"x"``/``"w"``/``"grad_x"``/``"grad_w"``), ``shape``, ``dtype``, then every metric of
+    ``Metrics.Data.as_dict()`` (``mean_abs``, ..., ``underflow_e4m3``, ``overflow_e4m3``, ...).
+
+    Args:
+        graph: ``tracked.scales_graph()`` of a module tracked with
+            :func:`unitscale.transforms.track_scales`.
+
+    Returns:
+        A pandas DataFrame in graph (execution) order, forward row before backward row.
+
+    Raises:
+        AnalysisError: when ``graph`` is not a graph, is empty, or carries no metrics.
+
+    Example:
+        >>> g = Graph()
+        >>> x = g.placeholder("x")
+        >>> x.meta.update(clean_name="x", metrics=Metrics(
+        ...     fwd=Metrics.Data(1.0, 0.0, 1.2, 3.0, 0.0, 1.2, 16),
+        ...     bwd=Metrics.Data(0.5, 0.0, 0.6, 2.0, 0.0, 0.6, 16)))
+        >>> df = graph_to_dataframe(g)
+        >>> df[["name", "direction", "tensor_type", "mean_abs"]].values.tolist()
+        [['x', 'fwd', 'x', 1.0], ['x', 'bwd', 'grad_x', 0.5]]
+    """
+    import pandas as pd
+
+    rows = [r.as_row() for r in graph_records(graph, "graph_to_dataframe")]
+    df = pd.DataFrame(rows, columns=[*ID_COLUMNS, *METRIC_NAMES])
+    return df.astype({"order": "int64", "numel": "int64", "weight": "bool"})

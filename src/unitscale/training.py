@@ -1,0 +1,34 @@
+"""``unitscale.training``: the name DESIGN.md and the README use for
+:mod:`unitscale.experiments.training` (where the code lives)."""
+
+from .experiments.training import (
+    MONITOR_METRICS,
+    RUN_NAMES,
+    RunResult,
+    TrainConfig,
+    TrainConfigError,
+    build_run_model,
+    losses_frame,
+    plot_losses,
+    summary_text,
+    train_run,
+    train_runs,
+    write_losses_csv,
+    write_train_report,
+)
+
+__all__ = [
+    "MONITOR_METRICS",
+    "RUN_NAMES",
+    "RunResult",
+    "TrainConfig",
+    "TrainConfigError",
+    "build_run_model",
+    "losses_frame",
+    "plot_losses",
+    "summary_text",
+    "train_run",
+    "train_runs",
+    "write_losses_csv",
+    "write_train_report",
+]

@@ -1,0 +1,10 @@
+"""``unitscale.utils``: the name DESIGN.md and the README use for
+:mod:`unitscale.analysis.annotated` (where the code lives)."""
+
+from .analysis.annotated import (
+    analyse_module,
+)
+
+__all__ = [
+    "analyse_module",
+]
