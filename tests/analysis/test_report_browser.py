@@ -30,10 +30,14 @@ from unitscale.data import example_batch
 from unitscale.models import GPTConfig, plain_gpt
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
-)
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+# A browser: run in full CI, skipped by -m 'not slow'.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
+    ),
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 class Browser:

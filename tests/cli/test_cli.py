@@ -22,6 +22,9 @@ FACTORY = """
 import torch
 from torch import nn
 
+# Subprocesses, training runs or a browser: run in full CI, skipped by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 
 class Tiny(nn.Module):
     def __init__(self):

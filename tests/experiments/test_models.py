@@ -79,7 +79,7 @@ def test_plain_gpt_residual_adds_are_plain_adds_in_forward() -> None:
     # A graph transform finds residual adds as `x = x + ...` in the blocks' forward.
     import inspect
 
-    from unitscale.models import Block
+    from unitscale.experiments.models import Block
 
     source = inspect.getsource(Block.forward)
     assert "x = x + self.attn(" in source and "x = x + self.mlp(" in source

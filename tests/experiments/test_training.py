@@ -25,6 +25,9 @@ from unitscale.training import (
     train_run,
 )
 
+# Subprocesses, training runs or a browser: run in full CI, skipped by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 _SCRIPT = Path(sys.executable).with_name("unitscale")
 COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "unitscale.cli"]
 TINY = ["--steps", "4", "--width", "16", "--heads", "2", "--depth", "1", "--batch-size", "2",

@@ -17,9 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from unitscale import formats
 from unitscale.errors import UnitScaleError
-from unitscale.formats import BF16, E4M3, E5M2, FP16, PRESETS, FormatError, FPFormat, get_format
+from unitscale.formats import (
+    BF16,
+    E4M3,
+    E5M2,
+    FP16,
+    PRESETS,
+    FormatError,
+    FPFormat,
+    _kernels,
+    get_format,
+)
 from unitscale.tracking.metrics import FORMAT_RANGES
 
 NATIVE = {
@@ -113,9 +122,9 @@ def quantise(fmt: FPFormat, x: torch.Tensor, impl: str) -> torch.Tensor:
         return fmt.quantise(x)
     if impl == "unprobed":
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-        with mock.patch.dict(formats._CAST_SATURATES, {(x.device.type, d): False for d in fp8}):
+        with mock.patch.dict(_kernels._CAST_SATURATES, {(x.device.type, d): False for d in fp8}):
             return fmt.quantise(x)
-    return formats._quantise(fmt, x, None, allow_native=False)
+    return _kernels._quantise(fmt, x, None, allow_native=False)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:

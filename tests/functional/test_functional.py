@@ -22,7 +22,8 @@ from torch import Tensor
 import unitscale.functional as U
 from unitscale.constraints import UnknownConstraintError
 from unitscale.errors import UnsupportedArgumentError
-from unitscale.functional import _attention_moments, _softmax_moment_table
+from unitscale.functional import _nonlinear, _torch_map
+from unitscale.functional._nonlinear import _attention_moments, _softmax_moment_table
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -81,11 +82,11 @@ def test_elementwise_constants_match_numerical_integration() -> None:
 
     for approximate in ("none", "tanh"):
         std, _, grad_rms = moments(lambda t, a=approximate: F.gelu(t, approximate=a))
-        assert std == pytest.approx(U._GELU_STD[approximate], rel=1e-9)
-        assert grad_rms == pytest.approx(U._GELU_GRAD_RMS[approximate], rel=1e-9)
+        assert std == pytest.approx(_nonlinear._GELU_STD[approximate], rel=1e-9)
+        assert grad_rms == pytest.approx(_nonlinear._GELU_GRAD_RMS[approximate], rel=1e-9)
     std, rms, grad_rms = moments(F.silu)
     assert (std, rms, grad_rms) == pytest.approx(
-        (U._SILU_STD, U._SILU_RMS, U._SILU_GRAD_RMS), rel=1e-9
+        (_nonlinear._SILU_STD, _nonlinear._SILU_RMS, _nonlinear._SILU_GRAD_RMS), rel=1e-9
     )
 
 
@@ -398,8 +399,8 @@ def test_linear_readout_default_keeps_the_gradient_unit() -> None:
 @pytest.mark.parametrize(
     ("name", "grad_std"),
     [
-        ("gelu", U._GELU_GRAD_RMS["none"] / U._GELU_STD["none"]),
-        ("silu", U._SILU_GRAD_RMS / U._SILU_STD),
+        ("gelu", _nonlinear._GELU_GRAD_RMS["none"] / _nonlinear._GELU_STD["none"]),
+        ("silu", _nonlinear._SILU_GRAD_RMS / _nonlinear._SILU_STD),
     ],
 )
 def test_elementwise_default_constraint(name: str, grad_std: float) -> None:
@@ -536,7 +537,7 @@ def test_unconstrained_gradient_is_the_true_one_times_the_scale_ratio() -> None:
     upstream = torch.randn(6, 8, dtype=torch.float64)
     (constrained,) = _grads(U.gelu, [x], upstream)  # true gradient of s_out * gelu
     (unconstrained,) = _grads(lambda t: U.gelu(t, constraint=None), [x], upstream)
-    ratio = U._GELU_STD["none"] / U._GELU_GRAD_RMS["none"]  # s_grad / s_out
+    ratio = _nonlinear._GELU_STD["none"] / _nonlinear._GELU_GRAD_RMS["none"]  # s_grad / s_out
     assert torch.allclose(unconstrained, constrained * ratio)
 
     w = f64(16, 8)
@@ -733,7 +734,7 @@ def test_torch_map_covers_what_dynamo_graphs_call() -> None:
     assert scalable <= set(U.torch_map)
     assert set(U.torch_map.values()) <= {
         getattr(U, name) for name in U.__all__ if name != "torch_map"
-    } | {U._torch_softmax, U._addmm}
+    } | {_torch_map._torch_softmax, _torch_map._addmm}
 
 
 def test_torch_map_replacements_accept_the_graphs_arguments() -> None:

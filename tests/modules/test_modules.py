@@ -296,7 +296,7 @@ def _compile_case(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
     return cases[name]()
 
 
-@pytest.mark.parametrize("name", us._modules.__all__)
+@pytest.mark.parametrize("name", us.modules.__all__)
 def test_module_compiles_to_one_graph_and_matches_eager(name: str) -> None:
     module, args = _compile_case(name)
     torch._dynamo.reset()

@@ -14,17 +14,15 @@ import torch
 from torch import nn
 
 import unitscale.tracking._recorder as recorder
-from unitscale.analysis import graph_to_dataframe
-from unitscale.data import batches
-from unitscale.models import GPTConfig, plain_gpt, unit_scaled_gpt
-from unitscale.monitor import (
+from unitscale.analysis import graph_to_dataframe, scale_heatmap, tensorboard_available
+from unitscale.experiments.data import batches
+from unitscale.experiments.models import GPTConfig, plain_gpt, unit_scaled_gpt
+from unitscale.tracking import (
     LONG_COLUMNS,
     MonitorError,
     NonFiniteError,
     NonFiniteWarning,
     ScaleMonitor,
-    scale_heatmap,
-    tensorboard_available,
 )
 from unitscale.transforms import compile as compile_module
 from unitscale.transforms import simulate_fp8, track_scales

@@ -298,6 +298,7 @@ def test_not_a_module_is_a_clear_error() -> None:
         track_scales(lambda x: x)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_transformers_models_show_every_layer(arch: str) -> None:
     transformers = pytest.importorskip("transformers")

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 import unitscale.functional as U
 from unitscale.errors import CaptureError, UnsupportedArgumentError
+from unitscale.functional import masked_scaled_dot_product_attention
 from unitscale.models import GPTConfig, plain_gpt
 from unitscale.transforms import (
     ResidualTau,
@@ -20,7 +21,6 @@ from unitscale.transforms import (
     track_scales,
     unit_scale,
 )
-from unitscale.transforms._attention import masked_scaled_dot_product_attention
 
 
 class Block(nn.Module):
@@ -403,6 +403,7 @@ def test_gpt_with_an_attention_mask_is_unit_scaled_too() -> None:
     assert math.isfinite(attention[0].meta["metrics"].bwd.rms)
 
 
+@pytest.mark.slow
 def test_unit_scale_hf_gpt2_forward_scales_near_one() -> None:
     """HF GPT-2's Conv1D layers (addmm) are unit-scaled and re-initialised too."""
     transformers = pytest.importorskip("transformers")

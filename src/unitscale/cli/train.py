@@ -1,7 +1,7 @@
 """``unitscale train``: plain vs unit-scaled training, in FP32 and in simulated FP8.
 
 The work is done by :mod:`unitscale.training` (the runs, the tables, the figures, the report)
-and :mod:`unitscale.monitor` (scales over training); this module parses options, shows
+and :mod:`unitscale.tracking.monitor` (scales over training); this module parses options, shows
 progress on stderr, prints the summary on stdout and writes the files.
 """
 
@@ -160,7 +160,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="record every tensor's scale every N steps (unitscale.monitor."
+        help="record every tensor's scale every N steps (unitscale.tracking."
         "ScaleMonitor): scales CSV and heatmaps per run, first NaN/Inf located; "
         "runs are not compiled then",
     )

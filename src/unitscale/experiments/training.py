@@ -237,7 +237,7 @@ class RunResult:
         compiled: whether it ran through Inductor.
         stopped_at: the step whose loss was not finite (training stopped there), or None.
         non_finite: the monitor's report of the first NaN/Inf (monitored runs), or None.
-        monitor: the :class:`~unitscale.monitor.ScaleMonitor` of a monitored run.
+        monitor: the :class:`~unitscale.tracking.ScaleMonitor` of a monitored run.
     """
 
     name: str
@@ -315,7 +315,7 @@ def train_run(
     Adam (``betas=(0.9, 0.95)``, no weight decay), the run's family learning rate with linear
     warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss of each step is
     read once (one synchronisation per step); a non-finite loss stops the run (the remaining
-    steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.monitor.ScaleMonitor`
+    steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.tracking.ScaleMonitor`
     records scales every that many steps and reports the first NaN/Inf.
 
     Args:

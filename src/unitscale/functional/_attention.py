@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
-from ._nonlinear import _softmax_moment_table, scaled_dot_product_attention
+from ._nonlinear import _softmax_moments, scaled_dot_product_attention
 
 __all__ = ["masked_scaled_dot_product_attention"]
 
@@ -40,16 +40,7 @@ def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]
     if cache_key not in _TABLES:
         import numpy as np
 
-        lengths = np.arange(1, keys + 1)
-        if keys <= 512:
-            v, g = _softmax_moment_table(lengths, logit_var)
-        else:
-            # As unitscale.functional does: exact up to 256, interpolated in log n beyond.
-            grid = np.unique(np.concatenate([np.arange(1, 257), np.geomspace(256, keys, 96)]))
-            v_grid, g_grid = _softmax_moment_table(grid, logit_var)
-            log_n, log_grid = np.log(lengths), np.log(grid)
-            v = np.interp(log_n, log_grid, v_grid * grid) / lengths
-            g = np.interp(log_n, log_grid, g_grid * grid) / lengths
+        v, g = _softmax_moments(np.arange(1, keys + 1), logit_var)
         _TABLES[cache_key] = ([float(v[0]), *map(float, v)], [float(g[0]), *map(float, g)])
     return _TABLES[cache_key]
 

@@ -49,7 +49,7 @@ from ._common import (
 )
 
 # Moments of elementwise nonlinearities at x ~ N(0, 1), by numerical integration (trapezoid
-# rule on [-40, 40], 8e5 points; tests/test_functional.py recomputes them).
+# rule on [-40, 40], 8e5 points; tests/functional/test_functional.py recomputes them).
 # std(f(x)), rms(f(x)) = sqrt(E[f(x)^2]) and rms(f'(x)).
 _GELU_STD = {"none": 0.5879149692201956, "tanh": 0.5879183156497649}
 _GELU_GRAD_RMS = {"none": 0.6751672871699427, "tanh": 0.6751428337604438}
@@ -106,6 +106,24 @@ def _softmax_moment_table(lengths: Any, logit_var: float) -> tuple[Any, Any]:
     return sum_p2, sum_p2 - 2.0 * sum_p3 + sum_p2_squared
 
 
+def _softmax_moments(lengths: Any, logit_var: float) -> tuple[Any, Any]:
+    """:func:`_softmax_moment_table` for increasing ``lengths`` (numpy arrays), affordable
+    for long ones: exact for up to 512 lengths; otherwise integrated exactly up to 256 and
+    on a geometric grid beyond, where ``n v(n)`` and ``n G(n)`` are smooth in ``log n`` and
+    are interpolated. Used by every attention scale (with or without a mask)."""
+    import numpy as np
+
+    if len(lengths) <= 512:
+        return _softmax_moment_table(lengths, logit_var)
+    longest = int(lengths[-1])
+    grid = np.unique(np.concatenate([np.arange(1, 257), np.geomspace(256, longest, 96)]))
+    v_grid, g_grid = _softmax_moment_table(grid, logit_var)
+    log_n, log_grid = np.log(lengths), np.log(grid)
+    v = np.interp(log_n, log_grid, v_grid * grid) / lengths
+    g = np.interp(log_n, log_grid, g_grid * grid) / lengths
+    return v, g
+
+
 @assume_constant_result
 def _attention_moments(
     queries: int, keys: int, causal: bool, logit_var: float
@@ -121,16 +139,7 @@ def _attention_moments(
 
         longest = min(queries, keys) if causal else keys
         lengths = np.arange(1, longest + 1) if causal else np.array([keys])
-        if len(lengths) <= 512:
-            v, g = _softmax_moment_table(lengths, logit_var)
-        else:
-            # Integrate exactly up to 256 and on a geometric grid beyond; n v(n) and n G(n)
-            # are smooth in log n, so interpolate them there.
-            grid = np.unique(np.concatenate([np.arange(1, 257), np.geomspace(256, longest, 96)]))
-            v_grid, g_grid = _softmax_moment_table(grid, logit_var)
-            log_n, log_grid = np.log(lengths), np.log(grid)
-            v = np.interp(log_n, log_grid, v_grid * grid) / lengths
-            g = np.interp(log_n, log_grid, g_grid * grid) / lengths
+        v, g = _softmax_moments(lengths, logit_var)
         if causal:
             # rows 0..longest-1 see 1..longest keys; with queries > keys the rest see all keys.
             extra = max(queries - keys, 0)
