@@ -429,9 +429,8 @@ class TransformedModule(nn.Module):
             UnitScaleError: the module is not tracked.
         """
         for graph_pass in self.passes:
-            build = getattr(graph_pass, "scales_graph", None)
-            if build is not None:
-                return build(self)
+            if graph_pass.stage is Stage.TRACK:
+                return graph_pass.scales_graph(self)  # type: ignore[attr-defined]
         raise UnitScaleError(
             "scales_graph(): this module is not tracked; wrap it with "
             "unitscale.transforms.track_scales(module) first"
