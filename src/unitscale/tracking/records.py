@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,17 +29,10 @@ __all__ = [
 ]
 
 
-#: Every metric column, in order (the keys of ``Metrics.Data.as_dict()``).
+#: Every metric column, in order: the scalar fields of ``Metrics.Data``, then
+#: ``underflow_<fmt>``/``overflow_<fmt>`` per format (the keys of ``Metrics.Data.as_dict()``).
 METRIC_NAMES: tuple[str, ...] = (
-    "mean_abs",
-    "abs_mean",
-    "std",
-    "abs_max",
-    "abs_min",
-    "rms",
-    "numel",
-    "nan_count",
-    "inf_count",
+    *(f.name for f in fields(Metrics.Data) if f.name not in ("underflow", "overflow")),
     *(f"{kind}_{key}" for key in FORMAT_KEYS for kind in ("underflow", "overflow")),
 )
 
