@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unitscale.data import (
+from unitscale.errors import UnitScaleError
+from unitscale.experiments.data import (
     VOCAB_SIZE,
     Batch,
     ByteTokenizer,
@@ -18,7 +19,6 @@ from unitscale.data import (
     load_corpus,
     train_heldout_split,
 )
-from unitscale.errors import UnitScaleError
 
 
 def test_bundled_corpus_is_real_text_without_download() -> None:

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from unitscale.data import example_batch
 from unitscale.errors import UnitScaleError
-from unitscale.models import (
+from unitscale.experiments.data import example_batch
+from unitscale.experiments.models import (
     GPTConfig,
     ModelConfigError,
     PlainGPT,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from unitscale.cli import main
-from unitscale.training import (
+from unitscale.experiments.training import (
     RUN_NAMES,
     RunResult,
     TrainConfig,

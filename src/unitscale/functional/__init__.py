@@ -9,8 +9,8 @@ This package is a facade: one private file per op family, each built from
 :mod:`unitscale.scale` and :mod:`unitscale.constraints` (the recipe is described in
 ``_nonlinear.py``):
 
-- ``_nonlinear``: elementwise ops, activations, softmax, dropout, attention, losses, and
-  the softmax moments their scales rest on;
+- ``_nonlinear``: the helpers every op uses, elementwise ops, activations, softmax,
+  dropout, attention, losses, and the softmax moments their scales rest on;
 - ``_matmul``: matmul, linear, linear_readout, conv1d, embedding;
 - ``_norm``: layer_norm, rms_norm;
 - ``_residual``: add and the residual scheme;
@@ -19,9 +19,9 @@ This package is a facade: one private file per op family, each built from
 """
 
 from ._attention import masked_scaled_dot_product_attention
-from ._common import Constraint
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._nonlinear import (
+    Constraint,
     cross_entropy,
     dropout,
     gelu,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scale import scale_bwd
-from ._common import _rsqrt
+from ._nonlinear import _rsqrt
 
 # --------------------------------------------------------------------------------------------
 # normalisation

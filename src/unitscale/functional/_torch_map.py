@@ -12,9 +12,9 @@ from torch import Tensor
 
 from .._lazy_dynamo import when_dynamo_imported
 from ..errors import UnsupportedArgumentError
-from ._common import Constraint
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._nonlinear import (
+    Constraint,
     cross_entropy,
     dropout,
     gelu,
