@@ -17,13 +17,12 @@ from unitscale.cli import main
 _SCRIPT = Path(sys.executable).with_name("unitscale")
 COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "unitscale.cli"]
 ENV = {**os.environ, "UNITSCALE_DEBUG": ""}
+# Subprocesses: run in full CI, skipped by -m 'not slow'.
+pytestmark = pytest.mark.slow
 
 FACTORY = """
 import torch
 from torch import nn
-
-# Subprocesses, training runs or a browser: run in full CI, skipped by -m 'not slow'.
-pytestmark = pytest.mark.slow
 
 
 class Tiny(nn.Module):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from torch.fx import Graph
 
 from ..errors import AnalysisError
+from ..tracking.metrics import Metrics  # noqa: F401 (the example below uses it)
 from ..tracking.records import ID_COLUMNS, METRIC_NAMES, ScaleRecord, graph_records, op_name
 
 if TYPE_CHECKING:
