@@ -103,6 +103,7 @@ def test_zero_tensors_hidden_unless_asked(chain_graph: Callable[..., Graph]) -> 
     ]
 
 
+@pytest.mark.slow
 def test_hundreds_of_tensors_stay_legible(chain_graph: Callable[..., Graph]) -> None:
     n = 1200  # beyond what fits at full label size in the tallest figure
     graph = chain_graph([(2.0 ** -(i % 20), 2.0 ** -(i % 7)) for i in range(n)])

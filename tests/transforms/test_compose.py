@@ -89,6 +89,7 @@ def tiny_gpt(dropout: float = 0.0) -> nn.Module:
     return plain_gpt(GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout))
 
 
+@pytest.mark.slow
 def test_compiled_chain_matches_eager_chain() -> None:
     eager = simulate_fp8(unit_scale(tiny_gpt()))
     compiled = compile(simulate_fp8(unit_scale(tiny_gpt())))

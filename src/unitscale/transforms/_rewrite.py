@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.fx as fx
 
 from ..capture import (
     Capture,
+    GraphPass,
     Piece,
     TransformedModule,
     identifier,
@@ -23,6 +24,7 @@ from ..capture import (
 )
 
 __all__ = [
+    "RewritePass",
     "ancestors",
     "descendants",
     "insert_call",
@@ -128,3 +130,19 @@ def warn_uncaptured(
         stacklevel=7,
     )
     return True
+
+
+class RewritePass(GraphPass):
+    """A graph pass that rewrites ops, and warns once per pass when a call returned outputs
+    that no captured graph computed (those ops were not rewritten)."""
+
+    #: The transform's name, for the warning (``"unit_scale"``).
+    transform_name: ClassVar[str]
+    #: What it means for the outputs computed outside the graphs, for the warning.
+    uncaptured_consequence: ClassVar[str]
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = warn_uncaptured(
+                module, capture, output, self.transform_name, self.uncaptured_consequence
+            )

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 
 from ..capture import (
     Capture,
-    GraphPass,
     Piece,
     Stage,
     TransformedModule,
@@ -45,9 +44,9 @@ from ..capture import (
 )
 from ..formats import E4M3, E5M2, FormatError, FPFormat, get_format
 from ._rewrite import (
+    RewritePass,
     insert_call,
     placeholder_names,
-    warn_uncaptured,
 )
 
 __all__ = [
@@ -197,7 +196,7 @@ def quantise_operand(
     return bwd.quantise_bwd(fwd.quantise_fwd(x))
 
 
-class SimulateFormatPass(GraphPass):
+class SimulateFormatPass(RewritePass):
     """Quantise the operands of matmul-like ops (forward values and their gradients).
 
     Reads: node targets and Dynamo's ``example_value`` meta (only floating-point operands
@@ -212,6 +211,8 @@ class SimulateFormatPass(GraphPass):
     """
 
     stage = Stage.SIMULATE
+    transform_name = "simulate_format"
+    uncaptured_consequence = "their matmul-like ops run unquantised"
     applied = "already simulates a number format"
     order_fix = (
         "unit-scale first so that the formats see unit-scaled tensors, e.g. "
@@ -224,16 +225,6 @@ class SimulateFormatPass(GraphPass):
 
     def __repr__(self) -> str:
         return f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format})"
-
-    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "simulate_format",
-                "their matmul-like ops run unquantised",
-            )
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph

@@ -51,7 +51,6 @@ from torch import nn
 
 from ..capture import (
     Capture,
-    GraphPass,
     Piece,
     Stage,
     TransformedModule,
@@ -62,11 +61,11 @@ from ..capture import (
 from ..errors import UnitScaleError
 from ..functional import masked_scaled_dot_product_attention
 from ._rewrite import (
+    RewritePass,
     ancestors,
     descendants,
     insert_call,
     parameter_nodes,
-    warn_uncaptured,
 )
 
 __all__ = [
@@ -226,7 +225,7 @@ class _ResidualAdd:
     kind: str
 
 
-class UnitScalePass(GraphPass):
+class UnitScalePass(RewritePass):
     """Make every captured graph unit-scaled (see the module docstring for the three steps).
 
     Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
@@ -239,6 +238,11 @@ class UnitScalePass(GraphPass):
     """
 
     stage = Stage.REWRITE
+    transform_name = "unit_scale"
+    uncaptured_consequence = (
+        "the ops computing them are not unit-scaled (move the graph break, e.g. a "
+        "print or .item(), out of loops and nested modules)"
+    )
     repeatable = False
     applied = "is already unit-scaled"
 
@@ -254,17 +258,6 @@ class UnitScalePass(GraphPass):
         names = ", ".join(_op_name(k) for k in self.replace)
         extra = f", replace={{{names}}}" if self.replace else ""
         return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
-
-    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "unit_scale",
-                "the ops computing them are not unit-scaled (move the graph break, e.g. a "
-                "print or .item(), out of loops and nested modules)",
-            )
 
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
         """``unitscale.functional.torch_map`` updated with ``replace``."""
