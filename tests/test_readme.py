@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_performance_table_is_generated_from_committed_results() -> None:
     script = ROOT / "benchmarks" / "readme_tables.py"
     result = subprocess.run(

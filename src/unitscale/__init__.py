@@ -1,7 +1,9 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, data, formats, functional, models, scale, transforms
-from ._modules import (
+from . import constraints, data, formats, functional, models, modules, scale, transforms
+from ._version import __version__
+from .errors import UnitScaleError
+from .modules import (
     GELU,
     MHSA,
     MLP,
@@ -18,9 +20,7 @@ from ._modules import (
     TransformerDecoder,
     TransformerLayer,
 )
-from ._version import __version__
-from .errors import UnitScaleError
-from .monitor import ScaleMonitor
+from .tracking import ScaleMonitor
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
@@ -32,6 +32,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "formats",
     "functional",
     "models",
+    "modules",
     "scale",
     "transforms",
     # unit-scaled layers
