@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _history import append_run, machine_state
 
 import unitscale as us
 
@@ -78,28 +75,14 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    state = machine_state()
     results = [run(args.width, args.depth, args.rounds, foreach) for foreach in (True, False)]
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "load_average_before": [round(v, 2) for v in load_before],
-        "load_average_after": [round(v, 2) for v in os.getloadavg()],
-        "rounds": args.rounds,
-        "results": results,
-    }
-    history = json.loads(args.out.read_text()) if args.out.exists() else []
-    history.append(record)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(history, indent=2) + "\n")
+    append_run(args.out, {**state, "rounds": args.rounds, "results": results})
     for r in results:
         print(
             f"foreach={r['foreach']}: torch {r['median_step_ms']['torch']} ms, "
             f"u-muP {r['median_step_ms']['umup']} ms, ratio {r['ratio_umup_over_torch']} "
-            f"(groups {r['param_groups']}); load {record['load_average_before']}"
+            f"(groups {r['param_groups']}); load {state['load_average_before']}"
         )
 
 

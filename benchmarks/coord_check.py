@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import unitscale as us
-from unitscale.coord_check import coord_data, decoder_layers
+from unitscale.experiments.coord_check import coord_data, decoder_layers
 from unitscale.models import GPTConfig, PlainGPT
 
 RESULTS = Path(__file__).parent / "results"

@@ -1,13 +1,27 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, data, formats, functional, models, optim, parameter, scale, transforms
-from ._depth import DepthModuleList, DepthSequential
-from ._modules import (
+from . import (
+    constraints,
+    data,
+    formats,
+    functional,
+    models,
+    modules,
+    optim,
+    parameter,
+    scale,
+    transforms,
+)
+from ._version import __version__
+from .errors import UnitScaleError
+from .modules import (
     GELU,
     MHSA,
     MLP,
     Conv1d,
     CrossEntropyLoss,
+    DepthModuleList,
+    DepthSequential,
     Dropout,
     Embedding,
     LayerNorm,
@@ -19,10 +33,8 @@ from ._modules import (
     TransformerDecoder,
     TransformerLayer,
 )
-from ._version import __version__
-from .errors import UnitScaleError
-from .monitor import ScaleMonitor
 from .parameter import Parameter
+from .tracking import ScaleMonitor
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
@@ -34,6 +46,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "formats",
     "functional",
     "models",
+    "modules",
     "optim",
     "parameter",
     "scale",

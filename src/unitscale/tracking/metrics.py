@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
@@ -85,7 +86,7 @@ class _Kernel:
             try:
                 if self.compiled is None:
                     self.compiled = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
-                with torch._dynamo.config.patch(recompile_limit=64):
+                with dynamo_recompile_limit(64):
                     return self.compiled(x)
             except Exception as error:
                 self.failed = True

@@ -17,7 +17,7 @@
    float tensors neither of which is computed from the other (``U.add`` assumes independent
    operands); ``x + 1``, size arithmetic and ``x + 0.04 * x**3`` stay plain additions.
    Attention with an explicit ``attn_mask`` uses
-   :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
+   :func:`~unitscale.functional.masked_scaled_dot_product_attention`, which reads
    the number of visible keys from the mask.
 3. **Unconstrained head.** Ops downstream of the graph's last residual add get
    ``constraint=None`` (where they take one): there the graph is a chain, so a gradient scale
@@ -49,19 +49,24 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
-from ..errors import CaptureError, UnitScaleError
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    transformed,
+)
+from ..errors import UnitScaleError
+from ..functional import masked_scaled_dot_product_attention
 from ..parameter import tag_model
-from ._attention import masked_scaled_dot_product_attention
 from ._rewrite import (
+    RewritePass,
     ancestors,
     descendants,
-    example_value,
     insert_call,
-    is_float_node,
     parameter_nodes,
-    refuse_after_tracking,
-    warn_uncaptured,
 )
 
 __all__ = [
@@ -221,7 +226,7 @@ class _ResidualAdd:
     kind: str
 
 
-class UnitScalePass(GraphPass):
+class UnitScalePass(RewritePass):
     """Make every captured graph unit-scaled (see the module docstring for the three steps).
 
     Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
@@ -232,6 +237,15 @@ class UnitScalePass(GraphPass):
         replace: extra or overriding entries for ``unitscale.functional.torch_map``.
         residual_tau: the ``tau`` of each kind of residual branch.
     """
+
+    stage = Stage.REWRITE
+    transform_name = "unit_scale"
+    uncaptured_consequence = (
+        "the ops computing them are not unit-scaled (move the graph break, e.g. a "
+        "print or .item(), out of loops and nested modules)"
+    )
+    repeatable = False
+    applied = "is already unit-scaled"
 
     def __init__(
         self,
@@ -246,17 +260,6 @@ class UnitScalePass(GraphPass):
         extra = f", replace={{{names}}}" if self.replace else ""
         return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "unit_scale",
-                "the ops computing them are not unit-scaled (move the graph break, e.g. a "
-                "print or .item(), out of loops and nested modules)",
-            )
-
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
         """``unitscale.functional.torch_map`` updated with ``replace``."""
         mapping = _torch_map()
@@ -264,7 +267,7 @@ class UnitScalePass(GraphPass):
         return mapping
 
     # -- the rewrite ------------------------------------------------------------------------
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
@@ -470,23 +473,6 @@ def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> None:
                     bias.zero_()
 
 
-def _check_order(module: nn.Module) -> None:
-    refuse_after_tracking(module, "unit_scale")
-    if not isinstance(module, TransformedModule):
-        return
-    for graph_pass in module.passes:
-        if type(graph_pass).__name__ == "SimulateFormatPass":
-            raise CaptureError(
-                "unitscale.unit_scale: the module already simulates a number format; unit-scale "
-                "first so that the formats see unit-scaled tensors, e.g. "
-                "simulate_fp8(unit_scale(model))"
-            )
-        if isinstance(graph_pass, UnitScalePass):
-            raise CaptureError(
-                "unitscale.unit_scale: the module is already unit-scaled; apply unit_scale once"
-            )
-
-
 def unit_scale(
     module: nn.Module,
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
@@ -538,7 +524,6 @@ def unit_scale(
         1.0
     """
     checked = _check_replace(replace)
-    _check_order(module)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     _init_unit_scale(result.module, graph_pass.mapping())
