@@ -14,6 +14,7 @@ import unitscale as us
 import unitscale.functional as U
 from unitscale.errors import UnsupportedArgumentError
 from unitscale.functional._mult import moments
+from unitscale.functional._nonlinear import _softmax_scales
 
 MULTS = [1 / 8, 0.5, 2.0, 8.0]
 # Output and input-gradient std of each op, for N(0, 1) inputs and incoming gradient with
@@ -65,7 +66,7 @@ DOCUMENTED: dict[str, Callable[[float, tuple[int, ...]], float]] = {
     "gelu": lambda m, shape: 1 / moments("gelu", m)[0],
     "gelu_tanh": lambda m, shape: 1 / moments("gelu_tanh", m)[0],
     "silu": lambda m, shape: 1 / moments("silu", m)[0],
-    "softmax": lambda m, shape: U._softmax_scales(shape[-1], m)[0],
+    "softmax": lambda m, shape: _softmax_scales(shape[-1], m)[0],
 }
 
 

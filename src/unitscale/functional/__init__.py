@@ -21,6 +21,7 @@ This package is a facade: one private file per op family, each built from
 
 from ._attention import masked_scaled_dot_product_attention
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
+from ._mult import check_mult as check_mult  # argument check shared with the modules
 from ._nonlinear import (
     Constraint,
     cross_entropy,

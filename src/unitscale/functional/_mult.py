@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._lazy_dynamo import assume_constant_result
 from ..errors import UnsupportedArgumentError
 
 __all__ = ["check_mult", "gelu_moments", "silu_moments"]
@@ -130,14 +131,14 @@ def moments(name: str, mult: float, points: int = _GRID_POINTS) -> tuple[float, 
     )
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def gelu_moments(mult: float, approximate: str) -> tuple[float, float]:
     """``(std gelu(m x), rms m gelu'(m x))`` for x ~ N(0, 1); a constant under Dynamo."""
     std, _, grad_rms = moments("gelu" if approximate == "none" else "gelu_tanh", mult)
     return std, grad_rms
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def silu_moments(mult: float) -> tuple[float, float, float]:
     """``(std silu(m x), rms silu(m x), rms m silu'(m x))``; a constant under Dynamo."""
     return moments("silu", mult)

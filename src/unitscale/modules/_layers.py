@@ -24,8 +24,7 @@ from torch import Tensor, nn
 from .. import functional as U
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
-from ..functional import Constraint
-from ..functional._mult import check_mult
+from ..functional import Constraint, check_mult
 from ..parameter import tag_module, tag_parameter
 
 

@@ -10,8 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional as U
 from ..errors import UnsupportedArgumentError
-from ..functional import Constraint
-from ..functional._mult import check_mult
+from ..functional import Constraint, check_mult
 from ._depth import DepthModuleList
 from ._layers import (
     GELU,
