@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import Batch
-from ..models import GPTConfig
+from ..experiments.data import Batch
+from ..experiments.models import GPTConfig
 from . import CommandError
 
 __all__ = ["NamedModel", "call_model", "hf_model", "load_factory", "resolve_models"]
@@ -200,7 +200,7 @@ def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
             ``unit_scale`` refuses is an error, not a note: the comparison is the point).
     """
     if spec == "builtin":
-        from ..models import plain_gpt, unit_scaled_gpt
+        from ..experiments.models import plain_gpt, unit_scaled_gpt
 
         config = GPTConfig(seq_len=max(GPTConfig().seq_len, seq_len))
         return [

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
@@ -131,7 +132,7 @@ class _Kernel:
         try:
             if self.compiled is None:
                 self.compiled = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
-            with torch._dynamo.config.patch(recompile_limit=64):
+            with dynamo_recompile_limit(64):
                 return self.compiled(x)
         except _compile_errors() as error:
             if _is_out_of_memory(error):

@@ -41,15 +41,20 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    transformed,
+)
 from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
 from ._rewrite import (
-    example_value,
+    RewritePass,
     insert_call,
-    is_float_node,
     placeholder_names,
-    refuse_after_tracking,
-    warn_uncaptured,
 )
 
 __all__ = [
@@ -130,7 +135,7 @@ def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
                 continue
             params = list(inspect.signature(fn).parameters)[:count]
             table[fn] = tuple((i, p) for i, p in enumerate(params))
-        from ._attention import masked_scaled_dot_product_attention
+        from ..functional import masked_scaled_dot_product_attention
 
         table[masked_scaled_dot_product_attention] = _ATTENTION
         _unit_scaled_cache = table
@@ -224,7 +229,7 @@ def quantise_grad(y: Tensor, bwd_format: FPFormat | FormatSpec) -> Tensor:
     return _as_format(bwd_format).quantise_bwd(y)
 
 
-class SimulateFormatPass(GraphPass):
+class SimulateFormatPass(RewritePass):
     """Quantise the operands of matmul-like ops (forward values and their gradients).
 
     Reads: node targets and Dynamo's ``example_value`` meta (only floating-point operands
@@ -242,6 +247,15 @@ class SimulateFormatPass(GraphPass):
             not rounded).
     """
 
+    stage = Stage.SIMULATE
+    transform_name = "simulate_format"
+    uncaptured_consequence = "their matmul-like ops run unquantised"
+    applied = "already simulates a number format"
+    order_fix = (
+        "unit-scale first so that the formats see unit-scaled tensors, e.g. "
+        "simulate_fp8(unit_scale(model))"
+    )
+
     def __init__(
         self,
         fwd_format: FPFormat,
@@ -258,17 +272,7 @@ class SimulateFormatPass(GraphPass):
             f"output_grad_format={self.output_grad_format})"
         )
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "simulate_format",
-                "their matmul-like ops run unquantised",
-            )
-
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
@@ -404,7 +408,6 @@ def simulate_format(
     """
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
-    refuse_after_tracking(module, "simulate_format")
     return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_format")
 
 
@@ -535,6 +538,5 @@ def simulate_fp8(module: nn.Module, recipe: FP8Recipe | str = "hardware") -> Tra
         448.3125
     """
     chosen = _check_recipe(recipe)
-    refuse_after_tracking(module, "simulate_fp8")
     graph_pass = SimulateFormatPass(chosen.operands, chosen.operand_grads, chosen.output_grad)
     return transformed(module, graph_pass, "simulate_fp8")

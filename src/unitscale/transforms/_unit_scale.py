@@ -20,7 +20,7 @@
    ``W`` is a weight (weight-gradient rule, re-initialised to N(0, 1) at its first capture
    unless written since ``unit_scale`` returned), not a second activation.
    Attention with an explicit ``attn_mask`` uses
-   :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
+   :func:`~unitscale.functional.masked_scaled_dot_product_attention`, which reads
    the number of visible keys from the mask.
 3. **Unconstrained head.** Ops downstream of the graph's last residual add get
    ``constraint=None`` (where they take one): there the graph is a chain, so a gradient scale
@@ -52,19 +52,25 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
-from ..errors import CaptureError, UnitScaleError
-from ._attention import masked_scaled_dot_product_attention
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    transformed,
+)
+from ..errors import UnitScaleError
+from ..functional import masked_scaled_dot_product_attention
+from ..parameter import tag_model
 from ._rewrite import (
+    RewritePass,
     ancestors,
     descendants,
-    example_value,
     insert_call,
-    is_float_node,
     parameter_nodes,
     placeholder_names,
-    refuse_after_tracking,
-    warn_uncaptured,
 )
 
 __all__ = [
@@ -224,7 +230,7 @@ class _ResidualAdd:
     kind: str
 
 
-class UnitScalePass(GraphPass):
+class UnitScalePass(RewritePass):
     """Make every captured graph unit-scaled (see the module docstring for the three steps).
 
     Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
@@ -235,6 +241,15 @@ class UnitScalePass(GraphPass):
         replace: extra or overriding entries for ``unitscale.functional.torch_map``.
         residual_tau: the ``tau`` of each kind of residual branch.
     """
+
+    stage = Stage.REWRITE
+    transform_name = "unit_scale"
+    uncaptured_consequence = (
+        "the ops computing them are not unit-scaled (move the graph break, e.g. a "
+        "print or .item(), out of loops and nested modules)"
+    )
+    repeatable = False
+    applied = "is already unit-scaled"
 
     def __init__(
         self,
@@ -252,17 +267,6 @@ class UnitScalePass(GraphPass):
         extra = f", replace={{{names}}}" if self.replace else ""
         return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "unit_scale",
-                "the ops computing them are not unit-scaled (move the graph break, e.g. a "
-                "print or .item(), out of loops and nested modules)",
-            )
-
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
         """``unitscale.functional.torch_map`` updated with ``replace``."""
         mapping = _torch_map()
@@ -270,7 +274,7 @@ class UnitScalePass(GraphPass):
         return mapping
 
     # -- the rewrite ------------------------------------------------------------------------
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
@@ -359,7 +363,7 @@ class UnitScalePass(GraphPass):
         gm: fx.GraphModule,
         piece: Piece,
         params: set[fx.Node],
-        capture: _Capture,
+        capture: Capture,
     ) -> list[str]:
         """``x @ W`` with a 2-D parameter ``W`` becomes ``linear(x, W.t())``: a weight, scaled
         and re-initialised as ``nn.Linear``'s is (not as a second activation). Returns the
@@ -390,7 +394,7 @@ class UnitScalePass(GraphPass):
                 self._init_matmul_weight(capture, name)
         return found
 
-    def _init_matmul_weight(self, capture: _Capture, name: str) -> None:
+    def _init_matmul_weight(self, capture: Capture, name: str) -> None:
         """Re-initialise a parameter used as a matmul weight to N(0, 1), as ``unit_scale``
         does for ``nn.Linear``: at its first capture, unless it was written since
         ``unit_scale`` returned (a loaded checkpoint or a training step is kept)."""
@@ -546,23 +550,6 @@ def _owns_initialised(module: nn.Module) -> bool:
     ) or _is_hf_conv1d(module)
 
 
-def _check_order(module: nn.Module) -> None:
-    refuse_after_tracking(module, "unit_scale")
-    if not isinstance(module, TransformedModule):
-        return
-    for graph_pass in module.passes:
-        if type(graph_pass).__name__ == "SimulateFormatPass":
-            raise CaptureError(
-                "unitscale.unit_scale: the module already simulates a number format; unit-scale "
-                "first so that the formats see unit-scaled tensors, e.g. "
-                "simulate_fp8(unit_scale(model))"
-            )
-        if isinstance(graph_pass, UnitScalePass):
-            raise CaptureError(
-                "unitscale.unit_scale: the module is already unit-scaled; apply unit_scale once"
-            )
-
-
 def unit_scale(
     module: nn.Module,
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
@@ -576,9 +563,10 @@ def unit_scale(
     adds become ``residual_split``/``residual_add`` (attention and MLP branches weighted by
     ``residual_tau``), ops after the last residual add are unconstrained, and its
     ``nn.Linear``, ``nn.Conv1d`` and ``nn.Embedding`` weights are re-initialised to N(0, 1)
-    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. The
-    graph is captured, and logged, at the first call (again on recompilation). See the
-    module docstring for the residual-add rule.
+    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. Its
+    parameters are tagged for u-μP (:func:`unitscale.parameter.tag_model`), so
+    :mod:`unitscale.optim` can train it. The graph is captured, and logged, at the first
+    call (again on recompilation). See the module docstring for the residual-add rule.
 
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
@@ -613,7 +601,6 @@ def unit_scale(
         1.0
     """
     checked = _check_replace(replace)
-    _check_order(module)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     _init_unit_scale(result.module, graph_pass.mapping())
@@ -628,4 +615,5 @@ def unit_scale(
     graph_pass._versions = {
         name: p._version for name, p in result.module.named_parameters() if id(p) not in owned
     }
+    tag_model(result.module)  # so that unitscale.optim's u-muP optimisers can train it
     return result
