@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
@@ -158,9 +158,9 @@ class FPFormat:
     mantissa_bits: int
     rounding: Rounding = "stochastic"
     special_values: SpecialValues = "ieee"
-    # Derived in __post_init__: (largest finite value, {dtype: saturation bound}).
-    _max: float = field(init=False, repr=False, compare=False, hash=False)
-    _bounds: dict[torch.dtype, float] = field(init=False, repr=False, compare=False, hash=False)
+    # Derived in __post_init__ and kept out of the dataclass's fields (read through the
+    # _max/_bounds properties): torch < 2.8's Dynamo rebuilds a dataclass argument of an
+    # autograd Function by passing every field to __init__.
 
     def __post_init__(self) -> None:
         e = _check_int("exponent_bits", self.exponent_bits, 1, 8, "values must fit float32")
@@ -203,8 +203,17 @@ class FPFormat:
             bound = min(max_value, float(torch.finfo(dtype).max))
             bound = _floor_to_grid(bound, m, self._min_normal_exponent)
             bounds[dtype] = _floor_to_grid(bound, dtype_mantissa, dtype_min_exponent)
-        object.__setattr__(self, "_max", max_value)
-        object.__setattr__(self, "_bounds", bounds)
+        object.__setattr__(self, "_derived", (max_value, bounds))
+
+    @property
+    def _max(self) -> float:
+        """The largest finite value."""
+        return self._derived[0]  # type: ignore[attr-defined]
+
+    @property
+    def _bounds(self) -> dict[torch.dtype, float]:
+        """Saturation bound per dtype: the largest value of this format that dtype holds."""
+        return self._derived[1]  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         extra = "" if self.special_values == "ieee" else f", special_values={self.special_values!r}"
