@@ -6,7 +6,7 @@ of the same tensor measured in the same run. Clone and quantise are timed altern
 rounds, and the medians are compared, so that a machine shared with other work biases both
 alike. Targets: nearest at most 1.5x a clone, stochastic at most 2.5x.
 
-Results go to ``benchmarks/results/formats.json``.
+Each run is appended to ``benchmarks/results/formats.json`` with the date and load.
 
 Run: ``python benchmarks/bench_formats.py [--threads 1,2] [--rounds N] [--device cpu|cuda]``
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _history import append_run, machine_state
 
 from unitscale.formats import PRESETS, FPFormat
 
@@ -128,30 +127,28 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
+    state = machine_state()
     torch.manual_seed(0)
     x = torch.randn(2**args.log2_numel, device=args.device) * 4
     runs = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         runs.append(run(x, args.device, args.rounds, args.iters))
-    report = {
-        "torch": torch.__version__,
-        "device": args.device,
-        "cpu_count": os.cpu_count(),
-        "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
-        "machine": platform.machine(),
-        "numel": x.numel(),
-        "dtype": "float32",
-        "rounds": args.rounds,
-        "iters_per_round": args.iters,
-        "targets_ratio_vs_clone": TARGETS,
-        "runs": runs,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    append_run(
+        args.output,
+        {
+            **state,
+            "device": args.device,
+            "numel": x.numel(),
+            "dtype": "float32",
+            "rounds": args.rounds,
+            "iters_per_round": args.iters,
+            "targets_ratio_vs_clone": TARGETS,
+            "per_thread_count": runs,
+        },
+    )
     for r in runs:
         print(f"threads={r['threads']}:", json.dumps(r["summary"]))
-    print(f"written to {args.output}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ One forward + backward step (``y.backward(grad)``, gradients reset to None betwe
 each eager and under ``torch.compile`` (Inductor). All four run in the same process and
 are timed round-robin (one step of each per round, so that load on a shared machine hits
 them alike); reported: median step time over the rounds, and the ratios unit/plain.
-Targets: 1.05x eager, 1.00x compiled. Results go to ``benchmarks/results/ops.json``.
+Targets: 1.05x eager, 1.00x compiled. Each run is appended to
+``benchmarks/results/ops.json`` with the date and load.
 
 Run: ``python benchmarks/bench_ops.py [--rounds N] [--shapes TOKENSxWIDTH ...]``
 """
@@ -14,9 +15,6 @@ Run: ``python benchmarks/bench_ops.py [--rounds N] [--shapes TOKENSxWIDTH ...]``
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _history import append_run, machine_state
 from torch import Tensor, nn
 
 import unitscale as us
@@ -120,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    state = machine_state()
     results = []
     for shape in args.shapes:
         tokens, width = (int(v) for v in shape.split("x"))
@@ -134,25 +133,20 @@ def main() -> None:
                 f"{eager['ratio']:.3f}x, compiled {compiled['unit_ms']:.1f}/"
                 f"{compiled['plain_ms']:.1f} ms = {compiled['ratio']:.3f}x"
             )
-    report = {
-        "benchmark": "Linear+GELU stack, forward+backward step, unit-scaled / plain torch.nn",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        # other work on the machine while this ran (1-minute load average, before / after)
-        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "rounds": args.rounds,
-        "statistic": (
-            "median step time over rounds, wall clock and process CPU time; ratio = unit / plain"
-        ),
-        "targets": TARGETS,
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    append_run(
+        args.out,
+        {
+            **state,
+            "benchmark": "Linear+GELU stack, forward+backward step, unit-scaled / plain torch.nn",
+            "rounds": args.rounds,
+            "statistic": (
+                "median step time over rounds, wall clock and process CPU time; "
+                "ratio = unit / plain"
+            ),
+            "targets": TARGETS,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,135 +1,179 @@
 """Cost of scale tracking: step time and peak memory of a tracked model vs the untracked one.
 
-Each measurement runs in a fresh subprocess (so peak memory is that configuration's own):
-a forward+backward step of a 4-layer BERT (hidden 256, batch 16, sequence 128) and a GPT-2 of
-similar size, built from ``transformers`` configs with random weights. Reported: median step
-time over repeats, first-call time (Dynamo capture included), and peak memory above the
-process's resident size just before the first step (ru_maxrss on CPU,
-``torch.cuda.max_memory_allocated`` on CUDA). Ratios tracked/untracked are written to
-``benchmarks/results/tracking.json``.
+One process per model: the untracked model and its tracked copy (``track_scales``) run
+alternately on the same batch, one step of each per round, so that other work on the machine
+slows both alike; the reported time ratio is the median of the per-round ratios. A step is
+forward + backward + (tracked only) ``scales_graph()``, reading the statistics being part of
+tracking's cost. Also reported: each one's first call (Dynamo capture and any compile
+included), and each step's own peak memory: on CPU the peak resident set size of the step
+above the resident size just before it (the kernel's high-water mark is reset before each
+step and freed heap memory returned to the system, so earlier steps and model building do
+not count); on CUDA ``max_memory_allocated`` above the allocation before the step.
 
-Run: ``python benchmarks/bench_tracking.py [--repeats N] [--device cpu|cuda]``
+Models are built from ``transformers`` configs with random weights (no download):
+
+- ``bert4``: 4-layer BERT, hidden 256, vocab 2000, batch 16 x 128 (masked LM);
+- ``bert2``: 2-layer BERT, hidden 128, vocab 2000, batch 4 x 64;
+- ``tiny``: 2-layer BERT, hidden 64, vocab 2000, batch 2 x 16;
+- ``gpt2``: 4-layer GPT-2, hidden 256, vocab 50257, batch 16 x 128 (causal LM).
+
+Each run is appended to ``benchmarks/results/tracking.json`` with the date and load.
+
+Run: ``python benchmarks/bench_tracking.py [--models bert4,bert2,tiny,gpt2] [--rounds N]
+[--device cpu|cuda]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import resource
+import copy
+import ctypes
 import statistics
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from _history import append_run, machine_state
+
 RESULTS = Path(__file__).parent / "results" / "tracking.json"
+SIZES = {  # layers, hidden, vocab, batch, sequence length
+    "bert4": (4, 256, 2000, 16, 128),
+    "bert2": (2, 128, 2000, 4, 64),
+    "tiny": (2, 64, 2000, 2, 16),
+    "gpt2": (4, 256, 50257, 16, 128),
+}
+TARGETS = {"bert4": 1.15, "bert2": 1.5, "tiny": 3.0}
 
 
-def build(arch: str) -> Any:
+def build(name: str) -> torch.nn.Module:
     import transformers
 
-    if arch == "bert":
-        config = transformers.BertConfig(
-            num_hidden_layers=4,
-            hidden_size=256,
-            num_attention_heads=4,
-            intermediate_size=1024,
-            vocab_size=30522,
-            max_position_embeddings=512,
+    layers, hidden, vocab, _, _ = SIZES[name]
+    if name == "gpt2":
+        gpt = transformers.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=512
         )
-        return transformers.BertForMaskedLM(config)
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=50257, n_positions=512, use_cache=False
+        gpt.use_cache = False
+        return transformers.GPT2LMHeadModel(gpt)
+    bert = transformers.BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        vocab_size=vocab,
+        max_position_embeddings=512,
     )
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.BertForMaskedLM(bert)
 
 
-def rss_bytes() -> int:
+def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[1]) * ctypes.CDLL(None).getpagesize()
 
 
-def child(arch: str, tracked: bool, repeats: int, device: str) -> dict[str, float]:
-    import torch
+def _high_water_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
-    from unitscale.transforms import track_scales
 
-    torch.manual_seed(0)
-    model = build(arch).to(device)
-    model.train()
-    if tracked:
-        model = track_scales(model)
-    ids = torch.randint(0, 1000, (16, 128), device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+def _reset_high_water() -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS is what is live
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
-    def step() -> None:
-        out = model(**batch)
-        out.loss.backward()
-        if tracked:
-            model.scales_graph()  # reading the metrics is part of the tracked step
-        if device == "cuda":
-            torch.cuda.synchronize()
 
-    base = rss_bytes()
+def measured_step(step: Callable[[], None], device: str) -> tuple[float, int]:
+    """Seconds and peak bytes (above the start) of one call of ``step``."""
     if device == "cuda":
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
+    else:
+        _reset_high_water()
+        base = _rss_bytes()
+    start = time.perf_counter()
     step()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"step_s": statistics.median(times), "first_call_s": first, "peak_bytes": peak}
+        peak = _high_water_bytes() - base
+    return seconds, peak
+
+
+def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
+    from unitscale.transforms import track_scales
+
+    torch.manual_seed(0)
+    plain = build(name).to(device).train()
+    tracked = track_scales(copy.deepcopy(plain))
+    _, _, vocab, batch, seq = SIZES[name]
+    ids = torch.randint(0, min(vocab, 1000), (batch, seq), device=device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def plain_step() -> None:
+        plain.zero_grad(set_to_none=True)
+        plain(**inputs).loss.backward()
+
+    def tracked_step() -> None:
+        tracked.zero_grad(set_to_none=True)
+        tracked(**inputs).loss.backward()
+        tracked.scales_graph()
+
+    first = {
+        "untracked": measured_step(plain_step, device)[0],
+        "tracked": measured_step(tracked_step, device)[0],
+    }
+    plain_step(), tracked_step()  # warm: allocator caches, any second-call work
+    times: dict[str, list[float]] = {"untracked": [], "tracked": []}
+    peaks: dict[str, list[int]] = {"untracked": [], "tracked": []}
+    for _ in range(rounds):
+        for key, step in (("untracked", plain_step), ("tracked", tracked_step)):
+            seconds, peak = measured_step(step, device)
+            times[key].append(seconds)
+            peaks[key].append(peak)
+    ratios = [t / u for t, u in zip(times["tracked"], times["untracked"], strict=True)]
+    peak = {key: statistics.median(values) for key, values in peaks.items()}
+    return {
+        "layers_hidden_vocab_batch_seq": list(SIZES[name]),
+        "step_s": {key: round(statistics.median(v), 5) for key, v in times.items()},
+        "time_ratio": round(statistics.median(ratios), 4),
+        "time_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "target": TARGETS.get(name),
+        "first_call_s": {key: round(v, 3) for key, v in first.items()},
+        "step_peak_bytes": {key: int(v) for key, v in peak.items()},
+        "peak_memory_ratio": round(peak["tracked"] / max(peak["untracked"], 1), 4),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="bert4,bert2,tiny,gpt2")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--child", nargs=2, metavar=("ARCH", "TRACKED"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if args.child:
-        arch, tracked = args.child
-        print(json.dumps(child(arch, tracked == "1", args.repeats, args.device)))
-        return
-    import torch
-
-    results: dict[str, Any] = {
-        "torch": torch.__version__,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run: dict[str, Any] = {
+        **machine_state(),
         "device": args.device,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "batch": 16,
-        "seq_len": 128,
+        "rounds": args.rounds,
+        "statistic": "median over rounds of tracked/untracked step time, interleaved",
         "models": {},
     }
-    for arch in ("bert", "gpt2"):
-        runs = {}
-        for tracked in ("0", "1"):
-            cmd = [sys.executable, __file__, "--child", arch, tracked]
-            cmd += ["--repeats", str(args.repeats), "--device", args.device]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs["tracked" if tracked == "1" else "untracked"] = json.loads(out.splitlines()[-1])
-        plain, tracked_run = runs["untracked"], runs["tracked"]
-        results["models"][arch] = {
-            **runs,
-            "time_ratio": tracked_run["step_s"] / plain["step_s"],
-            "peak_memory_ratio": tracked_run["peak_bytes"] / max(plain["peak_bytes"], 1),
-        }
-        print(arch, json.dumps(results["models"][arch], indent=1), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    for name in args.models.split(","):
+        run["models"][name] = result = run_model(name, args.rounds, args.device)
+        print(name, result, flush=True)
+    append_run(args.out, run)
 
 
 if __name__ == "__main__":

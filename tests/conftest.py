@@ -2,7 +2,7 @@
 
 Scale tracking computes its statistics with a kernel compiled by ``torch.compile``; the
 suite uses the eager version of the same kernel (``UNITSCALE_STATS=eager``) to avoid paying
-compile time in every process. ``tests/test_tracking_metrics.py`` checks that the compiled
+compile time in every process. ``tests/tracking/test_metrics.py`` checks that the compiled
 kernel gives the same statistics and runs a tracked model with it.
 """
 

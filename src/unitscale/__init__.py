@@ -1,12 +1,27 @@
 """unitscale: unit scaling for PyTorch, and the tools to see why it works."""
 
-from . import constraints, data, formats, functional, models, scale, transforms
-from ._modules import (
+from . import (
+    constraints,
+    data,
+    formats,
+    functional,
+    models,
+    modules,
+    optim,
+    parameter,
+    scale,
+    transforms,
+)
+from ._version import __version__
+from .errors import UnitScaleError
+from .modules import (
     GELU,
     MHSA,
     MLP,
     Conv1d,
     CrossEntropyLoss,
+    DepthModuleList,
+    DepthSequential,
     Dropout,
     Embedding,
     LayerNorm,
@@ -18,9 +33,8 @@ from ._modules import (
     TransformerDecoder,
     TransformerLayer,
 )
-from ._version import __version__
-from .errors import UnitScaleError
-from .monitor import ScaleMonitor
+from .parameter import Parameter
+from .tracking import ScaleMonitor
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # package
@@ -32,6 +46,9 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "formats",
     "functional",
     "models",
+    "modules",
+    "optim",
+    "parameter",
     "scale",
     "transforms",
     # unit-scaled layers
@@ -52,6 +69,10 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "MLP",
     "TransformerDecoder",
     "TransformerLayer",
+    # u-muP: tagged parameters and depth-aware containers (optimisers in unitscale.optim)
+    "DepthModuleList",
+    "DepthSequential",
+    "Parameter",
     # watching scales during training
     "ScaleMonitor",
 ]

@@ -7,7 +7,7 @@ format or argument concerned and say what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
+__all__ = ["AnalysisError", "CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
 
 
 class UnitScaleError(Exception):
@@ -15,10 +15,13 @@ class UnitScaleError(Exception):
 
 
 class UnsupportedArgumentError(UnitScaleError, ValueError):
-    """An argument of a unit-scaled op has a value the op does not support."""
+    """An argument of a unit-scaled op (``linear``) or module (``Linear``) has a value it does
+    not support."""
 
     def __init__(self, op: str, argument: str, value: object, fix: str = "") -> None:
-        message = f"unitscale.functional.{op}: argument {argument!r}={value!r} is not supported"
+        # Ops live in unitscale.functional (``linear``); modules at top level (``Linear``).
+        where = f"unitscale.{op}" if op[:1].isupper() else f"unitscale.functional.{op}"
+        message = f"{where}: argument {argument!r}={value!r} is not supported"
         if fix:
             message += f"; {fix}"
         super().__init__(message)
@@ -28,3 +31,7 @@ class UnsupportedArgumentError(UnitScaleError, ValueError):
 
 class CaptureError(UnitScaleError, RuntimeError):
     """A module's forward pass could not be captured as a graph."""
+
+
+class AnalysisError(UnitScaleError, ValueError):
+    """A graph or an argument given to an analysis function cannot be used."""

@@ -3,14 +3,20 @@
 Collection is separate from presentation: :func:`unitscale.transforms.track_scales` records
 statistics on graph nodes; :func:`graph_to_dataframe` turns them into a table; :func:`plot`
 and :func:`write_report` only consume that table. matplotlib and pandas are imported inside
-the functions that need them, so importing this package is cheap.
+the functions that need them, so importing this package is cheap. ``ScaleMonitor`` (in
+:mod:`unitscale.tracking`) records; :func:`scale_heatmap` and the TensorBoard export present.
 """
 
-from ..data import example_batch
-from .dataframe import AnalysisError, graph_to_dataframe
+# DESIGN names example_batch here: the bundled corpus of the demo package, for examples.
+from ..errors import AnalysisError
+from ..experiments.data import example_batch
+from .annotated import analyse_module
+from .dataframe import graph_to_dataframe
+from .heatmap import scale_heatmap
 from .plot import plot
 from .report import write_report
 from .risk import RISK_FRACTION, RiskSummary, risk_summary
+from .tensorboard import tensorboard_available, write_scalars
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # errors
@@ -19,8 +25,13 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "example_batch",
     "graph_to_dataframe",
     # presentation
+    "analyse_module",
     "plot",
+    "scale_heatmap",
     "write_report",
+    # export
+    "tensorboard_available",
+    "write_scalars",
     # risk in low-precision formats
     "RISK_FRACTION",
     "RiskSummary",

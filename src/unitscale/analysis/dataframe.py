@@ -1,24 +1,19 @@
 """The table of tracked scales: one row per graph node and direction.
 
-Design constraints: this is the one place that reads the node meta written by
-:func:`unitscale.transforms.track_scales` (``metrics``, ``clean_name``, ``module_path``,
-``requires_grad``, ``shape``/``dtype`` or Dynamo's ``example_value``); the plot, the HTML report
-and the command only consume the records and the DataFrame built here. pandas is imported
-inside :func:`graph_to_dataframe` so that ``import unitscale`` stays light.
+Design constraints: the rows are the records of :mod:`unitscale.tracking.records` (the one
+place that reads tracking's node meta); pandas is imported inside
+:func:`graph_to_dataframe` so that ``import unitscale`` stays light.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph
 
-from ..errors import UnitScaleError
-from ..tracking.metrics import FORMAT_KEYS, Metrics
+from ..errors import AnalysisError
+from ..tracking.metrics import Metrics  # noqa: F401 (the example below uses it)
+from ..tracking.records import ID_COLUMNS, METRIC_NAMES, ScaleRecord, graph_records, op_name
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,175 +27,6 @@ __all__ = [
     "graph_to_dataframe",
     "op_name",
 ]
-
-
-class AnalysisError(UnitScaleError, ValueError):
-    """A graph or an argument given to an analysis function cannot be used."""
-
-
-#: Every metric column, in order (the keys of ``Metrics.Data.as_dict()``).
-METRIC_NAMES: tuple[str, ...] = (
-    "mean_abs",
-    "abs_mean",
-    "std",
-    "abs_max",
-    "abs_min",
-    "rms",
-    "numel",
-    "nan_count",
-    "inf_count",
-    *(f"{kind}_{key}" for key in FORMAT_KEYS for kind in ("underflow", "overflow")),
-)
-
-#: Columns that describe a row, before the metrics.
-ID_COLUMNS: tuple[str, ...] = (
-    "order",
-    "node",
-    "name",
-    "module",
-    "op",
-    "weight",
-    "direction",
-    "tensor_type",
-    "shape",
-    "dtype",
-)
-
-
-@dataclass(frozen=True)
-class ScaleRecord:
-    """One tensor in one direction: the statistics of a node's value or of its gradient.
-
-    Attributes:
-        order: the node's position in the graph (execution order).
-        node: the fx node's name (unique; used to connect data flow).
-        name: the clean name (source variable, parameter or argument name).
-        module: qualified name of the innermost module that produced it ("" at top level).
-        op: what computed it, readable (``"linear"``, ``"add"``, ``"view"``, ``"parameter"``).
-        weight: True for a trainable parameter.
-        direction: ``"fwd"`` (the value) or ``"bwd"`` (its gradient).
-        tensor_type: ``"x"``, ``"w"``, ``"grad_x"`` or ``"grad_w"``.
-        shape: the value's shape as text, e.g. ``"(8, 64, 128)"`` ("" when unknown).
-        dtype: the value's dtype without ``torch.``, e.g. ``"float32"`` ("" when unknown).
-        inputs: ``node`` names of the nodes this one reads (data flow).
-        metrics: every metric of ``Metrics.Data.as_dict()``.
-    """
-
-    order: int
-    node: str
-    name: str
-    module: str
-    op: str
-    weight: bool
-    direction: str
-    tensor_type: str
-    shape: str
-    dtype: str
-    inputs: tuple[str, ...]
-    metrics: dict[str, float]
-
-    def as_row(self) -> dict[str, Any]:
-        """The record as one flat table row (without ``inputs``)."""
-        row: dict[str, Any] = {c: getattr(self, c) for c in ID_COLUMNS}
-        for key in METRIC_NAMES:
-            row[key] = self.metrics.get(key, math.nan)
-        return row
-
-
-def op_name(node: Node) -> str:
-    """A readable name for what a node computes.
-
-    Example:
-        >>> import operator
-        >>> g = Graph()
-        >>> a = g.placeholder("a")
-        >>> op_name(g.call_function(operator.add, (a, a)))
-        'add'
-    """
-    if node.op == "placeholder":
-        return "parameter" if node.meta.get("requires_grad") else "input"
-    if node.op == "get_attr":
-        return "parameter" if node.meta.get("requires_grad") else "buffer"
-    target = node.target
-    if isinstance(target, str):
-        return target
-    name = getattr(target, "__name__", None) or str(target)
-    return name.removeprefix("_").removesuffix("_") if name.startswith("__") else name
-
-
-def _value_meta(node: Node) -> tuple[str, str]:
-    shape = node.meta.get("shape")
-    dtype = node.meta.get("dtype")
-    value = node.meta.get("example_value", node.meta.get("val"))
-    if isinstance(value, torch.Tensor):
-        shape = value.shape if shape is None else shape
-        dtype = value.dtype if dtype is None else dtype
-    shape_text = "" if shape is None else "(" + ", ".join(str(int(s)) for s in shape) + ")"
-    if shape is not None and len(tuple(shape)) == 1:
-        shape_text = shape_text[:-1] + ",)"
-    dtype_text = "" if dtype is None else str(dtype).removeprefix("torch.")
-    return shape_text, dtype_text
-
-
-def _check_graph(graph: object, where: str) -> Graph:
-    if not isinstance(graph, Graph):
-        raise AnalysisError(
-            f"{where}: expected a torch.fx.Graph from tracked.scales_graph(), got "
-            f"{type(graph).__name__}"
-        )
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    if not nodes:
-        raise AnalysisError(
-            f"{where}: the graph is empty; call the tracked module (and backward()) before "
-            "tracked.scales_graph()"
-        )
-    if not any(isinstance(n.meta.get("metrics"), Metrics) for n in nodes):
-        raise AnalysisError(
-            f"{where}: the graph has no scale metrics (node.meta['metrics']); build it with "
-            "tracked = unitscale.transforms.track_scales(module), run tracked(...) and "
-            "backward(), then pass tracked.scales_graph()"
-        )
-    return graph
-
-
-def graph_records(graph: Graph, where: str = "graph_records") -> Iterator[ScaleRecord]:
-    """Yield a :class:`ScaleRecord` per tracked node and direction, in graph order.
-
-    Nodes without metrics (non-float values) are skipped, and so is a direction that has no
-    statistics (``bwd`` where no gradient flowed).
-
-    Raises:
-        AnalysisError: when ``graph`` is not a tracked scales graph.
-    """
-    _check_graph(graph, where)
-    for order, node in enumerate(graph.nodes):
-        metrics = node.meta.get("metrics")
-        if not isinstance(metrics, Metrics):
-            continue
-        weight = bool(node.meta.get("requires_grad", False)) and node.op in (
-            "placeholder",
-            "get_attr",
-        )
-        shape, dtype = _value_meta(node)
-        inputs = tuple(n.name for n in node.all_input_nodes)
-        for direction, data in (("fwd", metrics.fwd), ("bwd", metrics.bwd)):
-            if data is None:
-                continue
-            base = "w" if weight else "x"
-            yield ScaleRecord(
-                order=order,
-                node=node.name,
-                name=str(node.meta.get("clean_name", node.name)),
-                module=str(node.meta.get("module_path", "")),
-                op=op_name(node),
-                weight=weight,
-                direction=direction,
-                tensor_type=base if direction == "fwd" else f"grad_{base}",
-                shape=shape,
-                dtype=dtype,
-                inputs=inputs,
-                metrics=dict(data.as_dict()),
-            )
 
 
 def graph_to_dataframe(graph: Graph) -> pd.DataFrame:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from torch.fx import Graph
 
-from ._prepare import TensorRow, prepare_rows
+from ..tracking.rows import TensorRow, prepare_rows
 from .dataframe import METRIC_NAMES, AnalysisError
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from torch.fx import Graph
 
 from .._version import __version__
 from ..tracking.metrics import FORMAT_KEYS, FORMAT_RANGES
-from ._prepare import TensorRow, prepare_rows
+from ..tracking.rows import TensorRow, prepare_rows
 from ._report_assets import CSS, JS, PAGE
 from .dataframe import METRIC_NAMES, AnalysisError, ScaleRecord
 from .plot import FORMAT_GUIDES

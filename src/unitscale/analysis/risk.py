@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .dataframe import AnalysisError
+from ..errors import AnalysisError
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -1,12 +1,49 @@
-"""TorchDynamo capture shared by all unitscale transforms."""
+"""TorchDynamo capture shared by all unitscale transforms.
 
-from ._core import GraphPass, Invocation, Piece, TransformedModule, module_path_of, transformed
+A :class:`TransformedModule` runs a copy of a module through TorchDynamo; every graph
+Dynamo captures (a :class:`Piece`, one per graph break) goes through the module's chain of
+:class:`GraphPass` objects, which :func:`transformed` keeps in :class:`Stage` order. The
+:class:`Capture` holds the runtime state passes read; :func:`trace_eagerly` is the fallback
+tracer for calls Dynamo cannot capture whole.
+"""
 
-__all__ = [
+from ._core import (
+    NOT_INTERCEPTED,
+    Capture,
+    GraphPass,
+    Invocation,
+    Piece,
+    Stage,
+    TransformedModule,
+    check_order,
+    example_value,
+    identifier,
+    is_float_node,
+    iter_tensors,
+    module_path_of,
+    transformed,
+    warn_user,
+)
+from ._eager import trace_eagerly
+
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # transformed modules and their passes
     "GraphPass",
+    "NOT_INTERCEPTED",
+    "Stage",
+    "TransformedModule",
+    "check_order",
+    "transformed",
+    # runtime state passes read
+    "Capture",
     "Invocation",
     "Piece",
-    "TransformedModule",
+    "trace_eagerly",
+    # helpers for passes
+    "example_value",
+    "identifier",
+    "is_float_node",
+    "iter_tensors",
     "module_path_of",
-    "transformed",
+    "warn_user",
 ]

@@ -21,6 +21,7 @@ Design constraints:
 from __future__ import annotations
 
 import copy
+import enum
 import inspect
 import os
 import re
@@ -28,22 +29,29 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch._dynamo
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._compat import dynamo_recompile_limit
+from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError, UnitScaleError
 
 __all__ = [
     "NOT_INTERCEPTED",
+    "Capture",
     "GraphPass",
     "Invocation",
     "Piece",
+    "Stage",
     "TransformedModule",
+    "check_order",
+    "example_value",
     "identifier",
+    "is_float_node",
+    "iter_tensors",
     "module_path_of",
     "transformed",
     "warn_user",
@@ -58,24 +66,50 @@ _RECOMPILE_LIMIT = 512
 NOT_INTERCEPTED: Any = object()
 
 
+class Stage(enum.IntEnum):
+    """Where a graph pass belongs in a transform chain; :func:`transformed` keeps chains in
+    this order, so that each pass sees what the earlier ones made of the graph."""
+
+    #: Replaces ops (``unit_scale``): formats and statistics must see the replaced ops.
+    REWRITE = 1
+    #: Rounds values to a number format (``simulate_format``).
+    SIMULATE = 2
+    #: Records statistics (``track_scales``): they must describe the final values.
+    TRACK = 3
+    #: Compiles the final graph (``compile``): nothing can change it afterwards, and the
+    #: statistics of ``TRACK`` cannot be gathered from compiled code.
+    COMPILE = 4
+
+
 class GraphPass:
     """One step of a transform chain, applied to every piece Dynamo captures.
 
-    Subclasses override :meth:`transform` (and :meth:`reset` if they hold per-call state).
-    A pass must be picklable: it is configuration, plus runtime state it can rebuild.
+    Subclasses set :attr:`stage` and override :meth:`transform` (and the call hooks if they
+    hold per-call state). A pass must be picklable: it is configuration, plus runtime state
+    it can rebuild (:meth:`without_state`).
     """
 
-    #: A pass that compiles must come last; nothing can be applied after it.
-    compiles: bool = False
+    #: The pass's place in a chain (see :class:`Stage`).
+    stage: ClassVar[Stage]
+    #: Whether the chain may hold two passes of this type.
+    repeatable: ClassVar[bool] = True
+    #: What the module is once this pass is applied, for errors ("is tracked by track_scales").
+    applied: ClassVar[str] = "is already transformed"
+    #: What to do instead when a pass of an earlier stage comes after this one (``{op}`` is
+    #: that pass's transform).
+    order_fix: ClassVar[str] = ""
 
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
         return gm
 
-    def finish(
+    def compile_graph(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], piece: Piece
     ) -> Callable[..., Any] | None:
-        """Return a compiled callable for the final graph, or None to run it as Python."""
+        """Return a compiled callable for the final graph, or None to run it as Python.
+
+        Called on the last pass of the chain only, after every pass has transformed ``gm``.
+        """
         return None
 
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
@@ -94,17 +128,17 @@ class GraphPass:
     def intercept_call(
         self,
         module: TransformedModule,
-        capture: _Capture,
+        capture: Capture,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         """Run the call another way and return its output, or return :data:`NOT_INTERCEPTED`."""
         return NOT_INTERCEPTED
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         """Called after every forward, while ``capture.produced`` still describes the call."""
 
-    def fresh(self) -> GraphPass:
+    def without_state(self) -> GraphPass:
         """A copy of this pass with no runtime state, for a new transformed module.
 
         Passes that hold runtime state override this.
@@ -144,6 +178,22 @@ def identifier(name: str) -> str:
     """A valid Python identifier derived from ``name`` (``emb.weight`` -> ``emb_weight``)."""
     name = re.sub(r"\W", "_", name)
     return name if name and not name[0].isdigit() else f"_{name}"
+
+
+def example_value(node: Any) -> Any:
+    """The value Dynamo recorded for ``node`` (a FakeTensor, tuple...), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value")
+    if value is None and "grapharg" in node.meta:
+        value = getattr(node.meta["grapharg"], "fake_tensor", None)
+    return value
+
+
+def is_float_node(node: Any) -> bool:
+    """Whether ``node`` is an fx node whose value is a floating-point tensor."""
+    value = example_value(node)
+    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def warn_user(message: str) -> None:
@@ -224,10 +274,16 @@ def _positional_names(module: nn.Module) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds]
 
 
-class _Capture:
+class Capture:
     """Runtime state of one transformed module: compiled code, pieces and the call trace.
 
-    Never pickled or deep-copied: rebuilt on the first call after either.
+    Passes receive it in :meth:`GraphPass.transform` and the call hooks. Read by passes:
+    :attr:`pieces` (every piece captured so far), :attr:`trace` (the :class:`Invocation`
+    of each piece in the running call, in order), :attr:`last_trace` (the last complete
+    recorded call), :attr:`produced` (``id(tensor)`` -> ``(weakref, (invocation index,
+    output index))`` for the tensors the running call's pieces returned) and
+    :attr:`current` (the invocation running now). Never pickled or deep-copied: rebuilt on
+    the first call after either.
     """
 
     def __init__(self, owner: TransformedModule) -> None:
@@ -270,7 +326,7 @@ class _Capture:
         gm.recompile()
         run: Callable[..., Any] = gm.forward
         if owner.passes:
-            compiled = owner.passes[-1].finish(gm, example_inputs, piece)
+            compiled = owner.passes[-1].compile_graph(gm, example_inputs, piece)
             if compiled is not None:
                 run = compiled
 
@@ -308,10 +364,10 @@ class _Capture:
         self.calls += 1
         self.trace = []
         self.produced = {}
+        import torch._dynamo
+
         try:
-            with torch._dynamo.config.patch(
-                recompile_limit=_RECOMPILE_LIMIT, accumulated_recompile_limit=_RECOMPILE_LIMIT
-            ):
+            with dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True):
                 out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
@@ -360,7 +416,7 @@ class TransformedModule(nn.Module):
         super().__init__()
         self.module = module
         self.passes: tuple[GraphPass, ...] = tuple(passes)
-        self._capture: _Capture | None = None
+        self._capture: Capture | None = None
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -369,14 +425,14 @@ class TransformedModule(nn.Module):
         for graph_pass in self.passes:
             args, kwargs = graph_pass.prepare_inputs(self, args, kwargs)
         if self._capture is None:
-            self._capture = _Capture(self)
+            self._capture = Capture(self)
         out = self._capture.call(args, kwargs)
         for graph_pass in reversed(self.passes):
             out = graph_pass.finish_outputs(self, out)
         return out
 
     @property
-    def capture(self) -> _Capture | None:
+    def capture(self) -> Capture | None:
         """Runtime capture state (None before the first call)."""
         return self._capture
 
@@ -387,9 +443,8 @@ class TransformedModule(nn.Module):
             UnitScaleError: the module is not tracked.
         """
         for graph_pass in self.passes:
-            build = getattr(graph_pass, "scales_graph", None)
-            if build is not None:
-                return build(self)
+            if graph_pass.stage is Stage.TRACK:
+                return graph_pass.scales_graph(self)  # type: ignore[attr-defined]
         raise UnitScaleError(
             "scales_graph(): this module is not tracked; wrap it with "
             "unitscale.transforms.track_scales(module) first"
@@ -475,7 +530,7 @@ class TransformedModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_capture"] = None
-        state["passes"] = tuple(p.fresh() for p in self.passes)
+        state["passes"] = tuple(p.without_state() for p in self.passes)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -499,29 +554,49 @@ def _strip(module: nn.Module) -> tuple[nn.Module, tuple[GraphPass, ...]]:
     return module, ()
 
 
+def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
+    """Raise unless ``new_pass`` (applied by ``unitscale.<op>``) may follow ``earlier``.
+
+    Raises:
+        CaptureError: ``new_pass`` belongs to an earlier :class:`Stage`; it repeats a pass
+            that is not :attr:`~GraphPass.repeatable`; or it compiles a tracked chain.
+    """
+    if earlier.stage is Stage.COMPILE:
+        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; {earlier.order_fix}")
+    if new_pass.stage is Stage.COMPILE and earlier.stage is Stage.TRACK:
+        raise CaptureError(
+            f"unitscale.{op}: the module {earlier.applied}, whose statistics cannot be "
+            "gathered from compiled code; compile the untracked module, or track it without "
+            "compile"
+        )
+    if new_pass.stage < earlier.stage:
+        fix = earlier.order_fix.format(op=op)
+        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; {fix}")
+    if type(new_pass) is type(earlier) and not new_pass.repeatable:
+        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; apply {op} once")
+
+
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
     Raises:
-        CaptureError: ``module`` is not an ``nn.Module``, or it was already compiled.
+        CaptureError: ``module`` is not an ``nn.Module``, was compiled by ``torch.compile``,
+            or ``new_pass`` cannot follow its passes (:func:`check_order`).
     """
     if not isinstance(module, nn.Module):
         raise CaptureError(
             f"unitscale.{op}: expected a torch.nn.Module, got {type(module).__name__}"
         )
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    if is_optimized_module(module):
         raise CaptureError(
             f"unitscale.{op}: the module is already torch.compile'd; pass the original module "
             "(module._orig_mod) and apply unitscale.transforms.compile last"
         )
     inner, passes = _strip(module)
-    if passes and passes[-1].compiles:
-        raise CaptureError(
-            f"unitscale.{op}: the module is already compiled by unitscale.transforms.compile; "
-            "apply compile last, e.g. compile(simulate_fp8(unit_scale(model)))"
-        )
+    for earlier in passes:
+        check_order(earlier, new_pass, op)
     copied = copy.deepcopy(inner)
-    return TransformedModule(copied, (*(p.fresh() for p in passes), new_pass))
+    return TransformedModule(copied, (*(p.without_state() for p in passes), new_pass))
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import Batch
-from ..models import GPTConfig
+from ..experiments.data import Batch
+from ..experiments.models import GPTConfig
 from . import CommandError
 
 __all__ = ["NamedModel", "call_model", "hf_model", "load_factory", "resolve_models"]
@@ -174,32 +174,33 @@ def _call_factory(spec: str, factory: Callable[[], Any], seed: int) -> nn.Module
     return model
 
 
-def _twin(base: NamedModel, seed: int, notes: list[str]) -> NamedModel | None:
-    try:
-        from ..transforms import unit_scale
+def _twin(base: NamedModel, seed: int) -> NamedModel:
+    from ..errors import UnitScaleError
+    from ..transforms import unit_scale
 
+    try:
         twin = _seeded(seed, lambda: unit_scale(base.model))
-    except Exception as exc:
-        notes.append(f"no unit-scaled twin of {base.name}: {str(exc).splitlines()[0]}")
-        return None
+    except UnitScaleError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CommandError(f"unit_scale({base.name}) failed: {message}") from exc
     # The twin's forward takes (*args, **kwargs): pass what the original accepts.
     return NamedModel(f"unit_scale({base.name})", twin, base.hf, base.model)
 
 
-def resolve_models(spec: str, seq_len: int, seed: int, notes: list[str]) -> list[NamedModel]:
+def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
     """The models ``--model spec`` names: the model itself, then its unit-scaled twin.
 
     Args:
         spec: ``builtin``, ``hf:<model_type>`` or ``path/to/file.py:factory``.
         seq_len: the longest sequence the models must take.
         seed: initialisation seed (the global RNG is left as it was).
-        notes: receives one line per model that could not be built (e.g. no twin).
 
     Raises:
-        CommandError: when the model itself cannot be built.
+        CommandError: when the model or its unit-scaled twin cannot be built (a twin that
+            ``unit_scale`` refuses is an error, not a note: the comparison is the point).
     """
     if spec == "builtin":
-        from ..models import plain_gpt, unit_scaled_gpt
+        from ..experiments.models import plain_gpt, unit_scaled_gpt
 
         config = GPTConfig(seq_len=max(GPTConfig().seq_len, seq_len))
         return [
@@ -214,8 +215,7 @@ def resolve_models(spec: str, seq_len: int, seed: int, notes: list[str]) -> list
     else:
         label, factory = load_factory(spec)
         base = NamedModel(label, _call_factory(spec, factory, seed))
-    twin = _twin(base, seed, notes)
-    return [base] if twin is None else [base, twin]
+    return [base, _twin(base, seed)]
 
 
 def _forward_arguments(model: nn.Module, batch: Batch, hf: bool) -> tuple[tuple, dict]:

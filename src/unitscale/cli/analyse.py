@@ -8,9 +8,7 @@ options, shows progress on stderr and prints the summary on stdout.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,6 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import positive_int
+from ._output import Progress, slug
 
 __all__ = ["add_parser", "run"]
 
@@ -60,23 +59,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-class _Progress:
-    """Stage lines on stderr with the elapsed time."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self.start:5.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale analyse`` with parsed options; return the exit status."""
-    progress = _Progress()
+    progress = Progress()
     try:
         import matplotlib  # noqa: F401
         import pandas as pd
@@ -89,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
-    from ..data import example_batch
+    from ..experiments.data import example_batch
     from ..transforms import prune_same_scale_tensors, track_scales
     from ._models import call_model, resolve_models
 
@@ -101,11 +86,8 @@ def run(args: argparse.Namespace) -> int:
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
-    notes: list[str] = []
     progress(f"building {args.model} model(s)")
-    models = resolve_models(args.model, args.seq_len, args.seed, notes)
-    for note in notes:
-        progress(f"note: {note}")
+    models = resolve_models(args.model, args.seq_len, args.seed)
 
     graphs = {}
     tables = []
@@ -134,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     for entry, _, _, graph in tables:
         progress(f"{entry.name}: plotting")
         figure = cast("Figure", plot(graph, title=entry.name).figure)
-        png = out / f"scales_{_slug(entry.name)}.png"
+        png = out / f"scales_{slug(entry.name, 'model')}.png"
         figure.savefig(png, dpi=100, metadata={"Software": None})
         written.append(png)
     progress("writing the HTML report")

@@ -1,16 +1,14 @@
 """``unitscale train``: plain vs unit-scaled training, in FP32 and in simulated FP8.
 
 The work is done by :mod:`unitscale.training` (the runs, the tables, the figures, the report)
-and :mod:`unitscale.monitor` (scales over training); this module parses options, shows
+and :mod:`unitscale.tracking.monitor` (scales over training); this module parses options, shows
 progress on stderr, prints the summary on stdout and writes the files.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,6 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import non_negative_int, positive_float, positive_int
+from ._output import Progress, slug
 
 __all__ = ["add_parser", "run"]
 
@@ -25,7 +24,7 @@ DEFAULT_OUT = "unitscale-train"
 
 
 def _run_list(text: str) -> tuple[str, ...]:
-    from ..training import RUN_NAMES
+    from ..experiments.training import RUN_NAMES
 
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in RUN_NAMES]
@@ -40,7 +39,7 @@ def _run_list(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``train`` and its options."""
-    from ..training import RUN_NAMES, TrainConfig
+    from ..experiments.training import RUN_NAMES, TrainConfig
 
     d = TrainConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -50,12 +49,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Train the built-in GPT on the bundled text four ways, with the same initial "
             "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
-            "(E4M3 operands, E5M2 gradients, no loss scaling), unit-scaled in FP32, unit-scaled "
-            "with simulated FP8. Print the final training and held-out losses; write the loss "
-            "curves (PNG), a CSV of losses per step and a self-contained HTML report. Adam, "
-            "linear warm-up, cosine decay to 10%%; each model family has its own learning rate "
-            "(chosen by a sweep of the FP32 runs; see the README). With no options it finishes "
-            "in a few minutes on a 2-core CPU."
+            "(E4M3 operands, E5M2 output gradients, no loss scaling), unit-scaled in FP32, "
+            "unit-scaled with simulated FP8. Print the final training and held-out losses; "
+            "write the loss curves (PNG), a CSV of losses per step and a self-contained HTML "
+            "report. Adam, linear warm-up, cosine decay to 10%%; each model family has its own "
+            "learning rate (chosen by a sweep of the FP32 runs; see the README). With no "
+            "options it finishes in a few minutes on a 2-core CPU."
         ),
     )
     parser.add_argument(
@@ -160,7 +159,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="record every tensor's scale every N steps (unitscale.monitor."
+        help="record every tensor's scale every N steps (unitscale.tracking."
         "ScaleMonitor): scales CSV and heatmaps per run, first NaN/Inf located; "
         "runs are not compiled then",
     )
@@ -171,6 +170,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "on a CPU the compile time exceeds the time saved at the default size",
     )
     parser.add_argument(
+        "--fp8-recipe",
+        choices=("hardware", "all-operands"),
+        default=d.fp8_recipe,
+        help="which tensors the FP8 runs round (unitscale.transforms.FP8_RECIPES): "
+        "'hardware' (default): matmul inputs in E4M3 and the gradient of each matmul's "
+        "output in E5M2; 'all-operands': the gradient of every matmul input, weights "
+        "included, in E5M2",
+    )
+    parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -178,17 +186,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser  # fmt: skip
 
 
-def _progress(start: float, message: str) -> None:
-    print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
-    start = time.perf_counter()
+    progress = Progress()
     try:
         import matplotlib  # noqa: F401
         import pandas  # noqa: F401
@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"unitscale train needs {exc.name}: pip install 'unitscale[analysis]'"
         ) from exc
-    from ..monitor import tensorboard_available
-    from ..training import (
+    from ..analysis.tensorboard import tensorboard_available
+    from ..experiments.training import (
         TrainConfig,
         plot_losses,
         summary_text,
@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         write_losses_csv,
         write_train_report,
     )
+    from ..tracking import MonitorError
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -229,17 +230,17 @@ def run(args: argparse.Namespace) -> int:
         monitor_every=args.monitor_every,
         runs=args.runs,
         compile_fp8=args.compile,
+        fp8_recipe=args.fp8_recipe,
     )
     out.mkdir(parents=True, exist_ok=True)
-    _progress(
-        start,
+    progress(
         f"training {len(config.runs)} run(s) of {config.steps} steps "
         f"({', '.join(config.runs)}) on the bundled CPython documentation text",
     )
     results = {}
     for name in config.runs:
         results[name] = train_run(name, config, progress=not args.no_progress)
-        _progress(start, f"{name}: done in {results[name].seconds:.0f}s")
+        progress(f"{name}: done in {results[name].seconds:.0f}s")
 
     written: list[Path] = [write_losses_csv(results, out / "losses.csv")]
     figure = plot_losses(results)
@@ -253,25 +254,25 @@ def run(args: argparse.Namespace) -> int:
         monitor = result.monitor
         if monitor is None or not monitor.recorded_steps:
             continue
-        written.append(monitor.to_csv(out / f"scales_{_slug(name)}.csv"))
+        written.append(monitor.to_csv(out / f"scales_{slug(name, 'run')}.csv"))
         for direction, what in (("fwd", "values"), ("bwd", "gradients")):
             try:
                 ax = monitor.heatmap("rms", direction, title=f"{name}: rms of tensor {what}")
-            except Exception as exc:  # e.g. no backward records: skip that picture
-                _progress(start, f"{name}: no {direction} heatmap ({exc})")
+            except MonitorError as exc:  # no records in that direction: skip the picture
+                progress(f"{name}: no {direction} heatmap ({exc})")
                 continue
             heatmap = cast("Figure", ax.figure)
-            path = out / f"scales_{_slug(name)}_{direction}.png"
+            path = out / f"scales_{slug(name, 'run')}_{direction}.png"
             heatmap.savefig(path, dpi=100, metadata={"Software": None})
             written.append(path)
             heatmaps.append((f"{name}: rms of tensor {what} over training (log2)", heatmap))
         if tensorboard:
-            monitor.write_tensorboard(out / "tensorboard" / _slug(name), metrics=("rms",))
+            monitor.write_tensorboard(out / "tensorboard" / slug(name, "run"), metrics=("rms",))
     if config.monitor_every is not None:
         if tensorboard:
             written.append(out / "tensorboard")
         else:
-            _progress(start, "note: tensorboard is not installed; no TensorBoard scalars written")
+            progress("note: tensorboard is not installed; no TensorBoard scalars written")
 
     written.append(write_train_report(results, config, out / "report.html", heatmaps))
     text = summary_text(results, config)
@@ -280,5 +281,5 @@ def run(args: argparse.Namespace) -> int:
     text += "\n"
     (out / "summary.txt").write_text(text, encoding="utf-8")
     sys.stdout.write(text)
-    _progress(start, "done")
+    progress("done")
     return 0

@@ -1,19 +1,46 @@
-"""Scale tracking: metrics records, the recording pass and pruning."""
+"""Scale tracking: statistics, the recording pass, records of a tracked graph, pruning, and
+:class:`ScaleMonitor` (statistics during training, non-finite localisation)."""
 
 from ._recorder import TrackScalesPass, build_scales_graph
 from .metrics import FORMAT_KEYS, FORMAT_RANGES, Metrics
+from .monitor import (
+    LONG_COLUMNS,
+    MonitorError,
+    MonitorRecord,
+    NonFiniteError,
+    NonFiniteReport,
+    NonFiniteWarning,
+    ScaleMonitor,
+)
 from .prune import prune_non_float_tensors, prune_same_scale_tensors, prune_selected_nodes
+from .records import METRIC_NAMES, ScaleRecord, graph_records, op_name
+from .rows import TensorRow, prepare_rows
 
-__all__ = [
-    # records
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # statistics
     "FORMAT_KEYS",
     "FORMAT_RANGES",
+    "METRIC_NAMES",
     "Metrics",
     # recording
     "TrackScalesPass",
     "build_scales_graph",
+    # records of a tracked graph
+    "ScaleRecord",
+    "TensorRow",
+    "graph_records",
+    "op_name",
+    "prepare_rows",
     # pruning
     "prune_non_float_tensors",
     "prune_same_scale_tensors",
     "prune_selected_nodes",
+    # watching scales during training
+    "LONG_COLUMNS",
+    "MonitorError",
+    "MonitorRecord",
+    "NonFiniteError",
+    "NonFiniteReport",
+    "NonFiniteWarning",
+    "ScaleMonitor",
 ]

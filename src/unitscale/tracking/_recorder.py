@@ -26,36 +26,28 @@ from torch import Tensor, nn
 from torch._C import _functorch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..capture._core import (
+from ..capture import (
     NOT_INTERCEPTED,
+    Capture,
     GraphPass,
     Invocation,
     Piece,
+    Stage,
     TransformedModule,
-    _Capture,
+    example_value,
     identifier,
+    is_float_node,
     iter_tensors,
     module_path_of,
+    trace_eagerly,
     warn_user,
 )
-from ..capture._eager import trace_eagerly
 from .metrics import Metrics, stats_to_data, tensor_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 _Stats = tuple[int, Tensor]  # (numel, statistics vector on the tensor's device)
-
-
-def _example_value(node: fx.Node) -> Any:
-    value = node.meta.get("example_value")
-    if value is None and "grapharg" in node.meta:
-        value = getattr(node.meta["grapharg"], "fake_tensor", None)
-    return value
-
-
-def _is_float_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def _static_shape(value: Tensor) -> bool:
@@ -78,6 +70,10 @@ class TrackScalesPass(GraphPass):
     ``invocation.data["fwd"]``/``["bwd"]`` (slot -> statistics vector on the device).
     """
 
+    stage = Stage.TRACK
+    applied = "is tracked by track_scales"
+    order_fix = "apply track_scales last, e.g. track_scales({op}(model))"
+
     def __init__(self) -> None:
         #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
         #: and the last recorded call's statistics are kept. See ``ScaleMonitor``.
@@ -94,9 +90,9 @@ class TrackScalesPass(GraphPass):
         self._call_inputs: list[int] = []
         # id(caller's tensor) -> (tensor, its alias, the alias's version) for the running call.
         self._aliases: dict[int, tuple[Tensor, Tensor, int]] = {}
-        self._capture: _Capture | None = None
+        self._capture: Capture | None = None
 
-    def fresh(self) -> TrackScalesPass:
+    def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
         clone.engine = self.engine
         return clone
@@ -109,7 +105,7 @@ class TrackScalesPass(GraphPass):
         self.engine = state.get("engine", "dynamo")
 
     # -- capture time ------------------------------------------------------------------------
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         self._capture = capture
         slots: dict[str, int] = {}
         graph = gm.graph
@@ -122,8 +118,11 @@ class TrackScalesPass(GraphPass):
         aliases: dict[int, int] = {}
         full_aliases: set[int] = set()
         users = {node: list(node.users) for node in nodes}  # before records are inserted
+        # One bound-method object for every record node: torch < 2.6's fx code generation
+        # requires a global's name to map to the identical object each time it appears.
+        record_fn = self.record
         for node in nodes:
-            value = _example_value(node)
+            value = example_value(node)
             if node.op in ("output", "get_attr") or not isinstance(value, Tensor):
                 continue
             slot = len(slots)
@@ -153,10 +152,10 @@ class TrackScalesPass(GraphPass):
                             graph.call_function(self.record_shape, (node, slot))
                     continue
                 with graph.inserting_after(anchor):
-                    graph.call_function(self.record, (node, slot, False))
+                    graph.call_function(record_fn, (node, slot, False))
                 continue
             with graph.inserting_after(anchor):
-                record = graph.call_function(self.record, (node, slot))
+                record = graph.call_function(record_fn, (node, slot))
             if node.op == "placeholder":
                 after_inputs = record
         piece.data["slots"] = slots
@@ -167,7 +166,7 @@ class TrackScalesPass(GraphPass):
     def intercept_call(
         self,
         module: TransformedModule,
-        capture: _Capture,
+        capture: Capture,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -207,7 +206,7 @@ class TrackScalesPass(GraphPass):
     def _eager_call(
         self,
         module: TransformedModule,
-        capture: _Capture,
+        capture: Capture,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -218,7 +217,7 @@ class TrackScalesPass(GraphPass):
         capture.last_trace = [invocation]
         return out
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         """Note whether ops ran outside the captured graphs (see :meth:`intercept_call`)."""
         self._partial = ""
         if not self.enabled:
@@ -244,6 +243,19 @@ class TrackScalesPass(GraphPass):
                     f"track_scales: {self._partial}; the ops computing them are missing from "
                     "scales_graph()"
                 )
+
+    def release_hooks(self) -> None:
+        """Remove the gradient hooks of the last recorded call.
+
+        The pass keeps its hooks on parameters (leaves) until its next *enabled* call, so
+        while recording is off they would still compute gradient statistics and overwrite
+        the recorded ones; a caller that reads each recorded call at once (``ScaleMonitor``)
+        drops them with this.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked = set()
 
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
         """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
@@ -440,8 +452,10 @@ def _same_values_source(node: fx.Node) -> fx.Node | None:
     source = node.args[0] if node.args else None
     if not isinstance(source, fx.Node):
         return None
-    before, after = _example_value(source), _example_value(node)
-    if not (_is_float_tensor(before) and _is_float_tensor(after)):
+    if not (is_float_node(source) and is_float_node(node)):
+        return None
+    before, after = example_value(source), example_value(node)
+    if before is None or after is None:  # pragma: no cover - float nodes have values
         return None
     # Sizes may be symbolic (dynamic shapes): decide without adding guards.
     same_numel = statically_known_true(before.numel() == after.numel())
@@ -493,7 +507,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
             if node.op == "placeholder":
                 (kind, name), input_id, source = next(inputs)
                 slot = slots.get(node.name)
-                example = _example_value(node)
+                example = example_value(node)
                 if isinstance(example, torch.SymInt):
                     # A size Dynamo passes to a graph captured with dynamic sizes: not a
                     # model input; the joined graph shows its example value instead.
@@ -570,8 +584,8 @@ def _new_placeholder(
 
 def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None:
     new.meta = {key: original.meta[key] for key in _KEPT_META if key in original.meta}
-    value = _example_value(original)
-    new.meta["outputs_float_tensor"] = _is_float_tensor(value)
+    value = example_value(original)
+    new.meta["outputs_float_tensor"] = is_float_node(original)
     if isinstance(value, Tensor):
         # A symbolic size (a graph captured with dynamic sizes) is replaced by the call's own
         # size when the slot was recorded; its hint stands in otherwise.

@@ -4,9 +4,10 @@ Design constraints (this is the hot path of tracking):
 
 - statistics are computed on the tensor's own device, under ``no_grad``, into one small
   float64 vector per tensor (:func:`tensor_stats`), by one kernel compiled with
-  ``torch.compile`` that reads the tensor once and allocates nothing of its size; nothing is
-  copied to the host until the whole graph is read, so tracking costs no host-device
-  synchronisation per op;
+  ``torch.compile`` that reads the tensor twice (its largest magnitude first, which scales
+  the sums so that they stay finite) and allocates nothing of its size; counts are int64;
+  nothing is copied to the host until the whole graph is read, so tracking costs no
+  host-device synchronisation per op;
 - the input is never cloned or modified, so tracking cannot change the numerics;
 - empty tensors, NaN and Inf give well-defined values, never an exception: statistics follow
   IEEE arithmetic over all elements (a NaN makes ``std`` NaN, an Inf makes ``abs_max`` Inf),
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
@@ -42,31 +44,65 @@ _FIELDS = ("sum_abs", "mean", "var", "abs_max", "abs_min", "nan_count", "inf_cou
 _N_STATS = len(_FIELDS) + 2 * len(FORMAT_KEYS)
 
 
+def _count(mask: Tensor) -> Tensor:
+    """How many elements of ``mask`` are True, exactly: int64 (int32 wraps above 2**31
+    elements, one logits tensor on a large GPU), converted to float64 (exact to 2**53)."""
+    return mask.sum(dtype=torch.int64).double()
+
+
 def _stats_kernel(x: Tensor) -> Tensor:
     """All statistics in one pass over ``x``: fused into one loop when compiled.
 
     A non-zero value underflows in a format when round-to-nearest-even takes it to zero,
     i.e. ``|x| <= min_subnormal / 2``; it overflows when ``|x| > max``.
+
+    Sums accumulate in float64 and the variance is taken of ``x / abs_max`` (values in
+    [-1, 1]) and rescaled in float64, so the mean, variance and mean absolute value of any
+    finite tensor are finite: squaring values near 1e20 in float32 would overflow to Inf
+    and make the variance NaN.
     """
     # No reshape: for a non-contiguous tensor it would materialise a copy.
     if x.dtype != torch.float64:
         x = x.float()
     a = x.abs()
-    var, mean = torch.var_mean(x, correction=0)
+    abs_max = a.amax()
+    # Inf or NaN present (or all zeros): no rescaling, IEEE arithmetic says what happened.
+    scale = torch.where(torch.isfinite(abs_max) & (abs_max > 0), abs_max, torch.ones_like(abs_max))
+    var = torch.var(x / scale, correction=0).double()
     parts = [
-        a.sum(),
-        mean,
-        var,
-        a.amax(),
-        a.amin(),
-        torch.isnan(x).sum(dtype=torch.int32).to(x.dtype),
-        torch.isinf(x).sum(dtype=torch.int32).to(x.dtype),
+        a.sum(dtype=torch.float64),  # float64 accumulation: finite, and exact for small sums
+        x.sum(dtype=torch.float64) / x.numel(),
+        var * scale.double() ** 2,
+        abs_max.double(),
+        a.amin().double(),
+        _count(torch.isnan(x)),
+        _count(torch.isinf(x)),
     ]
     for bound in _UNDERFLOW_BELOW:
-        parts.append(((a <= bound) & (a > 0)).sum(dtype=torch.int32).to(x.dtype))
+        parts.append(_count((a <= bound) & (a > 0)))
     for bound in _OVERFLOW_ABOVE:
-        parts.append((a > bound).sum(dtype=torch.int32).to(x.dtype))
-    return torch.stack(parts).double()
+        parts.append(_count(a > bound))
+    return torch.stack(parts)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile`` raises when it cannot compile the kernel (no C++ compiler, an
+    unsupported tensor type or op): only these fall back to the eager kernel."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    names = ("CppCompileError", "InvalidCxxCompiler", "OperatorIssue", "InductorError")
+    inductor = tuple(getattr(torch._inductor.exc, name, None) for name in names)
+    found = (torch._dynamo.exc.TorchDynamoException, *inductor)
+    return tuple(error for error in found if isinstance(error, type))
+
+
+def _is_out_of_memory(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class _Kernel:
@@ -74,28 +110,43 @@ class _Kernel:
 
     ``UNITSCALE_STATS=eager`` in the environment selects the eager path (same statistics,
     more memory traffic; useful where compile time matters more than run time, as in tests).
+    Only a compilation failure (see :func:`_compile_errors`) falls back, and only for that
+    call and later tensors of the same kind (device type, dtype, number of dimensions): other
+    kinds still use the compiled kernel. Any other error, an out-of-memory error included,
+    propagates.
     """
 
     def __init__(self) -> None:
         self.compiled: Any = None
-        self.failed = False
+        self.failed_kinds: set[tuple[str, torch.dtype, int]] = set()
+
+    @property
+    def failed(self) -> bool:
+        """Whether compilation failed for some kind of tensor (which then runs eagerly)."""
+        return bool(self.failed_kinds)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not self.failed and os.environ.get("UNITSCALE_STATS", "compiled") != "eager":
-            try:
-                if self.compiled is None:
-                    self.compiled = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
-                with torch._dynamo.config.patch(recompile_limit=64):
-                    return self.compiled(x)
-            except Exception as error:
-                self.failed = True
-                warnings.warn(
-                    f"unitscale: compiled scale statistics are unavailable ({type(error).__name__}"
-                    f": {str(error).splitlines()[0] if str(error) else ''}); using eager "
-                    "statistics, which are slower but identical",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        kind = (x.device.type, x.dtype, x.dim())
+        if kind in self.failed_kinds or os.environ.get("UNITSCALE_STATS", "compiled") == "eager":
+            return _stats_kernel(x)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(_stats_kernel, dynamic=True, fullgraph=True)
+            with dynamo_recompile_limit(64):
+                return self.compiled(x)
+        except _compile_errors() as error:
+            if _is_out_of_memory(error):
+                raise
+            self.failed_kinds.add(kind)
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            warnings.warn(
+                f"unitscale: compiled scale statistics are unavailable for {x.device.type} "
+                f"{x.dtype} tensors of {x.dim()} dimensions ({type(error).__name__}: "
+                f"{first_line}); using eager statistics for them, which are slower but "
+                "identical",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return _stats_kernel(x)
 
 

@@ -7,7 +7,7 @@ from ..tracking import (
     prune_selected_nodes,
 )
 from ._compile import compile
-from ._simulate import simulate_format, simulate_fp8
+from ._simulate import FP8_RECIPES, FP8Recipe, simulate_format, simulate_fp8
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 
@@ -23,6 +23,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "UnknownOpError",
     "unit_scale",
     # number-format simulation
+    "FP8_RECIPES",
+    "FP8Recipe",
     "simulate_format",
     "simulate_fp8",
     # compilation

@@ -1,14 +1,14 @@
 """``compile``: the last step of a transform chain, compiling its graphs with Inductor.
 
-:class:`CompilePass` is a :class:`~unitscale.capture.GraphPass` with ``compiles=True``: it
-changes no graph, and its :meth:`~CompilePass.finish` hands each captured piece, as the
+:class:`CompilePass` is a :class:`~unitscale.capture.GraphPass` of stage ``COMPILE``: it
+changes no graph, and its :meth:`~CompilePass.compile_graph` hands each captured piece, as the
 earlier passes left it, to TorchInductor. So ``compile(simulate_fp8(unit_scale(m)))`` runs the
 unit-scaled, FP8-simulating graph as fused kernels, with the same results as the eager chain
 up to floating-point reassociation.
 
-Design constraints: nothing can be applied after ``compile`` (the capture core refuses), and
-``compile`` refuses a chain that records statistics (``track_scales``), whose Python
-side effects cannot run inside compiled code.
+Design constraints: nothing can be applied after ``compile``, and ``compile`` refuses a chain
+that records statistics (``track_scales``), whose Python side effects cannot run inside
+compiled code; the capture core's stage order checks both.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
-from ..errors import CaptureError
+from ..capture import Capture, GraphPass, Piece, Stage, TransformedModule, transformed
 from ._rewrite import warn_uncaptured
 
 __all__ = ["CompilePass", "compile"]
@@ -32,18 +31,20 @@ class CompilePass(GraphPass):
     Reads: the graph the earlier passes produced. Writes: nothing.
     """
 
-    compiles = True
+    stage = Stage.COMPILE
+    applied = "is already compiled by unitscale.transforms.compile"
+    order_fix = "apply compile last, e.g. compile(simulate_fp8(unit_scale(model)))"
 
     def __repr__(self) -> str:
         return "CompilePass()"
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         if not getattr(self, "_warned", False):
             self._warned = warn_uncaptured(
                 module, capture, output, "compile", "the ops computing them run eagerly"
             )
 
-    def finish(
+    def compile_graph(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], piece: Piece
     ) -> Callable[..., Any] | None:
         from torch._inductor.compile_fx import compile_fx
@@ -79,12 +80,4 @@ def compile(module: nn.Module) -> TransformedModule:
         >>> torch.allclose(fast(torch.ones(1, 4)), model(torch.ones(1, 4)))  # doctest: +SKIP
         True
     """
-    if isinstance(module, TransformedModule) and any(
-        hasattr(graph_pass, "scales_graph") for graph_pass in module.passes
-    ):
-        raise CaptureError(
-            "unitscale.compile: the module is tracked by track_scales, whose statistics "
-            "cannot be gathered from compiled code; compile the untracked module, or track "
-            "it without compile"
-        )
     return transformed(module, CompilePass(), "compile")

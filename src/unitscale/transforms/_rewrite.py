@@ -10,45 +10,32 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.fx as fx
-from torch import Tensor, nn
 
-from ..capture._core import Piece, TransformedModule, _Capture, identifier, iter_tensors
-from ..errors import CaptureError
+from ..capture import (
+    Capture,
+    GraphPass,
+    Piece,
+    TransformedModule,
+    identifier,
+    iter_tensors,
+)
 
 __all__ = [
+    "RewritePass",
     "ancestors",
     "captured_parameters",
     "descendants",
-    "example_value",
     "insert_call",
-    "is_float_node",
     "parameter_nodes",
     "placeholder_names",
-    "refuse_after_tracking",
     "uncaptured_outputs",
     "warn_uncaptured",
 ]
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
-
-
-def example_value(node: Any) -> Any:
-    """The value Dynamo recorded for ``node`` (a FakeTensor, tuple...), or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value")
-    if value is None and "grapharg" in node.meta:
-        value = getattr(node.meta["grapharg"], "fake_tensor", None)
-    return value
-
-
-def is_float_node(node: Any) -> bool:
-    """Whether ``node`` is an fx node whose value is a floating-point tensor."""
-    value = example_value(node)
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def placeholder_names(gm: fx.GraphModule, piece: Piece) -> dict[fx.Node, tuple[str, str]]:
@@ -112,19 +99,7 @@ def insert_call(
     return node
 
 
-def refuse_after_tracking(module: nn.Module, op: str) -> None:
-    """Raise if ``module`` is tracked: a graph rewrite after ``track_scales`` would change
-    values behind the tracked graph's back, so tracking must come last."""
-    if isinstance(module, TransformedModule) and any(
-        hasattr(graph_pass, "scales_graph") for graph_pass in module.passes
-    ):
-        raise CaptureError(
-            f"unitscale.{op}: the module is already tracked by track_scales; apply "
-            f"track_scales last, e.g. track_scales({op}(model))"
-        )
-
-
-def uncaptured_outputs(capture: _Capture, output: Any) -> int:
+def uncaptured_outputs(capture: Capture, output: Any) -> int:
     """How many float tensors in ``output`` no captured graph produced or received.
 
     Such tensors were computed by code TorchDynamo ran eagerly (around a graph break inside
@@ -141,7 +116,7 @@ def uncaptured_outputs(capture: _Capture, output: Any) -> int:
     return missing
 
 
-def captured_parameters(capture: _Capture) -> set[str]:
+def captured_parameters(capture: Capture) -> set[str]:
     """Qualified names of the parameters that a graph captured in the last call received."""
     return {
         name
@@ -158,7 +133,7 @@ def _listed(names: Sequence[str], limit: int = 8) -> str:
 
 def warn_uncaptured(
     module: TransformedModule,
-    capture: _Capture,
+    capture: Capture,
     output: Any,
     op: str,
     consequence: str,
@@ -199,3 +174,24 @@ def warn_uncaptured(
         )
     warnings.warn(message, UserWarning, stacklevel=7)
     return True
+
+
+class RewritePass(GraphPass):
+    """A graph pass that rewrites ops, and warns once per pass when a call returned outputs
+    that no captured graph computed (those ops were not rewritten)."""
+
+    #: The transform's name, for the warning (``"unit_scale"``).
+    transform_name: ClassVar[str]
+    #: What it means for the outputs computed outside the graphs, for the warning.
+    uncaptured_consequence: ClassVar[str]
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = warn_uncaptured(
+                module,
+                capture,
+                output,
+                self.transform_name,
+                self.uncaptured_consequence,
+                reinitialised=getattr(self, "reinitialised", ()),
+            )

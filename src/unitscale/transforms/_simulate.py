@@ -2,9 +2,16 @@
 
 :class:`SimulateFormatPass` rewrites each captured graph so that every floating-point
 operand of a matmul-like op goes through :func:`quantise_operand` first: the operand is
-rounded to ``fwd_format`` in the forward pass and the gradient with respect to it is rounded
-to ``bwd_format`` in the backward pass. That is what an FP8 matmul unit sees: its inputs
-(weights included) in E4M3, and the gradients it produces for them in E5M2.
+rounded to ``fwd_format`` in the forward pass and, optionally, the gradient with respect to
+it is rounded to ``bwd_format`` in the backward pass. Optionally, the gradient with respect
+to the op's *output* is rounded too (:func:`quantise_grad`, inserted after the op).
+
+Which tensors an FP8 run rounds is an :class:`FP8Recipe`. The default, ``"hardware"``, is
+what FP8 training recipes on current accelerators do: the matmul's inputs (weights included)
+in E4M3 and the gradient arriving at its output in E5M2, so the gradients it produces for
+its inputs, and the weight gradient in particular, come out of a higher-precision
+accumulation and are not rounded. ``"all-operands"`` rounds the gradient with respect to
+every operand (weights included) to E5M2 instead: an earlier, harsher simulation.
 
 Matmul-like ops (:data:`MATMUL_OPERANDS`): ``F.linear`` (input and weight, not bias),
 ``matmul``/``mm``/``bmm``/``@``, ``addmm``/``baddbmm``/``addbmm`` (the two matrices),
@@ -26,6 +33,7 @@ import functools
 import inspect
 import operator
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,22 +41,30 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
-from ..formats import E4M3, E5M2, FormatError, FPFormat, get_format
-from ._rewrite import (
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
     example_value,
-    insert_call,
     is_float_node,
+    transformed,
+)
+from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
+from ._rewrite import (
+    RewritePass,
+    insert_call,
     placeholder_names,
-    refuse_after_tracking,
-    warn_uncaptured,
 )
 
 __all__ = [
+    "FP8_RECIPES",
     "MATMUL_OPERANDS",
+    "FP8Recipe",
     "FormatSpec",
     "SimulateFormatPass",
     "format_spec",
+    "quantise_grad",
     "quantise_operand",
     "simulate_format",
     "simulate_fp8",
@@ -119,7 +135,7 @@ def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
                 continue
             params = list(inspect.signature(fn).parameters)[:count]
             table[fn] = tuple((i, p) for i, p in enumerate(params))
-        from ._attention import masked_scaled_dot_product_attention
+        from ..functional import masked_scaled_dot_product_attention
 
         table[masked_scaled_dot_product_attention] = _ATTENTION
         _unit_scaled_cache = table
@@ -161,8 +177,12 @@ def _format_of(spec: FormatSpec) -> FPFormat:
     return FPFormat(exponent_bits, mantissa_bits, rounding, special_values)  # type: ignore[arg-type]
 
 
+def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:
+    return spec if isinstance(spec, FPFormat) else _format_of(tuple(spec))
+
+
 def quantise_operand(
-    x: Tensor, fwd_format: FPFormat | FormatSpec, bwd_format: FPFormat | FormatSpec
+    x: Tensor, fwd_format: FPFormat | FormatSpec, bwd_format: FPFormat | FormatSpec | None
 ) -> Tensor:
     """Round ``x`` to ``fwd_format``, and the gradient with respect to ``x`` to ``bwd_format``.
 
@@ -170,7 +190,8 @@ def quantise_operand(
         x: a floating-point tensor (an operand of a matmul-like op).
         fwd_format: the format of the forward value (an ``FPFormat`` or its
             :data:`FormatSpec`).
-        bwd_format: the format of the gradient, likewise.
+        bwd_format: the format of the gradient, likewise; None passes the gradient through
+            unrounded.
 
     Returns:
         ``fwd_format.quantise(x)``, whose backward rounds the incoming gradient to
@@ -186,51 +207,82 @@ def quantise_operand(
         >>> y.tolist(), x.grad.tolist()
         ([0.3125, 448.0], [0.3125, 57344.0])
     """
-    fwd = fwd_format if isinstance(fwd_format, FPFormat) else _format_of(tuple(fwd_format))
-    bwd = bwd_format if isinstance(bwd_format, FPFormat) else _format_of(tuple(bwd_format))
-    return bwd.quantise_bwd(fwd.quantise_fwd(x))
+    quantised = _as_format(fwd_format).quantise_fwd(x)
+    return quantised if bwd_format is None else _as_format(bwd_format).quantise_bwd(quantised)
 
 
-class SimulateFormatPass(GraphPass):
+def quantise_grad(y: Tensor, bwd_format: FPFormat | FormatSpec) -> Tensor:
+    """Leave ``y`` unchanged; round the gradient with respect to it to ``bwd_format``.
+
+    Inserted after a matmul-like op: its output gradient is what an FP8 matmul's backward
+    reads (in E5M2), while the gradients it computes are accumulated in higher precision.
+
+    Example:
+        >>> import dataclasses
+        >>> from unitscale.formats import E5M2
+        >>> y = torch.tensor([0.3, 1e6], requires_grad=True)
+        >>> out = quantise_grad(y, dataclasses.replace(E5M2, rounding="nearest"))
+        >>> out.backward(torch.tensor([0.3, 1e6]))
+        >>> out.tolist(), y.grad.tolist()
+        ([0.30000001192092896, 1000000.0], [0.3125, 57344.0])
+    """
+    return _as_format(bwd_format).quantise_bwd(y)
+
+
+class SimulateFormatPass(RewritePass):
     """Quantise the operands of matmul-like ops (forward values and their gradients).
 
     Reads: node targets and Dynamo's ``example_value`` meta (only floating-point operands
     are quantised). Writes: one :func:`quantise_operand` node per operand slot of each op
     (``x @ x`` gets two: each slot's gradient is rounded on its own), inserted just
     before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
+    with ``output_grad_format``, one :func:`quantise_grad` node after each op whose output
+    is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users;
     ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
 
     Args:
         fwd_format: format of the operands in the forward pass.
-        bwd_format: format of their gradients in the backward pass.
+        bwd_format: format of the gradients with respect to the operands (None: not rounded).
+        output_grad_format: format of the gradient with respect to each op's output (None:
+            not rounded).
     """
 
-    def __init__(self, fwd_format: FPFormat, bwd_format: FPFormat) -> None:
+    stage = Stage.SIMULATE
+    transform_name = "simulate_format"
+    uncaptured_consequence = "their matmul-like ops run unquantised"
+    applied = "already simulates a number format"
+    order_fix = (
+        "unit-scale first so that the formats see unit-scaled tensors, e.g. "
+        "simulate_fp8(unit_scale(model))"
+    )
+
+    def __init__(
+        self,
+        fwd_format: FPFormat,
+        bwd_format: FPFormat | None,
+        output_grad_format: FPFormat | None = None,
+    ) -> None:
         self.fwd_format = fwd_format
         self.bwd_format = bwd_format
+        self.output_grad_format = output_grad_format
 
     def __repr__(self) -> str:
-        return f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format})"
+        return (
+            f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format}, "
+            f"output_grad_format={self.output_grad_format})"
+        )
 
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "simulate_format",
-                "their matmul-like ops run unquantised",
-            )
-
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
+                self._quantise_output_grad(graph, node)
                 continue
-            for position, keyword in matmul_operands(node):
+            slots = matmul_operands(node)
+            for position, keyword in slots:
                 if position < len(node.args):
                     operand = node.args[position]
                 elif keyword:
@@ -249,8 +301,25 @@ class SimulateFormatPass(GraphPass):
                     node.args = tuple(args)
                 else:
                     node.kwargs = {**node.kwargs, keyword: new}
+            if slots:
+                self._quantise_output_grad(graph, node)
         piece.data["simulate_format"] = quantised
         return gm
+
+    def _quantise_output_grad(self, graph: fx.Graph, node: fx.Node) -> None:
+        """Round the gradient arriving at ``node``'s output (what the matmul's backward reads)."""
+        if self.output_grad_format is None or not is_float_node(node) or not node.users:
+            return
+        with graph.inserting_after(node):
+            new = insert_call(
+                graph,
+                quantise_grad,
+                (node, format_spec(self.output_grad_format)),
+                name=f"{node.name}_grad_quantised",
+                value=example_value(node),
+                meta_from=node,
+            )
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
 
     def _quantise_einsum(
         self,
@@ -275,11 +344,12 @@ class SimulateFormatPass(GraphPass):
         self, graph: fx.Graph, consumer: fx.Node, operand: fx.Node, names: dict[fx.Node, str]
     ) -> fx.Node:
         base = names.get(operand, operand.name)
+        bwd = None if self.bwd_format is None else format_spec(self.bwd_format)
         with graph.inserting_before(consumer):
             return insert_call(
                 graph,
                 quantise_operand,
-                (operand, format_spec(self.fwd_format), format_spec(self.bwd_format)),
+                (operand, format_spec(self.fwd_format), bwd),
                 name=f"{base}_quantised",
                 value=example_value(operand),
                 meta_from=consumer,
@@ -338,26 +408,126 @@ def simulate_format(
     """
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
-    refuse_after_tracking(module, "simulate_format")
     return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_format")
 
 
-def simulate_fp8(module: nn.Module) -> TransformedModule:
+def _short(fmt: FPFormat | None) -> str:
+    """``e4m3/nearest`` for a preset with any rounding; the full repr otherwise."""
+    if fmt is None:
+        return "None"
+    for key, preset in PRESETS.items():
+        if dataclasses.replace(preset, rounding=fmt.rounding) == fmt:
+            return f"{key}/{fmt.rounding}"
+    return repr(fmt)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Recipe:
+    """Which tensors around each matmul-like op :func:`simulate_fp8` rounds, and to what.
+
+    Every operand of a matmul-like op (weights included) is rounded to ``operands`` in the
+    forward pass. In the backward pass, ``output_grad`` rounds the gradient arriving at the
+    op's output (what an FP8 matmul's backward reads), and ``operand_grads`` rounds the
+    gradients the op produces for its operands (the weight gradient included). Named presets
+    are in :data:`FP8_RECIPES`: ``"hardware"`` (the default of :func:`simulate_fp8`) and
+    ``"all-operands"``.
+
+    Attributes:
+        operands: format of the operands in the forward pass.
+        output_grad: format of the gradient with respect to the op's output, or None.
+        operand_grads: format of the gradients with respect to the operands, or None.
+
+    Raises:
+        FormatError: a field is not an :class:`~unitscale.formats.FPFormat` (or None where
+            allowed), or neither gradient is rounded.
+
+    Example:
+        >>> FP8_RECIPES["hardware"]
+        FP8Recipe(operands=e4m3/nearest, output_grad=e5m2/nearest, operand_grads=None)
+    """
+
+    operands: FPFormat
+    output_grad: FPFormat | None
+    operand_grads: FPFormat | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.operands, FPFormat):
+            raise FormatError(
+                f"FP8Recipe: operands={self.operands!r} is not an FPFormat; pass e.g. "
+                "dataclasses.replace(unitscale.formats.E4M3, rounding='nearest')"
+            )
+        for name in ("output_grad", "operand_grads"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, FPFormat):
+                raise FormatError(f"FP8Recipe: {name}={value!r} is neither an FPFormat nor None")
+        if self.output_grad is None and self.operand_grads is None:
+            raise FormatError(
+                "FP8Recipe: neither output_grad nor operand_grads is set, so no gradient "
+                "would be rounded; set one (FP8 recipes round the output gradient to E5M2)"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"FP8Recipe(operands={_short(self.operands)}, "
+            f"output_grad={_short(self.output_grad)}, "
+            f"operand_grads={_short(self.operand_grads)})"
+        )
+
+
+_E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
+_E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
+
+FP8_RECIPES: MappingProxyType[str, FP8Recipe] = MappingProxyType(
+    {
+        "hardware": FP8Recipe(operands=_E4M3_NEAREST, output_grad=_E5M2_NEAREST),
+        "all-operands": FP8Recipe(
+            operands=_E4M3_NEAREST, output_grad=None, operand_grads=_E5M2_NEAREST
+        ),
+    }
+)
+"""Named :class:`FP8Recipe` presets, all rounding to nearest (as hardware casts do).
+
+- ``"hardware"``: matmul inputs (weights included) in E4M3, the gradient of the matmul's
+  output in E5M2; the input and weight gradients the matmul computes are not rounded (they
+  are accumulated in higher precision, as FP8 training recipes on current hardware do).
+- ``"all-operands"``: matmul inputs in E4M3, and the gradient with respect to every input,
+  the weight's included, in E5M2 (this library's behaviour before the hardware recipe).
+"""
+
+
+def _check_recipe(recipe: Any) -> FP8Recipe:
+    if isinstance(recipe, FP8Recipe):
+        return recipe
+    if isinstance(recipe, str) and recipe in FP8_RECIPES:
+        return FP8_RECIPES[recipe]
+    raise FormatError(
+        f"unitscale.transforms.simulate_fp8: recipe={recipe!r} is not an FP8 recipe; pass an "
+        f"FP8Recipe or one of {sorted(FP8_RECIPES)}"
+    )
+
+
+def simulate_fp8(module: nn.Module, recipe: FP8Recipe | str = "hardware") -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
 
-    ``simulate_format(module, E4M3, E5M2)`` with round-to-nearest-even in both directions,
-    as hardware casts do: matmul operands (weights included) in OCP FP8 E4M3 in the forward
-    pass, the gradients with respect to them in OCP FP8 E5M2 in the backward pass. Values
-    beyond a format's range saturate to its largest value. For stochastic rounding, call
-    :func:`simulate_format` with the presets of :mod:`unitscale.formats`.
+    With the default ``recipe="hardware"``: every operand of a matmul-like op (weights
+    included) is rounded to OCP FP8 E4M3 in the forward pass and the gradient arriving at
+    the op's output to OCP FP8 E5M2 in the backward pass, both round-to-nearest-even as
+    hardware casts do; the gradients the op computes for its operands (the weight gradient
+    included) are not rounded, as in FP8 recipes where the matmul accumulates in higher
+    precision. ``recipe="all-operands"`` rounds the gradient with respect to every operand
+    to E5M2 instead (what ``simulate_format(module, E4M3, E5M2)`` does, with nearest
+    rounding). Values beyond a format's range saturate to its largest value. For stochastic
+    rounding or other formats, pass an :class:`FP8Recipe` or call :func:`simulate_format`.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one) that TorchDynamo can capture.
+        recipe: an :class:`FP8Recipe` or the key of a preset in :data:`FP8_RECIPES`.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
+        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key.
         CaptureError: as for :func:`simulate_format`.
 
     Example:
@@ -367,7 +537,6 @@ def simulate_fp8(module: nn.Module) -> TransformedModule:
         >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
         448.3125
     """
-    fwd = dataclasses.replace(E4M3, rounding="nearest")
-    bwd = dataclasses.replace(E5M2, rounding="nearest")
-    refuse_after_tracking(module, "simulate_fp8")
-    return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_fp8")
+    chosen = _check_recipe(recipe)
+    graph_pass = SimulateFormatPass(chosen.operands, chosen.operand_grads, chosen.output_grad)
+    return transformed(module, graph_pass, "simulate_fp8")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..capture._core import TransformedModule, transformed
-from ..tracking._recorder import TrackScalesPass
+from ..capture import TransformedModule, transformed
+from ..tracking import TrackScalesPass
 
 __all__ = ["track_scales"]
 

@@ -16,8 +16,11 @@
    An addition that is not a residual add becomes ``U.add`` only if its operands are two
    float tensors neither of which is computed from the other (``U.add`` assumes independent
    operands); ``x + 1``, size arithmetic and ``x + 0.04 * x**3`` stay plain additions.
+   A matmul ``x @ W`` whose right operand is a 2-D parameter becomes ``linear(x, W.t())``:
+   ``W`` is a weight (weight-gradient rule, re-initialised to N(0, 1) at its first capture
+   unless written since ``unit_scale`` returned), not a second activation.
    Attention with an explicit ``attn_mask`` uses
-   :func:`~unitscale.transforms._attention.masked_scaled_dot_product_attention`, which reads
+   :func:`~unitscale.functional.masked_scaled_dot_product_attention`, which reads
    the number of visible keys from the mask.
 3. **Unconstrained head.** Ops downstream of the graph's last residual add get
    ``constraint=None`` (where they take one): there the graph is a chain, so a gradient scale
@@ -49,18 +52,25 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture._core import GraphPass, Piece, TransformedModule, _Capture, transformed
-from ..errors import CaptureError, UnitScaleError
-from ._attention import masked_scaled_dot_product_attention
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    transformed,
+)
+from ..errors import UnitScaleError
+from ..functional import masked_scaled_dot_product_attention
+from ..parameter import tag_model
 from ._rewrite import (
+    RewritePass,
     ancestors,
     descendants,
-    example_value,
     insert_call,
-    is_float_node,
     parameter_nodes,
-    refuse_after_tracking,
-    warn_uncaptured,
+    placeholder_names,
 )
 
 __all__ = [
@@ -220,7 +230,7 @@ class _ResidualAdd:
     kind: str
 
 
-class UnitScalePass(GraphPass):
+class UnitScalePass(RewritePass):
     """Make every captured graph unit-scaled (see the module docstring for the three steps).
 
     Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
@@ -232,6 +242,15 @@ class UnitScalePass(GraphPass):
         residual_tau: the ``tau`` of each kind of residual branch.
     """
 
+    stage = Stage.REWRITE
+    transform_name = "unit_scale"
+    uncaptured_consequence = (
+        "the ops computing them are not unit-scaled (move the graph break, e.g. a "
+        "print or .item(), out of loops and nested modules)"
+    )
+    repeatable = False
+    applied = "is already unit-scaled"
+
     def __init__(
         self,
         replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
@@ -241,23 +260,14 @@ class UnitScalePass(GraphPass):
         self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
         #: Qualified names of the parameters ``unit_scale`` re-initialised (for warnings).
         self.reinitialised: list[str] = []
+        # Parameter name -> version when unit_scale returned, for parameters that may turn
+        # out to be matmul weights (re-initialised at their first capture if unchanged).
+        self._versions: dict[str, int] | None = None
 
     def __repr__(self) -> str:
         names = ", ".join(_op_name(k) for k in self.replace)
         extra = f", replace={{{names}}}" if self.replace else ""
         return f"UnitScalePass(residual_tau={self.residual_tau}{extra})"
-
-    def after_call(self, module: TransformedModule, capture: _Capture, output: Any) -> None:
-        if not getattr(self, "_warned", False):
-            self._warned = warn_uncaptured(
-                module,
-                capture,
-                output,
-                "unit_scale",
-                "the ops computing them are not unit-scaled (move the graph break, e.g. a "
-                "print or .item(), out of loops and nested modules)",
-                reinitialised=getattr(self, "reinitialised", ()),
-            )
 
     def mapping(self) -> dict[Callable[..., Any], Callable[..., Any]]:
         """``unitscale.functional.torch_map`` updated with ``replace``."""
@@ -266,7 +276,7 @@ class UnitScalePass(GraphPass):
         return mapping
 
     # -- the rewrite ------------------------------------------------------------------------
-    def transform(self, gm: fx.GraphModule, piece: Piece, capture: _Capture) -> fx.GraphModule:
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
@@ -276,6 +286,7 @@ class UnitScalePass(GraphPass):
             for inv in capture.trace
         )
         residual_adds = self._rewrite_residual_adds(graph, params, first_index)
+        weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture)
         replaced = self._replace_ops(graph)
         if residual_adds:
             self._unconstrain_after(residual_adds[-1])
@@ -292,6 +303,7 @@ class UnitScalePass(GraphPass):
                 logger.info("unit scaling function: %s", node.name)
         piece.data["unit_scale"] = {
             "replaced": [n.name for n in replaced],
+            "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
         }
         return gm
@@ -347,6 +359,58 @@ class UnitScalePass(GraphPass):
             found.append(residual)
         return found
 
+    def _matmul_weights_to_linear(
+        self,
+        graph: fx.Graph,
+        gm: fx.GraphModule,
+        piece: Piece,
+        params: set[fx.Node],
+        capture: Capture,
+    ) -> list[str]:
+        """``x @ W`` with a 2-D parameter ``W`` becomes ``linear(x, W.t())``: a weight, scaled
+        and re-initialised as ``nn.Linear``'s is (not as a second activation). Returns the
+        parameters' qualified names."""
+        if self.mapping().get(F.linear) is F.linear:
+            return []  # linear is not unit-scaled: leave matmuls as they are
+        names = {n: name for n, (kind, name) in placeholder_names(gm, piece).items()}
+        found: list[str] = []
+        for node in list(graph.nodes):
+            if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
+                continue
+            left, right = node.args
+            value = example_value(right)
+            if right not in params or not is_float_node(left) or value.dim() != 2:
+                continue
+            assert isinstance(right, fx.Node)
+            with graph.inserting_before(node):
+                transposed = insert_call(
+                    graph, torch.t, (right,), name=f"{right.name}_t", value=value.t(),
+                    meta_from=node,
+                )  # fmt: skip
+            node.op = "call_function"
+            node.target = F.linear
+            node.args = (left, transposed)
+            name = names.get(right)
+            if name is not None:
+                found.append(name)
+                self._init_matmul_weight(capture, name)
+        return found
+
+    def _init_matmul_weight(self, capture: Capture, name: str) -> None:
+        """Re-initialise a parameter used as a matmul weight to N(0, 1), as ``unit_scale``
+        does for ``nn.Linear``: at its first capture, unless it was written since
+        ``unit_scale`` returned (a loaded checkpoint or a training step is kept)."""
+        versions = getattr(self, "_versions", None)
+        if versions is None or name not in versions:
+            return
+        try:
+            parameter = capture.owner_module.get_parameter(name)
+        except AttributeError:
+            return
+        if parameter._version == versions.pop(name):
+            with torch.no_grad():
+                parameter.normal_(0.0, 1.0)
+
     def _replace_ops(self, graph: fx.Graph) -> list[fx.Node]:
         from .. import functional as U
 
@@ -386,6 +450,16 @@ class UnitScalePass(GraphPass):
             if node.op == "call_function" and callable(node.target):
                 if _accepts_constraint(node.target):
                     node.kwargs = {**node.kwargs, "constraint": None}
+
+
+_MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
+_MATMUL_METHODS = ("matmul", "__matmul__")
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _MATMUL_FUNCTIONS
+    return node.op == "call_method" and node.target in _MATMUL_METHODS
 
 
 def _has_mask(node: fx.Node) -> bool:
@@ -482,21 +556,10 @@ def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> list[str]
     return touched
 
 
-def _check_order(module: nn.Module) -> None:
-    refuse_after_tracking(module, "unit_scale")
-    if not isinstance(module, TransformedModule):
-        return
-    for graph_pass in module.passes:
-        if type(graph_pass).__name__ == "SimulateFormatPass":
-            raise CaptureError(
-                "unitscale.unit_scale: the module already simulates a number format; unit-scale "
-                "first so that the formats see unit-scaled tensors, e.g. "
-                "simulate_fp8(unit_scale(model))"
-            )
-        if isinstance(graph_pass, UnitScalePass):
-            raise CaptureError(
-                "unitscale.unit_scale: the module is already unit-scaled; apply unit_scale once"
-            )
+def _owns_initialised(module: nn.Module) -> bool:
+    return isinstance(
+        module, (nn.MultiheadAttention, *(cls for cls, _ in _UNIT_INIT))
+    ) or _is_hf_conv1d(module)
 
 
 def unit_scale(
@@ -512,9 +575,10 @@ def unit_scale(
     adds become ``residual_split``/``residual_add`` (attention and MLP branches weighted by
     ``residual_tau``), ops after the last residual add are unconstrained, and its
     ``nn.Linear``, ``nn.Conv1d`` and ``nn.Embedding`` weights are re-initialised to N(0, 1)
-    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. The
-    graph is captured, and logged, at the first call (again on recompilation). See the
-    module docstring for the residual-add rule.
+    (LayerNorm/RMSNorm weights to 1), biases to 0, wherever their op is unit-scaled. Its
+    parameters are tagged for u-μP (:func:`unitscale.parameter.tag_model`), so
+    :mod:`unitscale.optim` can train it. The graph is captured, and logged, at the first
+    call (again on recompilation). See the module docstring for the residual-add rule.
 
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
@@ -549,8 +613,19 @@ def unit_scale(
         1.0
     """
     checked = _check_replace(replace)
-    _check_order(module)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
+    # Parameters not owned by a module re-initialised above may turn out, at capture, to be
+    # matmul weights (x @ self.W): remember their versions to re-initialise them then.
+    owned = {
+        id(p)
+        for sub in result.module.modules()
+        if _owns_initialised(sub)
+        for p in sub.parameters(recurse=False)
+    }
+    graph_pass._versions = {
+        name: p._version for name, p in result.module.named_parameters() if id(p) not in owned
+    }
+    tag_model(result.module)  # so that unitscale.optim's u-muP optimisers can train it
     return result

@@ -1,0 +1,670 @@
+"""Training runs that compare a plain model and its unit-scaled twin, in FP32 and simulated FP8.
+
+The library behind ``unitscale train``: :func:`train_runs` trains up to four runs of the
+built-in GPT (:mod:`unitscale.models`) on the bundled text (:mod:`unitscale.data`), with the
+same initialisation, data order and seed:
+
+- ``plain-fp32``: the plain-PyTorch model;
+- ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (by default
+  the ``"hardware"`` recipe: matmul operands in E4M3, the gradient of each matmul's output in
+  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling;
+- ``unit-scaled-fp32``: its unit-scaled twin;
+- ``unit-scaled-fp8``: the twin under ``simulate_fp8``, again with no loss scaling.
+
+Then :func:`losses_frame` (the per-step losses), :func:`summary_text` (the table the command
+prints), :func:`plot_losses` and :func:`write_train_report` present the results.
+
+Design constraints:
+
+- every run of a :class:`TrainConfig` sees the same batches in the same order, starts from the
+  same weights as its FP32/FP8 sibling, and is deterministic under the seed (same seed, same
+  machine and thread count: byte-identical loss table);
+- each model family has its own learning rate, chosen once by a sweep of the FP32 runs
+  (``unitscale train --help`` and the README say which); the FP8 runs reuse the FP32 rate;
+- the global RNG is left as it was; progress goes to stderr; nothing here parses options.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UnitScaleError
+from ..tracking import NonFiniteReport, ScaleMonitor
+from .data import Batch, batches
+from .models import GPTConfig, plain_gpt, unit_scaled_gpt
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # errors
+    "TrainConfigError",
+    # configuration
+    "RUN_NAMES",
+    "MONITOR_METRICS",
+    "TrainConfig",
+    # training
+    "RunResult",
+    "build_run_model",
+    "train_run",
+    "train_runs",
+    # presentation
+    "losses_frame",
+    "plot_losses",
+    "summary_text",
+    "write_losses_csv",
+    "write_train_report",
+]
+
+#: The runs ``unitscale train`` can do, in the order it does them.
+RUN_NAMES: tuple[str, ...] = ("plain-fp32", "plain-fp8", "unit-scaled-fp32", "unit-scaled-fp8")
+
+#: Metrics the monitor keeps during training (a subset, to keep the scales table small).
+MONITOR_METRICS: tuple[str, ...] = (
+    "mean_abs",
+    "rms",
+    "abs_max",
+    "underflow_e4m3",
+    "overflow_e4m3",
+    "underflow_e5m2",
+    "overflow_e5m2",
+    "nan_count",
+    "inf_count",
+)
+
+Family = Literal["plain", "unit-scaled"]
+
+
+class TrainConfigError(UnitScaleError, ValueError):
+    """A training configuration is invalid."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One comparison of training runs: model size, data, optimiser and schedule.
+
+    The defaults are what ``unitscale train`` runs with no options (sized to finish in a few
+    minutes on a 2-core CPU; see the README for the measured time and results).
+
+    Attributes:
+        steps: optimiser steps per run.
+        batch_size: sequences per batch.
+        seq_len: tokens (bytes) per sequence.
+        hidden_size: model width (a multiple of ``heads``).
+        depth: transformer blocks.
+        heads: attention heads.
+        lr_plain: peak learning rate of the plain model's runs (Adam). 3e-3 was the best final
+            held-out loss of an FP32-only sweep (seed 1) over 1e-3, 2e-3, 3e-3, 5e-3 and 1e-2.
+        lr_unit_scaled: peak learning rate of the unit-scaled model's runs (Adam). 5e-2 was the
+            best of the same sweep over 1e-2, 2e-2, 3e-2, 5e-2 and 1e-1: its weights are
+            N(0, 1), so an Adam step is a ~50x smaller relative change than in the plain model.
+        warmup_steps: linear warm-up steps (None: 5% of ``steps``), then cosine decay to
+            10% of the peak.
+        seed: model initialisation, data order and held-out sample.
+        eval_every: held-out loss every this many steps (and at the end).
+        eval_batches: batches in each evaluation (held-out and final training loss).
+        monitor_every: record tensor scales every this many steps (None: no monitor).
+        runs: which of :data:`RUN_NAMES` to train, in that order.
+        compile_fp8: run the FP8 runs through :func:`unitscale.transforms.compile` (Inductor);
+            ignored for monitored runs, which cannot be compiled.
+        fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key the FP8 runs use
+            (``"hardware"``: E4M3 matmul inputs, E5M2 output gradients; ``"all-operands"``:
+            the gradients of every matmul input, weights included, in E5M2 as well).
+
+    Example:
+        >>> TrainConfig(steps=10, runs=("plain-fp32",)).lr_for("plain-fp32")
+        0.003
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 64
+    hidden_size: int = 128
+    depth: int = 2
+    heads: int = 4
+    lr_plain: float = 3e-3
+    lr_unit_scaled: float = 5e-2
+    warmup_steps: int | None = None
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    monitor_every: int | None = None
+    runs: tuple[str, ...] = RUN_NAMES
+    compile_fp8: bool = False
+    fp8_recipe: str = "hardware"
+
+    def __post_init__(self) -> None:
+        from ..transforms import FP8_RECIPES
+
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise TrainConfigError(
+                f"TrainConfig: fp8_recipe={self.fp8_recipe!r}; choose from {', '.join(FP8_RECIPES)}"
+            )
+        for name in ("steps", "batch_size", "seq_len", "hidden_size", "depth", "heads"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("eval_every", "eval_batches"):
+            _check_positive_int(name, getattr(self, name))
+        if self.monitor_every is not None:
+            _check_positive_int("monitor_every", self.monitor_every)
+        warmup = self.warmup_steps
+        if warmup is not None and (
+            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
+        ):
+            raise TrainConfigError(
+                f"TrainConfig: warmup_steps={warmup!r} must be a non-negative integer or None"
+            )
+        for name in ("lr_plain", "lr_unit_scaled"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise TrainConfigError(f"TrainConfig: {name}={value!r} must be a positive number")
+        if self.hidden_size % self.heads:
+            raise TrainConfigError(
+                f"TrainConfig: hidden_size={self.hidden_size} must be a multiple of "
+                f"heads={self.heads}"
+            )
+        runs = tuple(self.runs)
+        unknown = [r for r in runs if r not in RUN_NAMES]
+        if unknown or not runs:
+            raise TrainConfigError(
+                f"TrainConfig: runs={list(runs)!r}: unknown run(s) {unknown}; choose from "
+                f"{', '.join(RUN_NAMES)}"
+            )
+        if len(set(runs)) != len(runs):
+            raise TrainConfigError(f"TrainConfig: runs={list(runs)!r} lists a run twice")
+        object.__setattr__(self, "runs", tuple(r for r in RUN_NAMES if r in runs))
+
+    @property
+    def model_config(self) -> GPTConfig:
+        """The :class:`~unitscale.models.GPTConfig` of both model families."""
+        return GPTConfig(
+            hidden_size=self.hidden_size, depth=self.depth, heads=self.heads, seq_len=self.seq_len
+        )
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps: ``warmup_steps``, or 5% of ``steps`` when it is None."""
+        return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
+
+    def lr_for(self, run: str) -> float:
+        """The peak learning rate of ``run`` (its family's)."""
+        return self.lr_unit_scaled if _family(run) == "unit-scaled" else self.lr_plain
+
+    def lr_at(self, run: str, step: int) -> float:
+        """The learning rate of ``run`` at ``step``: linear warm-up, cosine decay to 10%.
+
+        Example:
+            >>> c = TrainConfig(steps=100, warmup_steps=10, lr_plain=1.0)
+            >>> [round(c.lr_at("plain-fp32", s), 3) for s in (0, 9, 10, 99)]
+            [0.1, 1.0, 1.0, 0.1]
+        """
+        peak = self.lr_for(run)
+        warmup = self.warmup
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        span = max(self.steps - 1 - warmup, 1)
+        progress = min((step - warmup) / span, 1.0)
+        return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainConfigError(f"TrainConfig: {name}={value!r} must be a positive integer")
+
+
+def _family(run: str) -> Family:
+    return "unit-scaled" if run.startswith("unit-scaled") else "plain"
+
+
+def _is_fp8(run: str) -> bool:
+    return run.endswith("fp8")
+
+
+@dataclass
+class RunResult:
+    """What one training run produced.
+
+    Attributes:
+        name: the run (one of :data:`RUN_NAMES`).
+        lr: its peak learning rate.
+        train_losses: the training loss of every step (minibatch mean), NaN after a stop.
+        heldout: ``{step: held-out loss}`` at each evaluation (the step count done so far).
+        final_train_loss: mean loss over ``eval_batches`` fixed training batches at the end.
+        final_heldout_loss: the same over held-out batches (the last entry of ``heldout``).
+        seconds: wall time of the run (building, compiling, training and evaluating).
+        compiled: whether it ran through Inductor.
+        stopped_at: the step whose loss was not finite (training stopped there), or None.
+        non_finite: the monitor's report of the first NaN/Inf (monitored runs), or None.
+        monitor: the :class:`~unitscale.tracking.ScaleMonitor` of a monitored run.
+    """
+
+    name: str
+    lr: float
+    train_losses: list[float] = field(default_factory=list)
+    heldout: dict[int, float] = field(default_factory=dict)
+    final_train_loss: float = math.nan
+    final_heldout_loss: float = math.nan
+    seconds: float = 0.0
+    compiled: bool = False
+    stopped_at: int | None = None
+    non_finite: NonFiniteReport | None = None
+    monitor: ScaleMonitor | None = None
+
+
+def build_run_model(run: str, config: TrainConfig) -> nn.Module:
+    """The model of ``run``, initialised from ``config.seed`` (FP8 siblings share weights).
+
+    Returns the plain or unit-scaled GPT, wrapped in ``simulate_fp8`` for the FP8 runs and in
+    ``compile`` when ``config.compile_fp8`` (FP8 runs without a monitor).
+
+    Raises:
+        TrainConfigError: for an unknown run name.
+
+    Example:
+        >>> m = build_run_model("unit-scaled-fp8", TrainConfig(hidden_size=32, heads=2))
+        >>> type(m.module).__name__, [type(p).__name__ for p in m.passes]
+        ('UnitScaledGPT', ['SimulateFormatPass'])
+    """
+    if run not in RUN_NAMES:
+        raise TrainConfigError(f"build_run_model: unknown run {run!r}; choose from {RUN_NAMES}")
+    model_config = config.model_config
+    build = unit_scaled_gpt if _family(run) == "unit-scaled" else plain_gpt
+    model: nn.Module = build(model_config, seed=config.seed)
+    if _is_fp8(run):
+        from ..transforms import compile as compile_module
+        from ..transforms import simulate_fp8
+
+        model = simulate_fp8(model, recipe=config.fp8_recipe)
+        if config.compile_fp8 and config.monitor_every is None:
+            model = compile_module(model)
+    return model
+
+
+def _eval_batches(config: TrainConfig, split: Literal["train", "heldout"]) -> list[Batch]:
+    # Fixed evaluation samples, drawn from their own stream so that the training order is
+    # the same whether or not (and however often) a run evaluates.
+    seed = config.seed + (1_000_003 if split == "train" else 2_000_003)
+    stream = batches(config.batch_size, config.seq_len, seed=seed, split=split)
+    return [next(stream) for _ in range(config.eval_batches)]
+
+
+def _loss(model: Callable[..., Tensor], batch: Batch) -> Tensor:
+    return model(batch.input_ids, labels=batch.labels)
+
+
+def _evaluate(model: Callable[..., Tensor], data: Sequence[Batch]) -> float:
+    # Evaluated in training mode with autograd on (dropout is 0, so the numbers are those of
+    # eval mode): Dynamo guards on both, and a second capture (or an Inductor recompile of
+    # the FP8 runs) for evaluation would cost more than it saves.
+    total = 0.0
+    for batch in data:
+        total += float(_loss(model, batch).detach())
+    return total / len(data)
+
+
+def train_run(
+    run: str,
+    config: TrainConfig,
+    progress: bool = True,
+    data: Iterator[Batch] | None = None,
+) -> RunResult:
+    """Train one run of ``config`` and return its losses.
+
+    Adam (``betas=(0.9, 0.95)``, no weight decay), the run's family learning rate with linear
+    warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss of each step is
+    read once (one synchronisation per step); a non-finite loss stops the run (the remaining
+    steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.tracking.ScaleMonitor`
+    records scales every that many steps and reports the first NaN/Inf.
+
+    Args:
+        run: one of :data:`RUN_NAMES`.
+        config: the comparison's settings.
+        progress: show a progress bar on stderr.
+        data: the training batches (default: the bundled text's training stream of
+            ``config.seed``).
+
+    Returns:
+        The :class:`RunResult`.
+
+    Raises:
+        TrainConfigError: for an unknown run.
+
+    Example:
+        >>> c = TrainConfig(steps=2, batch_size=2, seq_len=16, hidden_size=16, heads=2,
+        ...                 depth=1, eval_batches=1)
+        >>> r = train_run("plain-fp32", c, progress=False)
+        >>> len(r.train_losses), abs(r.train_losses[0] - math.log(256)) < 0.1
+        (2, True)
+    """
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    heldout_data = _eval_batches(config, "heldout")
+    train_eval_data = _eval_batches(config, "train")
+    stream = data if data is not None else batches(
+        config.batch_size, config.seq_len, seed=config.seed, split="train"
+    )  # fmt: skip
+    result = RunResult(name=run, lr=config.lr_for(run))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_run_model(run, config)
+        result.compiled = _is_fp8(run) and config.compile_fp8 and config.monitor_every is None
+        monitor: ScaleMonitor | None = None
+        step_module: Callable[..., Tensor] = model
+        if config.monitor_every is not None:
+            monitor = ScaleMonitor(
+                model, every=config.monitor_every, metrics=MONITOR_METRICS, on_non_finite="ignore"
+            )
+            step_module = monitor.module
+            result.monitor = monitor
+        model.train()
+        optimiser = torch.optim.Adam(
+            model.parameters(), lr=config.lr_at(run, 0), betas=(0.9, 0.95), weight_decay=0.0
+        )
+        bar = tqdm(
+            total=config.steps,
+            desc=f"{run:<16}",
+            file=sys.stderr,
+            disable=not progress,
+            dynamic_ncols=True,
+            leave=True,
+        )
+        try:
+            for step in range(config.steps):
+                if step % config.eval_every == 0 and step > 0:
+                    result.heldout[step] = _evaluate(model, heldout_data)
+                for group in optimiser.param_groups:
+                    group["lr"] = config.lr_at(run, step)
+                loss = _loss(step_module, next(stream))
+                loss.backward()
+                if monitor is not None:
+                    monitor.step()
+                value = float(loss.detach())
+                result.train_losses.append(value)
+                if not math.isfinite(value):
+                    result.stopped_at = step
+                    break
+                optimiser.step()
+                optimiser.zero_grad(set_to_none=True)
+                bar.update(1)
+                bar.set_postfix_str(f"loss {value:.3f}", refresh=False)
+        finally:
+            bar.close()
+        if monitor is not None:
+            result.non_finite = monitor.non_finite
+        result.train_losses += [math.nan] * (config.steps - len(result.train_losses))
+        if result.stopped_at is None:
+            result.heldout[config.steps] = _evaluate(model, heldout_data)
+            result.final_heldout_loss = result.heldout[config.steps]
+            result.final_train_loss = _evaluate(model, train_eval_data)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def train_runs(config: TrainConfig, progress: bool = True) -> dict[str, RunResult]:
+    """Train every run of ``config.runs``, one after the other, on the same data.
+
+    Example:
+        >>> c = TrainConfig(steps=1, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1,
+        ...                 eval_batches=1, runs=("plain-fp32", "unit-scaled-fp32"))
+        >>> list(train_runs(c, progress=False))
+        ['plain-fp32', 'unit-scaled-fp32']
+    """
+    return {run: train_run(run, config, progress=progress) for run in config.runs}
+
+
+# -- presentation ----------------------------------------------------------------------------
+def losses_frame(results: dict[str, RunResult]) -> pd.DataFrame:
+    """The losses as a table: ``step``, ``run``, ``train_loss``, ``heldout_loss``.
+
+    One row per run and step (``step`` counts optimiser steps done: the training loss of row
+    ``s`` is that of the batch of step ``s``, the held-out loss of row ``s`` was measured after
+    ``s`` steps, and is empty where none was measured), plus a row ``step = steps`` per run
+    with the final held-out loss.
+    """
+    import pandas as pd
+
+    rows: list[tuple[int, str, float, float]] = []
+    for name, result in results.items():
+        steps = len(result.train_losses)
+        for step in range(steps + 1):
+            train = result.train_losses[step] if step < steps else math.nan
+            rows.append((step, name, train, result.heldout.get(step, math.nan)))
+    return pd.DataFrame(rows, columns=["step", "run", "train_loss", "heldout_loss"])
+
+
+def write_losses_csv(results: dict[str, RunResult], path: str | os.PathLike[str]) -> Path:
+    """Write :func:`losses_frame` to ``path`` (6 decimals, ``\\n`` line ends); return it."""
+    out = Path(path)
+    losses_frame(results).to_csv(out, index=False, float_format="%.6f", lineterminator="\n")
+    return out
+
+
+def _relative(a: float, b: float) -> float:
+    return (a - b) / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
+    """Per family with both runs: relative gap of FP8 to FP32, ``(train, held-out)``."""
+    gaps = {}
+    for family in ("plain", "unit-scaled"):
+        fp32, fp8 = results.get(f"{family}-fp32"), results.get(f"{family}-fp8")
+        if fp32 is not None and fp8 is not None:
+            gaps[family] = (
+                _relative(fp8.final_train_loss, fp32.final_train_loss),
+                _relative(fp8.final_heldout_loss, fp32.final_heldout_loss),
+            )
+    return gaps
+
+
+def _fmt(value: float, spec: str = ".4f") -> str:
+    return format(value, spec) if math.isfinite(value) else "diverged"
+
+
+def summary_rows(results: dict[str, RunResult]) -> list[tuple[str, ...]]:
+    """The summary table's rows: run, lr, final train loss, held-out loss, vs FP32, time."""
+    rows: list[tuple[str, ...]] = []
+    for name, r in results.items():
+        fp32 = results.get(name.replace("-fp8", "-fp32")) if _is_fp8(name) else None
+        versus = ""
+        if fp32 is not None:
+            gap = _relative(r.final_heldout_loss, fp32.final_heldout_loss)
+            versus = f"{gap:+.2%}" if math.isfinite(gap) else "n/a"
+        stopped = f" (NaN at step {r.stopped_at})" if r.stopped_at is not None else ""
+        rows.append(
+            (
+                name,
+                f"{r.lr:g}",
+                _fmt(r.final_train_loss),
+                _fmt(r.final_heldout_loss) + stopped,
+                versus,
+                f"{r.seconds:.0f}",
+            )
+        )
+    return rows
+
+
+_HEADER = ("run", "peak lr", "final train loss", "final held-out loss", "vs FP32", "time (s)")
+
+
+def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
+    """The table ``unitscale train`` prints, with the settings and the FP8 claim checked."""
+    rows = [_HEADER, *summary_rows(results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+    lines = [
+        f"unitscale train: {config.steps} steps, batch {config.batch_size} x {config.seq_len} "
+        f"bytes, width {config.hidden_size}, depth {config.depth}, seed {config.seed}, "
+        f"FP8 recipe {config.fp8_recipe!r}",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(
+        "losses: mean next-byte cross-entropy (nats) over "
+        f"{config.eval_batches} fixed batches of the training / held-out text after the last "
+        "step; 'vs FP32': held-out loss relative to the same model in FP32."
+    )
+    for family, (train_gap, heldout_gap) in fp8_gaps(results).items():
+        verdict = (
+            "within 2%"
+            if math.isfinite(heldout_gap) and abs(heldout_gap) <= 0.02
+            else "NOT within 2%"
+        )
+        lines.append(
+            f"{family} in simulated FP8 vs FP32: held-out {_pct(heldout_gap)}, train "
+            f"{_pct(train_gap)} ({verdict})"
+        )
+    for name, r in results.items():
+        if r.non_finite is not None:
+            lines.append(f"{name}: {r.non_finite.message}")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.2%}" if math.isfinite(value) else "n/a"
+
+
+def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
+    """Training loss (a 10-step moving average) and held-out loss of every run, per step."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10.0, 4.6))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    colours = {"plain": "tab:blue", "unit-scaled": "tab:red"}
+    for name, r in results.items():
+        colour = colours[_family(name)]
+        style = "--" if _is_fp8(name) else "-"
+        losses = torch.tensor(r.train_losses, dtype=torch.float64)
+        window = 10
+        smoothed = [
+            float(losses[max(0, i - window + 1) : i + 1].mean()) for i in range(len(losses))
+        ]
+        for ax in (left, right):
+            ax.plot(range(len(smoothed)), smoothed, style, color=colour, lw=1.2, label=name)
+            if r.heldout:
+                steps = sorted(r.heldout)
+                ax.plot(
+                    steps,
+                    [r.heldout[s] for s in steps],
+                    style,
+                    color=colour,
+                    marker="o",
+                    ms=3.5,
+                    lw=0.8,
+                    alpha=0.6,
+                )
+    finals = [
+        v
+        for r in results.values()
+        for v in (r.final_heldout_loss, *r.train_losses[-len(r.train_losses) // 2 :])
+        if math.isfinite(v)
+    ]
+    left.set_title("whole run", fontsize=10)
+    right.set_title("second half (zoomed)", fontsize=10)
+    if finals:
+        n = max(len(r.train_losses) for r in results.values())
+        right.set_xlim(n // 2, n)
+        low, high = min(finals), max(finals)
+        pad = 0.05 * (high - low) + 1e-3
+        right.set_ylim(low - pad, high + pad)
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per byte)")
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8, title="line: train (10-step mean); dots: held-out", title_fontsize=7)
+    fig.suptitle(title or "unitscale train: loss curves", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _png_data_uri(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def write_train_report(
+    results: dict[str, RunResult],
+    config: TrainConfig,
+    path: str | os.PathLike[str],
+    figures: Sequence[tuple[str, Figure]] = (),
+) -> Path:
+    """Write a self-contained HTML report: settings, the summary table and every figure inline.
+
+    Args:
+        results: from :func:`train_runs`.
+        config: their settings.
+        path: the HTML file to write.
+        figures: ``(caption, figure)`` pairs; the loss curves come first by default.
+
+    Returns:
+        The path written.
+    """
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "img-src data:; style-src 'unsafe-inline'\">",
+        "<title>unitscale train</title>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
+        "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+        "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
+        "figure{margin:1.5em 0}figcaption{color:#555;font-size:0.9em}"
+        "pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
+        "<h1>unitscale train: plain vs unit-scaled, FP32 vs simulated FP8</h1>",
+        "<h2>Results</h2><table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in _HEADER)
+        + "</tr>",
+    ]
+    for row in summary_rows(results):
+        parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+    parts.append("</table>")
+    parts.append(f"<pre>{html.escape(summary_text(results, config))}</pre>")
+    settings = asdict(config)
+    settings["runs"] = ", ".join(config.runs)
+    parts.append("<h2>Settings</h2><table>")
+    for f in fields(config):
+        parts.append(
+            f"<tr><td>{html.escape(f.name)}</td><td>{html.escape(str(settings[f.name]))}</td></tr>"
+        )
+    parts.append("</table>")
+    parts.append(
+        "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "
+        "decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 with the "
+        f"{html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, gradients in "
+        "E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
+        "scaling.</p>"
+    )
+    all_figures = [("Loss curves", plot_losses(results)), *figures]
+    parts.append("<h2>Figures</h2>")
+    for caption, fig in all_figures:
+        parts.append(
+            f'<figure><img alt="{html.escape(caption)}" src="{_png_data_uri(fig)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+    parts.append("</body></html>")
+    out = Path(path)
+    out.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,245 @@
+"""Rounding kernels behind :meth:`FPFormat.quantise`: native casts where PyTorch has the
+format, bit manipulation otherwise, and a hashed random-bits generator for stochastic rounding.
+
+Design constraints: the kernels read only the format's fields; they never allocate more than
+a few buffers the size of the input, and they compile (no data-dependent Python control flow).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ._format import FPFormat
+
+
+class _Work(NamedTuple):
+    """The float dtype a quantisation is computed in, and its layout."""
+
+    float_dtype: torch.dtype
+    int_dtype: torch.dtype
+    mantissa_bits: int
+    min_normal_exponent: int
+
+
+_WORK32 = _Work(torch.float32, torch.int32, 23, -126)
+_WORK64 = _Work(torch.float64, torch.int64, 52, -1022)
+
+
+class _QuantiseForward(torch.autograd.Function):
+    """``y = fmt.quantise(x)``; ``grad_x = grad_y``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+        return _quantise(fmt, x, None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _QuantiseBackward(torch.autograd.Function):
+    """``y = x``; ``grad_x = fmt.quantise(grad_y)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+        ctx.fmt = fmt
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _quantise(ctx.fmt, grad, None), None
+
+
+def _quantise(
+    fmt: FPFormat, x: Tensor, generator: torch.Generator | None, allow_native: bool = True
+) -> Tensor:
+    bound = fmt._bounds[x.dtype]
+    if fmt.rounding == "nearest":
+        native = fmt.torch_dtype
+        if (
+            allow_native
+            and native is not None
+            and x.dtype != torch.float64  # torch's float64 casts round twice, via float32
+            and x.device.type in ("cpu", "cuda")
+            and not torch.compiler.is_compiling()
+        ):
+            return _nearest_native(x, fmt, native, bound)
+        work = _WORK64 if x.dtype == torch.float64 else _WORK32
+        return _nearest_bits(x, fmt, work, bound).to(x.dtype)
+    # Stochastic rounding draws (work mantissa - format mantissa) random bits: float32 has
+    # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
+    wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
+    return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
+
+
+# (device type, dtype) -> whether torch's cast to dtype saturates out-of-range values to
+# ±max and keeps NaN. When it does, the clamp before the cast can be skipped.
+_CAST_SATURATES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _cast_saturates(device: torch.device, dtype: torch.dtype, max_value: float) -> bool:
+    key = (device.type, dtype)
+    known = _CAST_SATURATES.get(key)
+    if known is None:
+        big = [max_value * 1.0001, max_value * 1.07, max_value * 1.2, 1e30, math.inf]
+        probe = torch.tensor(big + [-v for v in big] + [math.nan], device=device)
+        cast = probe.to(dtype).float().tolist()
+        n = len(big)
+        known = (
+            cast[:n] == [max_value] * n
+            and cast[n : 2 * n] == [-max_value] * n
+            and math.isnan(cast[-1])
+        )
+        _CAST_SATURATES[key] = known
+    return known
+
+
+def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float) -> Tensor:
+    """Round to nearest with torch's own cast to ``native``, saturating at ``±bound``.
+
+    Each variant makes as few passes over memory as it can: the saturation is done on the
+    narrow result where possible rather than on ``x``.
+    """
+    if native.itemsize >= 2:
+        # The cast overflows to ±inf at worst; clamp the (narrower) result in place.
+        y = x.to(native)
+        y = y.clamp(-bound, bound) if y is x else y.clamp_(-bound, bound)
+        return y.to(x.dtype)
+    # Float8 tensors support no arithmetic.
+    if bound == fmt.max_absolute_value and _cast_saturates(x.device, native, bound):
+        return x.to(native).to(x.dtype)
+    if bound == fmt.max_absolute_value and fmt.special_values == "ieee":
+        # An overflow becomes the infinity code: step it down to the largest finite code
+        # (the mantissa bits are zero there, so the code below is the max), on one byte.
+        y = x.to(native)
+        code = y.view(torch.uint8)
+        infinity = ((2**fmt.exponent_bits - 1) << fmt.mantissa_bits) & 0x7F
+        code.sub_(((code & 0x7F) == infinity).view(torch.uint8))
+        return y.to(x.dtype)
+    return x.clamp(-bound, bound).to(native).to(x.dtype)
+
+
+def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor:
+    """Round ``x`` to nearest, ties to even, saturating at ``±bound``, in ``work``'s dtype.
+
+    Written for few passes over memory in eager mode: two fresh buffers and a mask, the rest
+    in place. (Under ``torch.compile`` it all fuses into one kernel anyway.)
+    """
+    if x.dtype == work.float_dtype:
+        xf = x.clamp(-bound, bound)  # NaN stays NaN
+    else:
+        xf = x.to(work.float_dtype).clamp_(-bound, bound)
+    drop = work.mantissa_bits - fmt.mantissa_bits
+    # Normal range: round the bit pattern at `drop` bits, ties to even. A carry out of the
+    # mantissa moves into the exponent, which is exactly the next binade's first value.
+    bits = xf.view(work.int_dtype)
+    if drop > 0:
+        rounded = bits >> drop
+        rounded &= 1
+        rounded += bits
+        rounded += (1 << (drop - 1)) - 1
+        rounded &= -(1 << drop)
+        normal = rounded.view(work.float_dtype)
+    else:
+        normal = xf.clone()
+    # Subnormal range: one float addition rounds to nearest-even at the step of a number
+    # whose ulp is the format's subnormal step. NaN takes this branch and stays NaN. (The
+    # rounded bits above kept x's sign, so xf itself can become the magnitude.)
+    emin = fmt._min_normal_exponent
+    magnitude = xf.abs_()
+    is_normal = magnitude >= 2.0**emin
+    magic = 2.0 ** (emin + drop)
+    magnitude += magic
+    magnitude -= magic
+    subnormal = magnitude.copysign_(normal)
+    return torch.where(is_normal, normal, subnormal, out=subnormal)
+
+
+def _stochastic_bits(
+    x: Tensor, fmt: FPFormat, work: _Work, bound: float, generator: torch.Generator | None
+) -> Tensor:
+    """Round ``x`` stochastically, saturating at ``±bound``, computing in ``work``'s dtype.
+
+    The magnitude is worked on in place in one buffer, to make few passes over memory.
+    """
+    if x.dtype == work.float_dtype:
+        magnitude = x.abs()
+    else:
+        magnitude = x.to(work.float_dtype).abs_()
+    magnitude.clamp_(max=bound)  # NaN stays NaN
+    drop = work.mantissa_bits - fmt.mantissa_bits
+    if drop == 0:  # every value of the working dtype in range is representable
+        return magnitude.copysign_(x).to(x.dtype)
+    # Below the format's smallest normal, shift the value into the binade [2**emin,
+    # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after
+    # (both exact, but for the first addition's rounding to the working precision).
+    emin = fmt._min_normal_exponent
+    if emin > work.min_normal_exponent:
+        small = _is_below(magnitude, emin, work)
+        magnitude.add_(small, alpha=2.0**emin)
+    else:  # formats with the working dtype's exponent range: its subnormals are linear
+        small = None
+    bits = magnitude.view(work.int_dtype)
+    # Adding uniform random bits below the kept mantissa, then truncating, rounds up with
+    # probability equal to the dropped fraction; a carry moves into the exponent correctly.
+    if torch.compiler.is_compiling() and work.mantissa_bits == 23:
+        noise = _hashed_random_bits(magnitude, drop, generator)
+    else:
+        noise = torch.randint(
+            0, 1 << drop, x.shape, dtype=work.int_dtype, device=x.device, generator=generator
+        )
+    bits += noise
+    bits &= -(1 << drop)
+    # The noise can carry a NaN's payload out of the NaN range (or wrap it): restore NaN.
+    # `small` is NaN exactly where x is, so subtracting it does that for free.
+    if small is not None:
+        return magnitude.sub_(small, alpha=2.0**emin).copysign_(x).to(x.dtype)
+    return magnitude.copysign_(x).masked_fill_(torch.isnan(x), math.nan).to(x.dtype)
+
+
+def _is_below(magnitude: Tensor, exponent: int, work: _Work) -> Tensor:
+    """1.0 where ``magnitude < 2**exponent``, 0.0 where not, NaN where it is NaN.
+
+    ``(2**exponent - magnitude) * 2**(p - exponent)`` (p: the working precision) is exact,
+    at least 1 for every float below ``2**exponent`` and at most 0 from there on; the clamp
+    makes it a step. Needs ``2**(p - exponent)`` to be finite (the caller's formats have
+    exponents far above the working dtype's smallest).
+    """
+    precision = work.mantissa_bits + 1
+    scale = 2.0 ** (precision - exponent)
+    step = torch.mul(magnitude, -scale)
+    step += 2.0**precision
+    return step.clamp_(0.0, 1.0)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """One xorshift-multiply round of a 32-bit integer hash, on int64 holding [0, 2**32)."""
+    # The multiplier is below 2**31, so the int64 product cannot overflow.
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _hashed_random_bits(x: Tensor, bits: int, generator: torch.Generator | None) -> Tensor:
+    """``bits`` (<= 32) uniform random bits per element of ``x``, as int32.
+
+    Used under ``torch.compile``, where it fuses into the rounding kernel: inductor's own
+    random numbers (Philox per element) cost several times a copy of the tensor on CPU.
+    The bits are a counter-based hash of the element index keyed by two 32-bit seeds drawn
+    from torch's generator, so results stay reproducible under ``torch.manual_seed``.
+    """
+    seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=x.device, generator=generator)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(x.shape)
+    h = _mix32((index + seeds[0]) & _MASK32)
+    h = _mix32(h ^ seeds[1])
+    return (h >> (32 - bits)).to(torch.int32)

@@ -1,0 +1,75 @@
+"""Unit-scaled ops: drop-in counterparts of ``torch.nn.functional``, imported as ``U``.
+
+``import unitscale.functional as U``. Each op multiplies its output and its inputs'
+gradients by factors chosen so that, for i.i.d. N(0, 1) inputs and incoming gradient, the
+output and every input gradient have unit standard deviation at initialisation; each
+docstring states the assumptions, the factors and what the default constraint does.
+
+This package is a facade: one private file per op family, each built from
+:mod:`unitscale.scale` and :mod:`unitscale.constraints` (the recipe is described in
+``_nonlinear.py``):
+
+- ``_nonlinear``: the helpers every op uses, elementwise ops, activations, softmax,
+  dropout, attention, losses, and the softmax moments their scales rest on;
+- ``_matmul``: matmul, linear, linear_readout, conv1d, embedding;
+- ``_norm``: layer_norm, rms_norm;
+- ``_residual``: add and the residual scheme; ``_residual_rule``: u-muP's depth rule for tau;
+- ``_mult``: moments of the nonlinearities at a given ``mult``;
+- ``_attention``: attention with an explicit mask (read from the mask's key counts);
+- ``_torch_map``: ``torch_map`` and the ops kept opaque to TorchDynamo.
+"""
+
+from ._attention import masked_scaled_dot_product_attention
+from ._matmul import conv1d, embedding, linear, linear_readout, matmul
+from ._mult import check_mult as check_mult  # argument check shared with the modules
+from ._nonlinear import (
+    Constraint,
+    cross_entropy,
+    dropout,
+    gelu,
+    mse_loss,
+    scale_elementwise,
+    scaled_dot_product_attention,
+    silu,
+    silu_glu,
+    softmax,
+)
+from ._norm import layer_norm, rms_norm
+from ._residual import add, residual_add, residual_split
+from ._residual_rule import transformer_residual_scaling_rule
+from ._torch_map import OPAQUE_OPS, torch_map
+
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # elementwise
+    "dropout",
+    "gelu",
+    "scale_elementwise",
+    "silu",
+    "silu_glu",
+    "softmax",
+    # matmul-like
+    "conv1d",
+    "linear",
+    "linear_readout",
+    "matmul",
+    # normalisation
+    "layer_norm",
+    "rms_norm",
+    # addition and residuals
+    "add",
+    "residual_add",
+    "residual_split",
+    "transformer_residual_scaling_rule",
+    # embedding and attention
+    "embedding",
+    "masked_scaled_dot_product_attention",
+    "scaled_dot_product_attention",
+    # losses
+    "cross_entropy",
+    "mse_loss",
+    # graph transform support
+    "OPAQUE_OPS",
+    "torch_map",
+    # types
+    "Constraint",
+]

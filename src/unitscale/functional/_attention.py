@@ -1,0 +1,180 @@
+"""Unit-scaled attention with an explicit mask (``unit_scale`` maps masked SDPA calls here).
+
+:func:`unitscale.functional.scaled_dot_product_attention` derives its scales from how many
+keys each query sees, which it knows only for ``is_causal`` or no mask, so it refuses
+``attn_mask``. Models written the ordinary way pass masks (a causal mask built with
+``tril``, padding masks), so :func:`masked_scaled_dot_product_attention` applies the same
+scaling rule with the key counts read from the mask itself: per query row ``i``, ``n_i``
+visible keys, and the means ``mean v(n_i)``, ``mean G(n_i)`` of the softmax moments over
+every row of the mask. The counts are tensors computed on the mask's device, so the scales
+are 0-dim tensors: no host synchronisation, and the op still compiles.
+
+Design constraints: the scaling rule and the moment tables are those of
+:mod:`unitscale.functional` (one place for the maths); only the mask handling is here. A
+boolean mask marks visible keys with True; a float (additive) mask hides entries at
+``-inf`` or below half the dtype's lowest value (what Hugging Face models use) and treats
+every other entry as a visible bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..constraints import apply_constraint
+from ..errors import UnsupportedArgumentError
+from ._nonlinear import _softmax_moments, scaled_dot_product_attention
+
+__all__ = ["masked_scaled_dot_product_attention"]
+
+_TABLES: dict[tuple[int, float], tuple[list[float], list[float]]] = {}
+_DEVICE_TABLES: dict[tuple[int, float, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+
+def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]]:
+    """``v(n)`` and ``G(n)`` for ``n = 0..keys`` (entry 0 repeats entry 1)."""
+    cache_key = (keys, logit_var)
+    if cache_key not in _TABLES:
+        import numpy as np
+
+        v, g = _softmax_moments(np.arange(1, keys + 1), logit_var)
+        _TABLES[cache_key] = ([float(v[0]), *map(float, v)], [float(g[0]), *map(float, g)])
+    return _TABLES[cache_key]
+
+
+def _moment_tables(
+    keys: int, logit_var: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The moment tables as tensors: cached per device in eager mode; built from Python
+    floats (constants of the graph) while being compiled."""
+    v, g = _moment_lists(keys, logit_var)
+    if torch.compiler.is_compiling():
+        return torch.tensor(v, device=device, dtype=dtype), torch.tensor(
+            g, device=device, dtype=dtype
+        )
+    cache_key = (keys, logit_var, device, dtype)
+    if cache_key not in _DEVICE_TABLES:
+        _DEVICE_TABLES[cache_key] = (
+            torch.tensor(v, device=device, dtype=dtype),
+            torch.tensor(g, device=device, dtype=dtype),
+        )
+    return _DEVICE_TABLES[cache_key]
+
+
+def _visible(mask: Tensor) -> Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _scale_grad(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` in the forward pass (exactly); gradient multiplied by the 0-dim tensor ``scale``."""
+    return x.detach() + (x - x.detach()) * scale
+
+
+def masked_scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    constraint: str | None = "to_output_scale",
+) -> Tensor:
+    """Unit-scaled ``F.scaled_dot_product_attention`` that also takes ``attn_mask``.
+
+    Without a mask this is :func:`unitscale.functional.scaled_dot_product_attention`. With
+    one, the same scaling rule (see there) with ``n_i``, the number of keys query row ``i``
+    sees, counted from the mask: the output is scaled by ``1/sqrt(mean v(n_i) / keep)``, the
+    query, key and value gradients by the rule's factors, combined by ``constraint``. With
+    ``is_causal=True`` as well, a key is visible where both the mask and the causal rule
+    allow it (as PyTorch's own kernels combine them), and counted so.
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            ``F.scaled_dot_product_attention``.
+        constraint: a constraint taking an output and three grad scales, or None.
+
+    Returns:
+        ``(..., L, Ev)``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> q, k, v = torch.randn(3, 8, 4, 256, 64)
+        >>> causal = torch.ones(256, 256, dtype=torch.bool).tril()
+        >>> out = masked_scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        >>> round(out.std().item(), 1)
+        1.0
+    """
+    if attn_mask is None:
+        return scaled_dot_product_attention(
+            query, key, value, None, dropout_p, is_causal, scale, enable_gqa, constraint
+        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise UnsupportedArgumentError(
+            "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
+        )
+    queries, keys = int(query.shape[-2]), int(key.shape[-2])
+    head_dim, value_dim = int(query.shape[-1]), int(value.shape[-1])
+    score_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    logit_var = score_scale * score_scale * head_dim
+    visible = _visible(attn_mask)
+    if is_causal:
+        # PyTorch's kernels then show a key where both the mask and the causal rule allow it
+        # (some backends refuse the pair instead): fold the rule into the mask, so that the
+        # key counts, hence the scales, are those of the keys actually seen.
+        causal = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).tril()
+        visible = visible & causal
+        if attn_mask.dtype == torch.bool:
+            attn_mask = visible
+        else:
+            attn_mask = torch.where(causal, attn_mask, float("-inf"))
+    visible = visible.expand(*visible.shape[:-2], queries, keys)
+    counts = visible.sum(-1).clamp(max=keys)
+    dtype = query.dtype if query.dtype == torch.float64 else torch.float32
+    v_table, g_table = _moment_tables(keys, logit_var, query.device, dtype)
+    mean_v = v_table[counts].mean()
+    mean_g = g_table[counts].mean()
+    keep = 1.0 - dropout_p
+    group = query.shape[-3] // key.shape[-3] if enable_gqa and query.dim() > 2 else 1
+    ratio = queries / keys * group
+    grad_q_var = score_scale * score_scale * value_dim * mean_g / keep
+    ideal = [
+        torch.rsqrt(mean_v / keep),
+        torch.rsqrt(grad_q_var),
+        torch.rsqrt(grad_q_var * ratio),
+        torch.rsqrt(mean_v * ratio / keep),
+    ]
+    out_scale, q_scale, k_scale, v_scale = _constrain(constraint, ideal)
+    output = F.scaled_dot_product_attention(
+        _scale_grad(query, q_scale / out_scale),
+        _scale_grad(key, k_scale / out_scale),
+        _scale_grad(value, v_scale / out_scale),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return output * out_scale.to(output.dtype)
+
+
+def _constrain(constraint: str | None, scales: list[Tensor]) -> list[Tensor]:
+    """:func:`unitscale.constraints.apply_constraint` for 0-dim tensor scales (no host sync)."""
+    if constraint is None:
+        return scales
+    apply_constraint(constraint, *([1.0] * len(scales)))  # validates the name and arity
+    stacked = torch.stack(scales)
+    if constraint == "gmean":
+        shared = stacked.log().mean().exp()
+    elif constraint == "hmean":
+        shared = len(scales) / stacked.reciprocal().sum()
+    elif constraint == "amean":
+        shared = stacked.mean()
+    else:  # to_output_scale: the only other constraint that takes four scales
+        shared = scales[0]
+    return [shared] * len(scales)

@@ -1,0 +1,137 @@
+"""Unit-scaled addition and the residual scheme: add, residual_split, residual_add."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..constraints import apply_constraint
+from ..errors import UnsupportedArgumentError
+from ..scale import scale_bwd, scale_fwd
+from ._nonlinear import Constraint, _finish, _is_float_tensor, _prescale, _rsqrt
+
+# --------------------------------------------------------------------------------------------
+# addition and residuals
+# --------------------------------------------------------------------------------------------
+
+
+def add(
+    input: Any, other: Any, alpha: float = 1, constraint: Constraint = "to_output_scale"
+) -> Any:
+    """Unit-scaled addition of two independent tensors (``torch.add``).
+
+    Scaling rule, for independent unit ``input`` and ``other``: ``input + alpha * other`` has
+    std ``sqrt(1 + alpha^2)``; each operand's gradient sums the incoming gradient over the
+    dimensions it was broadcast along (``numel(out) / numel(operand)`` terms) and ``other``'s
+    is also multiplied by ``alpha``. Ideal scales: output ``1/sqrt(1 + alpha^2)``, input
+    ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
+    Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
+    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit.
+
+    Only an addition of two floating-point tensors is scaled. If either operand is a Python
+    number, a non-float tensor or a symbolic size, this is the plain addition (adding a
+    constant does not change a tensor's scale), so ``U.add`` can stand in for every
+    ``operator.add`` in a captured graph. It assumes the operands are independent: adding a
+    residual branch to its own input is :func:`residual_add`'s job.
+
+    Args:
+        input: left operand.
+        other: right operand.
+        alpha: multiplier of ``other``, as for ``torch.add``.
+        constraint: a constraint taking an output and two grad scales, or None.
+
+    Returns:
+        The scaled sum (or the plain sum, see above).
+
+    Example:
+        >>> add(torch.ones(2), torch.ones(2)).tolist()  # (1 + 1) / sqrt(2)
+        [1.4142135381698608, 1.4142135381698608]
+        >>> add(torch.ones(2), 1.0).tolist()
+        [2.0, 2.0]
+    """
+    if not (_is_float_tensor(input) and _is_float_tensor(other)):
+        return input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
+    out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
+    out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
+    input_ideal = _rsqrt(out_numel // max(input.numel(), 1))
+    other_ideal = _rsqrt(out_numel // max(other.numel(), 1)) / abs(alpha) if alpha != 0 else 1.0
+    out_scale, input_scale, other_scale = apply_constraint(
+        constraint, out_ideal, input_ideal, other_ideal
+    )
+    input = _prescale(input, input_scale, out_scale)
+    other = _prescale(other, other_scale, out_scale)
+    summed = input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
+    return _finish(summed, out_scale)
+
+
+def _check_tau(op: str, tau: float) -> None:
+    if not 0.0 < tau < 1.0:
+        raise UnsupportedArgumentError(
+            op, "tau", tau, "tau is the residual branch's share of the variance: use 0 < tau < 1"
+        )
+
+
+def residual_split(input: Tensor, tau: float = 0.5) -> tuple[Tensor, Tensor]:
+    """Split a residual stream into ``(residual, skip)``: the start of a residual block.
+
+    Forward: both outputs are ``input``. Backward: the gradients of ``residual`` and
+    ``skip`` are multiplied by ``sqrt(tau)`` and ``sqrt(1 - tau)`` before they are summed,
+    undoing the ``1/sqrt(tau)`` and ``1/sqrt(1 - tau)`` that :func:`residual_add` puts on them.
+    So, for independent unit gradients on the two outputs, the input gradient
+    ``sqrt(tau) g_r + sqrt(1 - tau) g_s`` is unit; and the pair split-add together computes
+    the true gradient of ``sqrt(tau) f(x) + sqrt(1 - tau) x`` while every tensor inside the
+    branch ``f`` sees a unit gradient. No constraint applies.
+
+    Args:
+        input: the residual stream, assumed unit-scaled.
+        tau: the residual branch's share of the variance, ``0 < tau < 1``; use the same
+            value in the matching :func:`residual_add`.
+
+    Returns:
+        ``(residual, skip)``: feed ``residual`` through the branch, ``skip`` straight to
+        :func:`residual_add`.
+
+    Raises:
+        UnsupportedArgumentError: ``tau`` outside (0, 1).
+
+    Example:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> r, s = residual_split(x, tau=0.36)
+        >>> (r + s).sum().backward()
+        >>> [round(v, 2) for v in x.grad.tolist()]  # sqrt(0.36) + sqrt(0.64)
+        [1.4, 1.4, 1.4]
+    """
+    _check_tau("residual_split", tau)
+    return scale_bwd(input, math.sqrt(tau)), scale_bwd(input, math.sqrt(1.0 - tau))
+
+
+def residual_add(residual: Tensor, skip: Tensor, tau: float = 0.5) -> Tensor:
+    """Combine a residual branch with its skip: ``sqrt(tau) residual + sqrt(1 - tau) skip``.
+
+    Scaling rule: for independent unit ``residual`` and ``skip`` the weighted sum has unit
+    variance (``tau + (1 - tau) = 1``); ``tau`` is the branch's share. Backward: each input
+    receives the incoming gradient unchanged (unit), not the true ``sqrt(tau) g`` and
+    ``sqrt(1 - tau) g``; the matching :func:`residual_split` applies those factors where the
+    two paths meet, so the block as a whole has true gradients. No constraint applies.
+
+    Args:
+        residual: the output of the residual branch, assumed unit-scaled.
+        skip: the ``skip`` output of :func:`residual_split`.
+        tau: the branch's share of the variance, ``0 < tau < 1`` (same as the split).
+
+    Returns:
+        The unit-scaled sum.
+
+    Raises:
+        UnsupportedArgumentError: ``tau`` outside (0, 1).
+
+    Example:
+        >>> y = residual_add(torch.ones(2), torch.ones(2), tau=0.36)  # 0.6 + 0.8
+        >>> [round(v, 4) for v in y.tolist()]
+        [1.4, 1.4]
+    """
+    _check_tau("residual_add", tau)
+    return scale_fwd(residual, math.sqrt(tau)) + scale_fwd(skip, math.sqrt(1.0 - tau))

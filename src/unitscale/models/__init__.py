@@ -1,0 +1,20 @@
+"""``unitscale.models``: the name DESIGN.md and the README use for
+:mod:`unitscale.experiments.models` (where the code lives)."""
+
+from ..experiments.models import (
+    GPTConfig,
+    ModelConfigError,
+    PlainGPT,
+    UnitScaledGPT,
+    plain_gpt,
+    unit_scaled_gpt,
+)
+
+__all__ = [
+    "GPTConfig",
+    "ModelConfigError",
+    "PlainGPT",
+    "UnitScaledGPT",
+    "plain_gpt",
+    "unit_scaled_gpt",
+]

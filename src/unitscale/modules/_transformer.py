@@ -1,0 +1,355 @@
+"""Unit-scaled transformer blocks built from the layers: MLP, MHSA, TransformerLayer,
+TransformerDecoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as U
+from ..errors import UnsupportedArgumentError
+from ..functional import Constraint, check_mult
+from ._depth import DepthModuleList
+from ._layers import (
+    GELU,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    LinearReadout,
+    _check_constraint,
+    _mult_repr,
+)
+
+# --------------------------------------------------------------------------------------------
+# transformer blocks
+# --------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Unit-scaled transformer MLP: ``Linear`` up, ``GELU``, ``Linear`` down.
+
+    Calls :func:`~unitscale.functional.linear`, :func:`~unitscale.functional.gelu`,
+    :func:`~unitscale.functional.linear` (through the modules). Each op is unit-scaled, but
+    the GELU's output, unit in std, keeps a mean of ``0.2821 / 0.5879 = 0.48``, and a linear
+    layer's output scales with its input's rms, so the block's output std is
+    ``sqrt(1 + 0.48^2) = 1.11`` for a unit input.
+
+    Args:
+        hidden_size: input and output width.
+        expansion_factor: the inner width is ``expansion_factor * hidden_size``.
+        bias: give the two linear layers biases.
+        constraint: passed to every op (``None``: every tensor unit-scaled, gradients
+            scaled; default ``to_output_scale``: true gradients within the block).
+        device, dtype: for the parameters.
+        activation_mult: u-μP multiplier of the GELU's input.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> round(MLP(128)(torch.randn(64, 32, 128)).std().item(), 2)
+        1.11
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        expansion_factor: int = 4,
+        bias: bool = False,
+        constraint: Constraint = "to_output_scale",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        activation_mult: float = 1.0,
+    ) -> None:
+        super().__init__()
+        inner = expansion_factor * hidden_size
+        self.up = Linear(hidden_size, inner, bias, device, dtype, constraint)
+        self.act = GELU(constraint=constraint, mult=activation_mult)
+        self.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.down(self.act(self.up(input)))
+
+
+class MHSA(nn.Module):
+    """Unit-scaled multi-head self-attention (causal by default).
+
+    Calls :func:`~unitscale.functional.linear` (fused query/key/value projection),
+    :func:`~unitscale.functional.scaled_dot_product_attention` and
+    :func:`~unitscale.functional.linear` (output projection).
+
+    Args:
+        hidden_size: model width; must be divisible by ``heads``.
+        heads: number of attention heads.
+        dropout_p: attention-probability dropout (training only).
+        is_causal: causal mask.
+        bias: give the projections biases.
+        constraint: passed to every op.
+        device, dtype: for the parameters.
+        attn_mult: u-μP multiplier of the attention scores (see
+            :func:`~unitscale.functional.scaled_dot_product_attention`).
+
+    Raises:
+        UnsupportedArgumentError: ``hidden_size`` is not divisible by ``heads``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> y = MHSA(128, heads=4)(torch.randn(8, 64, 128))
+        >>> y.shape, round(y.std().item(), 1)
+        (torch.Size([8, 64, 128]), 1.0)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        dropout_p: float = 0.0,
+        is_causal: bool = True,
+        bias: bool = False,
+        constraint: Constraint = "to_output_scale",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        attn_mult: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if heads < 1 or hidden_size % heads:
+            raise UnsupportedArgumentError(
+                "MHSA", "heads", heads, f"use a divisor of hidden_size={hidden_size}"
+            )
+        self.heads = heads
+        self.dropout_p = dropout_p
+        self.is_causal = is_causal
+        self.constraint = _check_constraint(constraint, 4)
+        self.attn_mult = check_mult("MHSA", attn_mult)
+        self.qkv = Linear(hidden_size, 3 * hidden_size, bias, device, dtype, constraint)
+        self.out = Linear(hidden_size, hidden_size, bias, device, dtype, constraint)
+
+    def forward(self, input: Tensor) -> Tensor:
+        hidden = input.shape[-1]
+        qkv = self.qkv(input).unflatten(-1, (3, self.heads, hidden // self.heads))
+        q, k, v = qkv.movedim(-3, 0).transpose(-2, -3).unbind(0)  # each (..., heads, seq, dim)
+        attended = U.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=self.is_causal,
+            constraint=self.constraint,
+            mult=self.attn_mult,
+        )
+        return self.out(attended.transpose(-2, -3).flatten(-2))
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, dropout_p={self.dropout_p}, is_causal={self.is_causal}, "
+            f"constraint={self.constraint!r}{_mult_repr(self.attn_mult, 'attn_mult')}"
+        )
+
+
+class TransformerLayer(nn.Module):
+    """Unit-scaled pre-norm transformer layer: attention then MLP, each in a residual block.
+
+    Each block is ``r, s = residual_split(x, tau)``; ``r = Dropout(Branch(LayerNorm(r)))``;
+    ``x = residual_add(r, s, tau)``, with :func:`~unitscale.functional.residual_split`,
+    :func:`~unitscale.functional.residual_add`, :class:`LayerNorm`, :class:`MHSA` /
+    :class:`MLP` and :class:`Dropout`. ``tau`` is the branch's share of the output variance.
+
+    Args:
+        hidden_size: model width.
+        heads: attention heads.
+        mlp_expansion_factor: MLP inner width over ``hidden_size``.
+        dropout_p: dropout on attention probabilities and on each branch's output.
+        is_causal: causal attention.
+        attn_tau: ``tau`` of the attention block, ``0 < tau < 1``.
+        mlp_tau: ``tau`` of the MLP block, ``0 < tau < 1``.
+        bias: give the linear layers biases.
+        constraint: passed to every op.
+        device, dtype: for the parameters.
+        attn_mult, activation_mult: u-μP multipliers of the attention scores and of the
+            MLP's activation input.
+
+    Raises:
+        UnsupportedArgumentError: a ``tau`` outside (0, 1), or bad ``heads``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> layer = TransformerLayer(128, heads=4, attn_tau=0.2, mlp_tau=0.2)
+        >>> round(layer(torch.randn(8, 64, 128)).std().item(), 1)
+        1.0
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        mlp_expansion_factor: int = 4,
+        dropout_p: float = 0.0,
+        is_causal: bool = True,
+        attn_tau: float = 0.5,
+        mlp_tau: float = 0.5,
+        bias: bool = False,
+        constraint: Constraint = "to_output_scale",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        attn_mult: float = 1.0,
+        activation_mult: float = 1.0,
+    ) -> None:
+        super().__init__()
+        for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
+            if not 0.0 < tau < 1.0:
+                raise UnsupportedArgumentError(
+                    "TransformerLayer", name, tau, "tau is a share of the variance: 0 < tau < 1"
+                )
+        self.attn_tau = attn_tau
+        self.mlp_tau = mlp_tau
+        self.attn_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        self.attn = MHSA(
+            hidden_size, heads, dropout_p, is_causal, bias, constraint, device, dtype, attn_mult
+        )
+        self.attn_dropout = Dropout(dropout_p)
+        self.mlp_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        self.mlp = MLP(
+            hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
+        )
+        self.mlp_dropout = Dropout(dropout_p)
+
+    def forward(self, input: Tensor) -> Tensor:
+        residual, skip = U.residual_split(input, self.attn_tau)
+        residual = self.attn_dropout(self.attn(self.attn_norm(residual)))
+        x = U.residual_add(residual, skip, self.attn_tau)
+        residual, skip = U.residual_split(x, self.mlp_tau)
+        residual = self.mlp_dropout(self.mlp(self.mlp_norm(residual)))
+        return U.residual_add(residual, skip, self.mlp_tau)
+
+    def extra_repr(self) -> str:
+        return f"attn_tau={self.attn_tau:.4g}, mlp_tau={self.mlp_tau:.4g}"
+
+
+class TransformerDecoder(nn.Module):
+    """Unit-scaled GPT-style decoder: embedding, causal layers, final norm, readout, loss.
+
+    ``Embedding`` → ``depth`` × :class:`TransformerLayer` → :class:`LayerNorm` →
+    :class:`LinearReadout` (no bias), and :func:`~unitscale.functional.cross_entropy` when
+    labels are given. There is no positional embedding: causal attention lets each position
+    infer its place (a "NoPE" decoder).
+
+    Residual weights: with ``attn_tau``/``mlp_tau`` None (default) the ``k``-th residual
+    block (``k = 1 .. 2 depth``, attention and MLP blocks alternating) uses
+    ``tau_k = 1 / (k + 1)``, which makes the output the equally weighted, unit-scaled sum of
+    the embedding and every branch (a running mean). Give floats to use the same ``tau`` in
+    every layer. With ``mup=True``, or ``residual_mult``/``residual_attn_ratio`` given, the
+    taus follow u-μP's :func:`~unitscale.functional.transformer_residual_scaling_rule`.
+
+    u-μP (``mup=True``): the residual rule above (``residual_mult``, ``residual_attn_ratio``
+    default 1), and the readout's u-μP scaling (``LinearReadout(mup=True)``: output
+    multiplier ``1/fan_in``). The layers are held in a :class:`~unitscale.DepthModuleList`,
+    so every layer parameter has ``mup_scaling_depth = depth``; train with
+    :mod:`unitscale.optim`. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α
+    multipliers) apply with or without ``mup``.
+
+    Args:
+        hidden_size: model width.
+        depth: number of layers.
+        heads: attention heads per layer.
+        vocab_size: number of tokens.
+        dropout_p: dropout in every layer.
+        mlp_expansion_factor: MLP inner width over ``hidden_size``.
+        attn_tau, mlp_tau: fixed residual shares, or None for the running-mean schedule.
+        bias: give the layers' linear layers biases.
+        constraint: passed to every op of the layers (the readout keeps its own default).
+        device, dtype: for the parameters.
+        residual_mult, residual_attn_ratio: u-μP residual multipliers (None: 1 with ``mup``,
+            else the running-mean schedule); ignored where ``attn_tau``/``mlp_tau`` is given.
+        attn_mult: multiplier of the attention scores.
+        activation_mult: multiplier of the MLP activation's input.
+        loss_mult: multiplier of the logits inside the loss.
+        mup: u-μP readout and residual rule (see above).
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> model = TransformerDecoder(64, depth=2, heads=4, vocab_size=100)
+        >>> ids = torch.randint(0, 100, (2, 16))
+        >>> model(ids).shape
+        torch.Size([2, 16, 100])
+        >>> labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        >>> model(ids, labels).shape  # a scalar loss
+        torch.Size([])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        depth: int,
+        heads: int,
+        vocab_size: int,
+        dropout_p: float = 0.0,
+        mlp_expansion_factor: int = 4,
+        attn_tau: float | None = None,
+        mlp_tau: float | None = None,
+        bias: bool = False,
+        constraint: Constraint = "to_output_scale",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        residual_mult: float | None = None,
+        residual_attn_ratio: float | None = None,
+        attn_mult: float = 1.0,
+        activation_mult: float = 1.0,
+        loss_mult: float = 1.0,
+        mup: bool = False,
+    ) -> None:
+        super().__init__()
+        self.mup = mup
+        self.loss_mult = check_mult("TransformerDecoder", loss_mult)
+        if mup or residual_mult is not None or residual_attn_ratio is not None:
+            rule = U.transformer_residual_scaling_rule(
+                1.0 if residual_mult is None else residual_mult,
+                1.0 if residual_attn_ratio is None else residual_attn_ratio,
+            )
+            taus = [rule(k, 2 * depth) for k in range(2 * depth)]
+        else:
+            taus = [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
+        self.embedding = Embedding(vocab_size, hidden_size, device=device, dtype=dtype)
+        self.layers = DepthModuleList(
+            TransformerLayer(
+                hidden_size,
+                heads,
+                mlp_expansion_factor,
+                dropout_p,
+                True,
+                taus[2 * i] if attn_tau is None else attn_tau,
+                taus[2 * i + 1] if mlp_tau is None else mlp_tau,
+                bias,
+                constraint,
+                device,
+                dtype,
+                attn_mult,
+                activation_mult,
+            )
+            for i in range(depth)
+        )
+        self.final_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        self.readout = LinearReadout(hidden_size, vocab_size, False, device, dtype, mup=mup)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Logits, or the mean cross-entropy loss when ``labels`` are given.
+
+        Args:
+            input_ids: token ids ``(batch, seq)``.
+            labels: next-token targets aligned with ``input_ids``: ``labels[b, t]`` is the
+                token that should follow ``input_ids[b, :t + 1]`` (for a batch of text,
+                ``input_ids = tokens[:, :-1]`` and ``labels = tokens[:, 1:]``); the value
+                -100 is ignored. No shifting happens inside.
+
+        Returns:
+            Logits ``(batch, seq, vocab_size)`` if ``labels`` is None, else the scalar loss.
+        """
+        x = self.embedding(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.readout(self.final_norm(x))
+        if labels is None:
+            return logits
+        return U.cross_entropy(
+            logits.flatten(0, -2), labels.flatten(), ignore_index=-100, mult=self.loss_mult
+        )

@@ -1,0 +1,393 @@
+"""u-μP optimisers: torch's Adam, AdamW and SGD with per-parameter learning rates from tags.
+
+u-μP (Blake et al., ICLR 2025) sets each parameter's learning rate to ``lr * scale(p)``, with
+``scale`` a rule of the parameter's u-μP tags (:mod:`unitscale.parameter`): its
+``mup_type``, its fan-in and ``mup_scaling_depth``. With those rules the *change* of every
+activation in one step does not depend on the model's width or depth, so the best ``lr``
+found on a small model is the best one for a large model.
+
+Fan-in: for a weight, ``prod(shape[1:])``: an ``nn.Linear`` weight's ``in_features``, a
+convolution's ``in_channels/groups * kernel``, and an embedding's ``embedding_dim`` (for an
+embedding this is the width it writes, which gives u-μP's embedding rule, see
+:func:`lr_scale_func_adam`).
+
+How it works: :func:`scaled_parameters` turns the parameters into torch parameter groups,
+one per distinct learning rate, so the optimisers are torch's own (``foreach``/``fused``
+included) and a step costs the same as torch's. Weight decay is *independent* of the learning
+rate by default: each group's ``weight_decay`` is divided by its learning rate, so that
+torch's decoupled update ``p -= lr_group * wd_group * p`` shrinks every parameter by
+``weight_decay`` per step whatever ``lr`` and the rule are (and a learning-rate schedule,
+which multiplies ``lr_group``, scales the decay with it, as it should: Wortsman et al. 2023).
+
+Design constraints: drop-in for ``torch.optim``'s classes (same positional arguments,
+``state_dict`` and schedulers work); a parameter without tags is an error naming it unless
+``allow_untagged=True`` (then it gets ``lr`` unscaled).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import UnitScaleError
+from .parameter import has_mup_tags
+
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # optimisers
+    "Adam",
+    "AdamW",
+    "SGD",
+    # building blocks for any other optimiser
+    "scaled_parameters",
+    "lr_scale_func_adam",
+    "lr_scale_func_sgd",
+    # errors
+    "UntaggedParameterError",
+]
+
+LRScaleFunc = Callable[[Tensor], float]
+
+
+class UntaggedParameterError(UnitScaleError, ValueError):
+    """A parameter handed to a u-μP optimiser has no u-μP tags."""
+
+
+def _fan_in(param: Tensor) -> int:
+    return math.prod(param.shape[1:]) if param.dim() >= 2 else 1
+
+
+def _depth_scale(param: Tensor) -> float:
+    depth = getattr(param, "mup_scaling_depth", None)
+    return 1.0 / math.sqrt(depth) if depth else 1.0
+
+
+def lr_scale_func_adam(param: Tensor) -> float:
+    """u-μP's learning-rate scale of ``param`` for Adam-style optimisers (Adam, AdamW).
+
+    Rule, ``d = mup_scaling_depth`` (factor 1 if None):
+
+    * ``"weight"``: ``1 / sqrt(fan_in) / sqrt(d)``;
+    * ``"output"``: ``1`` (no depth factor: the readout is outside the residual stack);
+    * ``"bias"`` and ``"norm"``: ``1 / sqrt(d)``.
+
+    Reason. Adam's update has entries of size about ``lr`` whatever the gradient's scale,
+    and after a step it is correlated with the layer's input. A hidden weight is applied as
+    ``W x / sqrt(fan_in)`` (unit scaling), so the update changes the output by
+    ``lr * fan_in / sqrt(fan_in) = lr sqrt(fan_in)``: the ``1/sqrt(fan_in)`` keeps it O(1).
+    For an embedding, ``fan_in`` here is its width (``shape[1]``): u-μP's empirically better
+    ``1/sqrt(fan_out)`` embedding rule. The readout is applied as ``W x / fan_in`` (μP's
+    multiplier, :func:`~unitscale.functional.linear_readout` with ``mup=True``), so its update
+    changes the logits by ``lr fan_in / fan_in = lr``: scale 1. Biases and norm scales are
+    added or multiplied elementwise: a change of ``lr`` is a change of O(1), scale 1. Depth
+    (depth-μP): each of the ``d`` residual branches enters the stream with weight about
+    ``1/sqrt(d)``, and the ``d`` branch updates are correlated, so together they move the
+    stream by ``lr d / sqrt(d) = lr sqrt(d)``; ``1/sqrt(d)`` keeps that O(1).
+
+    Args:
+        param: a tagged parameter.
+
+    Returns:
+        The factor on the base learning rate.
+
+    Raises:
+        UntaggedParameterError: ``param`` has no u-μP tags.
+
+    Example:
+        >>> from unitscale import Parameter
+        >>> lr_scale_func_adam(Parameter(torch.empty(64, 256), "weight", mup_scaling_depth=4))
+        0.03125
+    """
+    mup_type = _mup_type(param)
+    if mup_type == "output":
+        return 1.0
+    if mup_type == "weight":
+        return _depth_scale(param) / math.sqrt(_fan_in(param))
+    return _depth_scale(param)
+
+
+def lr_scale_func_sgd(param: Tensor) -> float:
+    """u-μP's learning-rate scale of ``param`` for SGD, in a unit-scaled model.
+
+    Rule: the same numbers as :func:`lr_scale_func_adam`: ``"weight"``
+    ``1 / sqrt(fan_in) / sqrt(d)``, ``"output"`` 1, ``"bias"``/``"norm"`` ``1 / sqrt(d)``.
+
+    Reason. In μP with *true* gradients SGD needs other rules than Adam, because the
+    gradients' size depends on width. A unit-scaled model does not hand SGD true gradients:
+    every op scales its backward pass so that each weight's gradient has entries of size
+    O(1) at any width (a weight's gradient is ``grad_y^T x / sqrt(batch)``, with the
+    ``1/sqrt(fan_in)`` of the forward not applied; the residual split gives each branch a
+    unit gradient, not the true ``1/sqrt(d)``). An SGD step ``lr * grad`` therefore has
+    entries of size ``lr``, correlated with the input, exactly like Adam's, and the
+    derivation of :func:`lr_scale_func_adam` carries over term by term.
+
+    Args:
+        param: a tagged parameter.
+
+    Returns:
+        The factor on the base learning rate.
+
+    Raises:
+        UntaggedParameterError: ``param`` has no u-μP tags.
+
+    Example:
+        >>> from unitscale import Parameter
+        >>> lr_scale_func_sgd(Parameter(torch.empty(10), "bias", mup_scaling_depth=4))
+        0.5
+    """
+    return lr_scale_func_adam(param)
+
+
+def _mup_type(param: Tensor, name: str | None = None) -> str:
+    if not has_mup_tags(param):
+        raise _untagged(param, name)
+    return str(param.mup_type)  # type: ignore[attr-defined]
+
+
+def _untagged(param: Tensor, name: str | None) -> UntaggedParameterError:
+    what = f"parameter {name!r}" if name else "a parameter"
+    return UntaggedParameterError(
+        f"unitscale.optim: {what} of shape {tuple(param.shape)} has no u-μP tags, so its "
+        "learning rate is unknown; build the model from unitscale modules, call "
+        "unitscale.parameter.tag_module(model) or tag_parameter(p, mup_type), or pass "
+        "allow_untagged=True to give it the base learning rate"
+    )
+
+
+def _named(params: Any) -> list[dict[str, Any]]:
+    """Normalise ``params`` (tensors, ``(name, tensor)`` pairs or group dicts) to groups of
+    ``(name or None, tensor)`` pairs."""
+    if isinstance(params, Tensor):
+        raise TypeError(
+            "unitscale.optim: params must be an iterable of tensors, (name, tensor) pairs "
+            "or dicts, not a single tensor"
+        )
+    items = list(params)
+    if items and all(isinstance(item, dict) for item in items):
+        return [
+            {
+                **group,
+                "params": [
+                    pair
+                    for g in _named(
+                        [group["params"]]
+                        if isinstance(group["params"], Tensor)
+                        else group["params"]
+                    )
+                    for pair in g["params"]
+                ],
+            }
+            for group in items
+        ]
+    pairs = []
+    for index, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            pairs.append(item)
+        else:
+            pairs.append((f"#{index}", item))
+    return [{"params": pairs}]
+
+
+def scaled_parameters(
+    params: Iterable[Any],
+    lr_scale_func: LRScaleFunc,
+    lr: float | None = None,
+    weight_decay: float = 0.0,
+    independent_weight_decay: bool = True,
+    allow_untagged: bool = False,
+) -> list[dict[str, Any]]:
+    """Torch parameter groups with each parameter's learning rate ``lr * lr_scale_func(p)``.
+
+    For an optimiser other than these (``torch.optim.Adagrad``, a fused third-party Adam...):
+    ``opt = Other(scaled_parameters(model.named_parameters(), lr_scale_func_adam, lr=1e-2))``.
+    Parameters with the same scale (and group options) share one group.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (named in errors) or torch group dicts
+            (whose own ``lr``/``weight_decay`` replace the arguments).
+        lr_scale_func: the rule, e.g. :func:`lr_scale_func_adam`.
+        lr: base learning rate (required unless every group dict has one).
+        weight_decay: decay per step (independent) or torch's coefficient (not).
+        independent_weight_decay: divide each group's ``weight_decay`` by its learning
+            rate, so that a decoupled optimiser (AdamW, SGD without momentum) shrinks every
+            parameter by ``weight_decay`` per step whatever its learning rate.
+        allow_untagged: give untagged parameters the base ``lr`` instead of raising.
+
+    Returns:
+        A list of group dicts for any ``torch.optim.Optimizer``.
+
+    Raises:
+        UntaggedParameterError: an untagged parameter (named, if names were passed).
+        ValueError: no learning rate.
+
+    Example:
+        >>> import unitscale as us
+        >>> groups = scaled_parameters(us.Linear(256, 8).parameters(), lr_scale_func_adam, lr=1.0)
+        >>> [(g["lr"], len(g["params"])) for g in groups]
+        [(0.0625, 1), (1.0, 1)]
+    """
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for group in _named(params):
+        options = {k: v for k, v in group.items() if k != "params"}
+        base_lr = options.pop("lr", lr)
+        if base_lr is None:
+            raise ValueError("unitscale.optim.scaled_parameters: pass lr= (the base rate)")
+        base_decay = options.pop("weight_decay", weight_decay)
+        for name, param in group["params"]:
+            if has_mup_tags(param):
+                scale = lr_scale_func(param)
+            elif allow_untagged:
+                scale = 1.0
+            else:
+                raise _untagged(param, None if name.startswith("#") else name)
+            group_lr = float(base_lr) * scale
+            decay = float(base_decay)
+            if independent_weight_decay and decay:
+                decay = decay / group_lr if group_lr else 0.0
+            key = (group_lr, decay, *sorted((k, repr(v)) for k, v in options.items()))
+            if key not in out:
+                out[key] = {"params": [], "lr": group_lr, "weight_decay": decay, **options}
+            out[key]["params"].append(param)
+    return list(out.values())
+
+
+def _groups(
+    params: Iterable[Any],
+    lr: float,
+    weight_decay: float,
+    independent_weight_decay: bool,
+    allow_untagged: bool,
+    lr_scale_func: LRScaleFunc,
+) -> list[dict[str, Any]]:
+    return scaled_parameters(
+        params, lr_scale_func, lr, weight_decay, independent_weight_decay, allow_untagged
+    )
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with u-μP learning rates (:func:`lr_scale_func_adam`).
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
+        lr: base learning rate; each parameter gets ``lr * lr_scale_func_adam(p)``.
+        weight_decay: with ``independent_weight_decay`` (default) every parameter shrinks
+            by this fraction per step whatever its learning rate; otherwise torch's
+            coefficient (multiplied by the parameter's learning rate).
+        independent_weight_decay: see ``weight_decay``.
+        allow_untagged: give untagged parameters ``lr`` instead of raising.
+        kwargs: the rest of ``torch.optim.AdamW``'s arguments (betas, eps, fused...).
+
+    Raises:
+        UntaggedParameterError: a parameter has no u-μP tags.
+
+    Example:
+        >>> import unitscale as us
+        >>> opt = AdamW(us.Linear(64, 8, bias=False).parameters(), lr=0.8)
+        >>> opt.param_groups[0]["lr"]  # 0.8 / sqrt(64)
+        0.1
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        *,
+        independent_weight_decay: bool = True,
+        allow_untagged: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        groups = _groups(
+            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_adam
+        )
+        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+class Adam(torch.optim.Adam):
+    """``torch.optim.Adam`` with u-μP learning rates (:func:`lr_scale_func_adam`).
+
+    Weight decay: torch's Adam adds ``weight_decay * p`` to the gradient (L2), which Adam
+    then normalises, so no choice of coefficient makes it independent of the learning rate.
+    With ``independent_weight_decay`` (default) and a non-zero ``weight_decay``, the decay
+    is decoupled instead (``decoupled_weight_decay=True``: AdamW's update) and independent
+    as in :class:`AdamW`; with ``independent_weight_decay=False`` it is torch's L2.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
+        lr: base learning rate; each parameter gets ``lr * lr_scale_func_adam(p)``.
+        weight_decay: see above.
+        independent_weight_decay: see above.
+        allow_untagged: give untagged parameters ``lr`` instead of raising.
+        kwargs: the rest of ``torch.optim.Adam``'s arguments.
+
+    Raises:
+        UntaggedParameterError: a parameter has no u-μP tags.
+
+    Example:
+        >>> import unitscale as us
+        >>> opt = Adam(us.LayerNorm(64).parameters(), lr=0.1)
+        >>> [g["lr"] for g in opt.param_groups]
+        [0.1]
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        *,
+        independent_weight_decay: bool = True,
+        allow_untagged: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        groups = _groups(
+            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_adam
+        )
+        if independent_weight_decay and weight_decay:
+            kwargs["decoupled_weight_decay"] = True
+        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+
+
+class SGD(torch.optim.SGD):
+    """``torch.optim.SGD`` with u-μP learning rates (:func:`lr_scale_func_sgd`).
+
+    Weight decay: torch's SGD adds ``weight_decay * p`` to the gradient, so without momentum
+    a step shrinks ``p`` by ``lr_group * weight_decay``; with ``independent_weight_decay``
+    (default) each group's coefficient is divided by its learning rate, so every parameter
+    shrinks by ``weight_decay`` per step (with momentum, the decay is also accumulated).
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
+        lr: base learning rate; each parameter gets ``lr * lr_scale_func_sgd(p)``.
+        weight_decay: see above.
+        independent_weight_decay: see above.
+        allow_untagged: give untagged parameters ``lr`` instead of raising.
+        kwargs: the rest of ``torch.optim.SGD``'s arguments (momentum, nesterov...).
+
+    Raises:
+        UntaggedParameterError: a parameter has no u-μP tags.
+
+    Example:
+        >>> import unitscale as us
+        >>> opt = SGD(us.Linear(16, 8, bias=False).parameters(), lr=1.0)
+        >>> opt.param_groups[0]["lr"]
+        0.25
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        *,
+        independent_weight_decay: bool = True,
+        allow_untagged: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        groups = _groups(
+            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_sgd
+        )
+        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)

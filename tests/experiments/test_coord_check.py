@@ -1,0 +1,110 @@
+"""The coordinate check: u-μP keeps each layer's output and its change flat across width and
+depth; the standard parametrisation does not.
+
+Setup (both parametrisations): a fixed batch of 4 x 32 tokens, vocabulary 128, heads of
+width 32, 3 optimiser steps at one learning rate for every size. u-μP:
+``TransformerDecoder(mup=True)`` with ``unitscale.optim.AdamW(lr=0.3)``. Standard
+parametrisation: :class:`unitscale.models.PlainGPT` (GPT-2's N(0, 0.02) initialisation) with
+``torch.optim.AdamW(lr=1e-2)``.
+
+What is compared, per layer, after the last step: ``size`` (rms of the output) and
+``change`` (rms of output minus its initial value). Across widths every layer is the same
+coordinate. Across depths the *last* block's output and the logits are (block ``i`` of a deep
+model holds a smaller share of the stream than block ``i`` of a shallow one, by design).
+The embedding's change falls like ``1/sqrt(width)``: u-μP's embedding learning-rate rule
+(``1/sqrt(width)``, see :func:`unitscale.optim.lr_scale_func_adam`) chose that on purpose;
+the test checks the predicted ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import unitscale as us
+from unitscale.experiments.coord_check import coord_data, decoder_layers
+from unitscale.models import GPTConfig, PlainGPT
+
+VOCAB, BATCH, SEQ, STEPS = 128, 4, 32, 3
+WIDTHS = [64, 128, 256, 512]
+DEPTHS = [2, 4, 8]
+# u-muP: max / min over sizes of each layer's size and change
+FLAT = 2.0
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def umup_records(widths: list[int], depths: list[int], layers: Any) -> list[dict[str, Any]]:
+    return coord_data(
+        lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB, mup=True),
+        lambda m: us.optim.AdamW(m.parameters(), lr=0.3),
+        lambda m, b: m(*b),
+        _batch(),
+        widths,
+        depths,
+        layers,
+        steps=STEPS,
+    )
+
+
+def sp_records(widths: list[int]) -> list[dict[str, Any]]:
+    return coord_data(
+        lambda w, d: PlainGPT(GPTConfig(VOCAB, w, d, w // 32, SEQ)),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        lambda m, b: m(b[0], labels=b[1]),
+        _batch(),
+        widths,
+        [2],
+        lambda d: ["token_embedding", *(f"blocks.{i}" for i in range(d)), "lm_head"],
+        steps=STEPS,
+    )
+
+
+def final(records: list[dict[str, Any]], layer: str, key: str) -> list[float]:
+    return [r[key] for r in records if r["layer"] == layer and r["step"] == STEPS]
+
+
+def spread(values: list[float]) -> float:
+    return max(values) / min(values)
+
+
+@pytest.mark.slow
+def test_umup_is_flat_across_width_and_sp_is_not(single_thread: None) -> None:
+    umup = umup_records(WIDTHS, [2], decoder_layers)
+    for layer in ("layers.0", "layers.1", "readout"):
+        for key in ("size", "change"):
+            values = final(umup, layer, key)
+            assert spread(values) < FLAT, (layer, key, values)
+    embedding = final(umup, "embedding", "change")
+    # u-muP's embedding rule: change ~ 1/sqrt(width), 512 vs 64 -> sqrt(8) = 2.83
+    assert embedding[0] / embedding[-1] == pytest.approx(math.sqrt(8), rel=0.3)
+    assert spread(final(umup, "embedding", "size")) < 1.1
+
+    sp = sp_records(WIDTHS)
+    logits_change = final(sp, "lm_head", "change")
+    block_change = final(sp, "blocks.1", "change")
+    # the standard parametrisation's updates grow with width
+    assert logits_change[-1] / logits_change[0] > 4.0, logits_change
+    assert block_change[-1] / block_change[0] > 10.0, block_change
+    assert logits_change == sorted(logits_change)
+
+
+@pytest.mark.slow
+def test_umup_is_flat_across_depth(single_thread: None) -> None:
+    records = umup_records([64], DEPTHS, lambda d: ["embedding", f"layers.{d - 1}", "readout"])
+    for key in ("size", "change"):
+        last_block = [
+            r[key]
+            for r in records
+            if r["step"] == STEPS and r["layer"] == f"layers.{r['depth'] - 1}"
+        ]
+        assert len(last_block) == len(DEPTHS)
+        assert spread(last_block) < FLAT, (key, last_block)
+        for layer in ("embedding", "readout"):
+            assert spread(final(records, layer, key)) < FLAT, (layer, key)

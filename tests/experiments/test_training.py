@@ -1,0 +1,173 @@
+"""The training comparison (unitscale.training) and the ``unitscale train`` command."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unitscale.cli import main
+from unitscale.experiments.training import (
+    RUN_NAMES,
+    RunResult,
+    TrainConfig,
+    TrainConfigError,
+    build_run_model,
+    fp8_gaps,
+    summary_text,
+    train_run,
+)
+
+# Subprocesses, training runs or a browser: run in full CI, skipped by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
+_SCRIPT = Path(sys.executable).with_name("unitscale")
+COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "unitscale.cli"]
+TINY = ["--steps", "4", "--width", "16", "--heads", "2", "--depth", "1", "--batch-size", "2",
+        "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def eager_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNITSCALE_STATS", "eager")  # same statistics, no kernel compile
+
+
+def test_config_validation() -> None:
+    with pytest.raises(TrainConfigError, match=r"steps=0 must be a positive integer"):
+        TrainConfig(steps=0)
+    with pytest.raises(TrainConfigError, match=r"unknown run\(s\) \['fp8'\]"):
+        TrainConfig(runs=("fp8",))
+    with pytest.raises(TrainConfigError, match=r"lists a run twice"):
+        TrainConfig(runs=("plain-fp32", "plain-fp32"))
+    with pytest.raises(TrainConfigError, match=r"hidden_size=10 must be a multiple of heads=4"):
+        TrainConfig(hidden_size=10)
+    with pytest.raises(TrainConfigError, match=r"lr_plain=0 must be a positive number"):
+        TrainConfig(lr_plain=0)
+    with pytest.raises(TrainConfigError, match=r"warmup_steps=-1"):
+        TrainConfig(warmup_steps=-1)
+    # Runs are always done in the canonical order.
+    assert TrainConfig(runs=("unit-scaled-fp8", "plain-fp32")).runs == (
+        "plain-fp32",
+        "unit-scaled-fp8",
+    )
+
+
+def test_learning_rate_schedule() -> None:
+    config = TrainConfig(steps=200, lr_plain=1e-3, lr_unit_scaled=1e-2)
+    assert config.warmup == 10
+    lrs = [config.lr_at("plain-fp8", s) for s in range(200)]
+    assert lrs[9] == pytest.approx(1e-3) and lrs[0] == pytest.approx(1e-4)
+    assert all(a <= b for a, b in itertools.pairwise(lrs[:10]))  # warm-up rises
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))  # then decays
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert config.lr_at("unit-scaled-fp32", 100) == pytest.approx(10 * lrs[100])
+
+
+def test_fp8_runs_start_from_the_fp32_weights() -> None:
+    config = TrainConfig(hidden_size=16, heads=2, depth=1, seq_len=16, seed=3)
+    for family in ("plain", "unit-scaled"):
+        fp32 = build_run_model(f"{family}-fp32", config).state_dict()
+        fp8 = build_run_model(f"{family}-fp8", config).state_dict()
+        assert fp32.keys() == fp8.keys()
+        assert all(torch.equal(fp32[k], fp8[k]) for k in fp32)
+
+
+def test_diverging_run_stops_and_monitor_reports_where() -> None:
+    config = TrainConfig(
+        steps=6, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_batches=1,
+        warmup_steps=0, lr_plain=1e30, monitor_every=100, runs=("plain-fp32",),
+    )  # fmt: skip
+    result = train_run("plain-fp32", config, progress=False)
+    assert result.stopped_at is not None and 0 < result.stopped_at < 6
+    assert all(math.isfinite(v) for v in result.train_losses[: result.stopped_at])
+    assert all(math.isnan(v) for v in result.train_losses[result.stopped_at :])
+    assert math.isnan(result.final_heldout_loss)
+    report = result.non_finite
+    assert report is not None and report.step == result.stopped_at
+    assert report.tensor is not None and report.direction == "fwd"
+    assert "NaN at step" in summary_text({"plain-fp32": result}, config)
+
+
+def test_summary_checks_the_two_percent_claim() -> None:
+    def result(name: str, train: float, heldout: float) -> RunResult:
+        return RunResult(name, 1e-3, [train], {1: heldout}, train, heldout)
+
+    results = {
+        "plain-fp32": result("plain-fp32", 2.0, 2.0),
+        "plain-fp8": result("plain-fp8", 2.1, 2.06),
+        "unit-scaled-fp32": result("unit-scaled-fp32", 2.0, 2.0),
+        "unit-scaled-fp8": result("unit-scaled-fp8", 2.01, 1.99),
+    }
+    gaps = fp8_gaps(results)
+    assert gaps["plain"] == pytest.approx((0.05, 0.03))
+    assert gaps["unit-scaled"] == pytest.approx((0.005, -0.005))
+    text = summary_text(results, TrainConfig(steps=1))
+    assert "plain in simulated FP8 vs FP32: held-out +3.00%, train +5.00% (NOT within 2%)" in text
+    assert "unit-scaled in simulated FP8 vs FP32: held-out -0.50%, train +0.50% (within 2%)" in text
+
+
+def test_bad_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--runs", "plain-fp32,fp16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unknown run(s) fp16; choose from plain-fp32,plain-fp8" in err
+    assert main(["train", "--steps", "0"]) == 2
+    assert "'0' must be at least 1" in capsys.readouterr().err
+
+
+def _unitscale(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "UNITSCALE_DEBUG": "", "UNITSCALE_STATS": "eager"}
+    return subprocess.Popen(
+        [*COMMAND, *args], cwd=cwd, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
+    # Two runs at once (same seed, same options), compared byte for byte.
+    args = [*TINY, "--monitor-every", "2", "--seed", "5"]
+    procs = [_unitscale("train", *args, "--out", f"out{i}", cwd=tmp_path) for i in (1, 2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr
+    out1, out2 = tmp_path / "out1", tmp_path / "out2"
+    stdout, stderr = outputs[0]
+
+    # Same seed: byte-identical loss and scale tables.
+    csvs = ["losses.csv", *(f"scales_{run}.csv" for run in RUN_NAMES)]
+    for name in csvs:
+        assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name
+
+    with (out1 / "losses.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run"] for r in rows] == [run for run in RUN_NAMES for _ in range(5)]
+    assert [r["step"] for r in rows[:5]] == ["0", "1", "2", "3", "4"]
+    assert [r["heldout_loss"] != "" for r in rows[:5]] == [False, False, True, False, True]
+    assert all(2.0 < float(r["train_loss"]) < 6.0 for r in rows if r["train_loss"])
+    # The FP32 and FP8 runs see the same batches from the same weights: close first losses.
+    first = {r["run"]: float(r["train_loss"]) for r in rows if r["step"] == "0"}
+    assert first["plain-fp8"] == pytest.approx(first["plain-fp32"], abs=0.02)
+    assert first["unit-scaled-fp8"] == pytest.approx(first["unit-scaled-fp32"], abs=0.02)
+
+    for name in ["loss_curves.png", "report.html", "summary.txt"] + [
+        f"scales_{run}_{d}.png" for run in RUN_NAMES for d in ("fwd", "bwd")
+    ]:
+        assert (out1 / name).stat().st_size > 1000, name
+    report = (out1 / "report.html").read_text(encoding="utf-8")
+    assert report.count('src="data:image/png;base64,') == 1 + 2 * len(RUN_NAMES)
+    assert "http://" not in report and "https://" not in report
+
+    # The printed table: one line per run with its final losses, and the claim checked.
+    table = {line.split()[0]: line.split() for line in stdout.splitlines() if line[:1].isalpha()}
+    for run in RUN_NAMES:
+        assert float(table[run][2]) > 0 and float(table[run][3]) > 0
+    assert "unit-scaled in simulated FP8 vs FP32: held-out" in stdout
+    assert stdout == (out1 / "summary.txt").read_text(encoding="utf-8")
+    assert "plain-fp32" in stderr and "4/4" in stderr  # progress bars

@@ -1,0 +1,68 @@
+"""The package as a whole: what ``import unitscale`` costs, ``python -m unitscale``, layering."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "unitscale"
+
+
+@pytest.mark.slow
+def test_import_does_not_load_dynamo_or_inductor() -> None:
+    code = (
+        "import sys, unitscale, unitscale.analysis, unitscale.cli; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_python_m_unitscale_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "unitscale", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: unitscale")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of the unitscale modules ``path`` imports (relative imports resolved)."""
+    package = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+            names.add(module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("unitscale")}
+
+
+def test_no_module_reaches_into_another_packages_private_module() -> None:
+    """A package's ``_private`` modules are imported only from inside that package."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        owner = ".".join(path.relative_to(SRC.parent).parts[:2]).removesuffix(".py")
+        for name in _imported_modules(path):
+            parts = name.split(".")
+            for part in parts[2:]:
+                if part.startswith("_") and not part.startswith("__"):
+                    if ".".join(parts[:2]) != owner:
+                        offenders.append(f"{path.relative_to(SRC)} imports {name}")
+                    break
+    assert offenders == []

@@ -1,0 +1,169 @@
+"""Properties of the statistics recorded for each tensor."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from unitscale.tracking.metrics import FORMAT_RANGES, Metrics, stats_to_data, tensor_stats
+
+CASTS = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+def data_of(x: torch.Tensor) -> Metrics.Data:
+    return stats_to_data(tensor_stats(x).tolist(), x.numel())
+
+
+@pytest.mark.parametrize("shape", [(1,), (7, 3), (64, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_statistics_match_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3 + 0.5).to(dtype)
+    d = data_of(x)
+    ref = x.double()
+    tol = {"rel": 1e-3} if dtype == torch.float32 else {"rel": 1e-2}
+    assert d.numel == x.numel()
+    assert d.mean_abs == pytest.approx(ref.abs().mean().item(), **tol)
+    assert d.abs_mean == pytest.approx(ref.mean().abs().item(), **tol)
+    assert d.std == pytest.approx(ref.std(correction=0).item(), **tol, abs=1e-6)
+    assert d.abs_max == pytest.approx(ref.abs().max().item(), **tol)
+    assert d.abs_min == pytest.approx(ref.abs().min().item(), **tol)
+    assert d.rms == pytest.approx(ref.square().mean().sqrt().item(), **tol)
+    assert d.finite
+
+
+def test_one_element_has_zero_std() -> None:
+    d = data_of(torch.tensor([-2.5]))
+    assert d.std == 0.0
+    assert d.mean_abs == d.abs_max == d.abs_min == d.rms == 2.5
+
+
+@pytest.mark.parametrize("key", list(CASTS))
+def test_underflow_and_overflow_agree_with_casts(key: str) -> None:
+    """Underflow: non-zero values that the format's own cast rounds to zero (ties included)."""
+    torch.manual_seed(1)
+    min_sub, max_val = FORMAT_RANGES[key]
+    # log-uniform magnitudes spanning the format's whole range and beyond, plus exact ties.
+    exps = torch.empty(20000).uniform_(math.log2(min_sub) - 4, math.log2(max_val) + 2)
+    x = torch.exp2(exps) * torch.randn(20000).sign()
+    ties = torch.tensor([min_sub / 2, -min_sub / 2, min_sub, max_val, -max_val * 1.01])
+    x = torch.cat([x, ties, torch.zeros(10)])
+    d = data_of(x)
+    nonzero = x != 0
+    if key == "bf16":
+        x = x.double()
+    cast = x.to(CASTS[key]).to(torch.float64)
+    expected_under = ((cast == 0) & nonzero).double().mean().item()
+    expected_over = (x.abs() > max_val).double().mean().item()
+    assert d.underflow[key] == pytest.approx(expected_under, abs=1e-12)
+    assert d.overflow[key] == pytest.approx(expected_over, abs=1e-12)
+    assert 0 < d.underflow[key] and 0 < d.overflow[key]
+
+
+def test_empty_tensor_is_defined() -> None:
+    d = data_of(torch.empty(0, 4))
+    assert d.numel == 0
+    assert (d.mean_abs, d.std, d.abs_max, d.rms) == (0.0, 0.0, 0.0, 0.0)
+    assert all(v == 0.0 for v in d.underflow.values())
+
+
+def test_nan_and_inf_are_counted_not_raised() -> None:
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    d = data_of(x)
+    assert (d.nan_count, d.inf_count, d.finite) == (1, 1, False)
+    assert math.isnan(d.mean_abs)
+    # inf overflows every format; NaN is not counted as overflow.
+    assert d.overflow["e4m3"] == pytest.approx(0.25)
+    d = data_of(torch.tensor([1.0, float("-inf")]))
+    assert d.abs_max == math.inf and d.nan_count == 0
+
+
+@pytest.fixture
+def compiled_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNITSCALE_STATS", "compiled")
+
+
+def test_compiled_and_eager_statistics_agree(compiled_statistics: None) -> None:
+    from unitscale.tracking.metrics import _kernel, _stats_kernel
+
+    torch.manual_seed(2)
+    for x in [torch.randn(1000) * 1e3, torch.randn(37, 5).t(), torch.randn(300).half()]:
+        compiled = stats_to_data(tensor_stats(x).tolist(), x.numel())
+        eager = stats_to_data(_stats_kernel(x).tolist(), x.numel())
+        assert compiled.underflow == eager.underflow and compiled.overflow == eager.overflow
+        for field in Metrics.Data.SCALAR_FIELDS:
+            assert getattr(compiled, field) == pytest.approx(getattr(eager, field), rel=1e-5)
+    assert _kernel.compiled is not None and not _kernel.failed  # the compiled path ran
+
+
+def test_tracked_model_with_compiled_statistics(compiled_statistics: None) -> None:
+    from unitscale.transforms import track_scales
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    tracked = track_scales(model)
+    x = torch.randn(8, 16)
+    out = tracked(x)
+    assert torch.equal(out, model(x))
+    out.square().mean().backward()
+    graph = tracked.scales_graph()
+    gelu = next(n for n in graph.nodes if n.target is torch.nn.functional.gelu)
+    expected = torch.nn.functional.gelu(model[0](x)).detach()
+    assert gelu.meta["metrics"].fwd.mean_abs == pytest.approx(expected.abs().mean().item())
+    assert gelu.meta["metrics"].bwd is not None
+
+
+class _NoHostReads(TorchFunctionMode):
+    """Raises on every way of reading a tensor's values on the host (a device sync on a GPU;
+    ``torch.cuda.set_sync_debug_mode`` is CUDA-only, so this works on any device)."""
+
+    READS = (
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.READS or (
+            func is torch.Tensor.to
+            and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        ):
+            raise AssertionError(f"host read during statistics: {func.__name__}")
+        return func(*args, **kwargs)
+
+
+def test_no_host_reads_is_able_to_fail() -> None:
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        bool(torch.ones(1) > 0)
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        torch.ones(1).to("cpu")
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(100, requires_grad=True),
+        torch.tensor([1.0, float("nan"), float("inf")]),
+        torch.empty(0),
+        torch.randn(8, 8).half().t(),
+    ],
+)
+def test_statistics_do_not_modify_or_sync(x: torch.Tensor) -> None:
+    before = x.detach().clone()
+    with _NoHostReads():
+        v = tensor_stats(x)
+    assert not v.requires_grad and v.dtype == torch.float64
+    torch.testing.assert_close(x.detach(), before, rtol=0, atol=0, equal_nan=True)

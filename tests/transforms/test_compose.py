@@ -1,0 +1,177 @@
+"""Composition of transforms, compile, and what every transformed module must do."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import unitscale.functional as U
+from unitscale.capture import Stage, TransformedModule
+from unitscale.errors import CaptureError
+from unitscale.formats import E4M3, E5M2
+from unitscale.models import GPTConfig, plain_gpt
+from unitscale.transforms import compile, simulate_fp8, track_scales, unit_scale
+from unitscale.transforms._simulate import quantise_operand
+
+E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
+E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.up = nn.Linear(32, 128)
+        self.down = nn.Linear(128, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.head(x)
+
+
+def by_hand(model: ResidualMLP, x: Tensor) -> Tensor:
+    """simulate_fp8(unit_scale(ResidualMLP)) written out: unit-scaled ops, FP8 operands."""
+
+    def q(t: Tensor) -> Tensor:
+        return quantise_operand(t, E4M3_NEAREST, E5M2_NEAREST)
+
+    residual, skip = U.residual_split(x, 0.5)
+    h = U.layer_norm(residual, (32,), model.norm.weight, model.norm.bias)
+    h = U.gelu(U.linear(q(h), q(model.up.weight), model.up.bias))
+    h = U.linear(q(h), q(model.down.weight), model.down.bias)
+    x = U.residual_add(h, skip, 0.5)
+    return U.linear(q(x), q(model.head.weight), model.head.bias, constraint=None)
+
+
+def outputs_and_grads(model: nn.Module, x: Tensor) -> list[Tensor]:
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.backward(torch.linspace(-2, 2, out.numel()).view_as(out))
+    inner = model.module if isinstance(model, TransformedModule) else model
+    return [out.detach(), x.grad, *(p.grad for p in inner.parameters())]
+
+
+def test_chain_equals_the_steps_applied_by_hand() -> None:
+    chained = simulate_fp8(unit_scale(ResidualMLP()), recipe="all-operands")
+    reference = ResidualMLP()
+    reference.load_state_dict(chained.state_dict())
+    x = torch.randn(16, 32)
+    got = outputs_and_grads(chained, x)
+    x_ref = x.clone().requires_grad_()
+    out = by_hand(reference, x_ref)
+    out.backward(torch.linspace(-2, 2, out.numel()).view_as(out))
+    expected = [out.detach(), x_ref.grad, *(p.grad for p in reference.parameters())]
+    for a, b in zip(got, expected, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a, b)
+
+
+def test_tracking_a_transformed_module_changes_nothing_and_shows_its_graph() -> None:
+    x = torch.randn(16, 32)
+    for transform in (unit_scale, simulate_fp8, lambda m: simulate_fp8(unit_scale(m))):
+        model = transform(ResidualMLP())
+        tracked = track_scales(model)
+        tracked.load_state_dict(model.state_dict())
+        for a, b in zip(outputs_and_grads(tracked, x), outputs_and_grads(model, x), strict=True):
+            assert torch.equal(a, b)
+    targets = {n.target for n in tracked.scales_graph().nodes}
+    assert {U.residual_split, U.residual_add, U.linear, quantise_operand} <= targets
+
+
+def tiny_gpt(dropout: float = 0.0) -> nn.Module:
+    return plain_gpt(GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout))
+
+
+@pytest.mark.slow
+def test_compiled_chain_matches_eager_chain() -> None:
+    eager = simulate_fp8(unit_scale(tiny_gpt()))
+    compiled = compile(simulate_fp8(unit_scale(tiny_gpt())))
+    compiled.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 256, (2, 16))
+    losses, grads = [], []
+    for model in (eager, compiled):
+        loss = model(ids, labels=ids.roll(-1, dims=1))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.module.parameters()]))  # type: ignore[union-attr]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-4)
+    # Reassociation inside fused kernels can move a value across an FP8 rounding boundary.
+    assert (grads[0] - grads[1]).norm() / grads[0].norm() < 1e-2
+    assert all(isinstance(p, type(compiled.passes[-1])) for p in compiled.passes[-1:])
+    assert compiled.passes[-1].stage is Stage.COMPILE
+
+
+def test_compile_order_errors() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(CaptureError, match=r"track_scales: the module is already compiled"):
+        track_scales(compile(model))
+    with pytest.raises(CaptureError, match=r"compile: the module is tracked by track_scales"):
+        compile(track_scales(model))
+    with pytest.raises(CaptureError, match=r"apply compile last"):
+        simulate_fp8(compile(model))
+    with pytest.raises(CaptureError, match=r"already torch\.compile'd"):
+        compile(torch.compile(model))  # type: ignore[arg-type]
+    # A compiled module (not yet run) still copies and pickles as configuration.
+    compiled = compile(unit_scale(model))
+    for clone in (copy.deepcopy(compiled), pickle.loads(pickle.dumps(compiled))):
+        assert [type(p) for p in clone.passes] == [type(p) for p in compiled.passes]
+        assert torch.equal(clone.weight, compiled.weight)
+
+
+TRANSFORMS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "unit_scale": unit_scale,
+    "simulate_fp8": simulate_fp8,
+    "track(fp8(unit))": lambda m: track_scales(simulate_fp8(unit_scale(m))),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transformed_module_behaves_like_a_module(name: str) -> None:
+    original = tiny_gpt(dropout=0.2).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    state_before = {k: v.clone() for k, v in original.state_dict().items()}
+    out_before = original(ids)
+
+    model = TRANSFORMS[name](original)
+
+    # Keys and checkpoints: the original's checkpoint loads into it, and back.
+    assert list(model.state_dict()) == list(state_before)
+    model.load_state_dict(original.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state_before[key]), key
+    restored = tiny_gpt()
+    restored.load_state_dict(model.state_dict())
+
+    # train()/eval(): dropout on, then off.
+    model.train()
+    torch.manual_seed(1)
+    first = model(ids)
+    second = model(ids)
+    assert not torch.equal(first, second)
+    model.eval()
+    evaluated = model(ids)
+    assert torch.equal(evaluated, model(ids))
+    assert not torch.equal(evaluated, first)
+
+    # Copies and pickles run and give the same result.
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(clone(ids), evaluated)
+
+    # Moves with .to(): float64 parameters and outputs, same values up to precision.
+    wide = copy.deepcopy(model).to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in wide.parameters())
+    out = wide(ids)
+    assert out.dtype == torch.float64
+    assert (out - evaluated.double()).norm() / evaluated.norm() < 1e-2
+
+    # The original is untouched.
+    for key, value in original.state_dict().items():
+        assert torch.equal(value, state_before[key]), key
+    assert torch.equal(original(ids), out_before)
