@@ -119,7 +119,8 @@ def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float)
         y = x.to(native)
         code = y.view(torch.uint8)
         infinity = ((2**fmt.exponent_bits - 1) << fmt.mantissa_bits) & 0x7F
-        code.sub_(((code & 0x7F) == infinity).view(torch.uint8))
+        # .to, not .view: Inductor before torch 2.8 cannot lower a view of a bool tensor.
+        code.sub_(((code & 0x7F) == infinity).to(torch.uint8))
         return y.to(x.dtype)
     return x.clamp(-bound, bound).to(native).to(x.dtype)
 

@@ -46,12 +46,14 @@ def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]
 
 
 def _moment_tables(
-    keys: int, logit_var: float, device: torch.device, dtype: torch.dtype
+    keys: int, logit_var: float, like: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """The moment tables as tensors: cached per device in eager mode; built from Python
-    floats (constants of the graph) while being compiled."""
+    """The moment tables as tensors on ``like``'s device: cached per device in eager mode;
+    built from Python floats (constants of the graph) while being compiled or traced with
+    fake tensors (a cached real tensor cannot be indexed by a fake one on torch < 2.8)."""
     v, g = _moment_lists(keys, logit_var)
-    if torch.compiler.is_compiling():
+    device = like.device
+    if torch.compiler.is_compiling() or type(like) not in (Tensor, torch.nn.Parameter):
         return torch.tensor(v, device=device, dtype=dtype), torch.tensor(
             g, device=device, dtype=dtype
         )
@@ -137,7 +139,7 @@ def masked_scaled_dot_product_attention(
     visible = visible.expand(*visible.shape[:-2], queries, keys)
     counts = visible.sum(-1).clamp(max=keys)
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32
-    v_table, g_table = _moment_tables(keys, logit_var, query.device, dtype)
+    v_table, g_table = _moment_tables(keys, logit_var, query, dtype)
     mean_v = v_table[counts].mean()
     mean_g = g_table[counts].mean()
     keep = 1.0 - dropout_p
