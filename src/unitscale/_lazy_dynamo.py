@@ -12,6 +12,7 @@ right after ``torch._dynamo`` has finished importing (or at once if it already h
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -20,7 +21,12 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-__all__ = ["assume_constant_result", "is_optimized_module", "when_dynamo_imported"]
+__all__ = [
+    "assume_constant_result",
+    "disable",
+    "is_optimized_module",
+    "when_dynamo_imported",
+]
 
 _DYNAMO = "torch._dynamo"
 _CALLBACKS: list[Callable[[], None]] = []
@@ -33,6 +39,25 @@ def assume_constant_result(fn: F) -> F:
     sets this attribute, which Dynamo reads when it traces a call of ``fn``."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+def disable(fn: F) -> F:
+    """``torch.compiler.disable`` without importing Dynamo now: calls go to ``fn`` until
+    Dynamo is imported, then (before anything can be traced) to its disabled version, which
+    a compiled caller runs eagerly after a graph break."""
+    target: list[Callable[..., Any]] = [fn]
+
+    def install() -> None:
+        import torch._dynamo
+
+        target[0] = torch._dynamo.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return target[0](*args, **kwargs)
+
+    when_dynamo_imported(install)
+    return call  # type: ignore[return-value]
 
 
 def is_optimized_module(module: object) -> bool:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .. import functional as U
 from .. import modules as us
+from .._lazy_dynamo import disable
 from ..errors import UnitScaleError
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
@@ -339,7 +340,7 @@ class UnitScaledGPT(nn.Module):
         return U.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-@torch.compiler.disable
+@disable
 def _refuse_padding(attention_mask: Tensor) -> None:
     """Raise for a padding mask, also while being compiled (where this runs eagerly, after a
     graph break: the check reads the mask's values, which a graph cannot branch on)."""
