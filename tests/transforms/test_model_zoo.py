@@ -29,9 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-_HIDDEN = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
-)
+_HIDDEN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 _SEQ2SEQ = dict(d_model=64, vocab_size=128)
 
 
