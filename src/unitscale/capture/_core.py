@@ -295,6 +295,10 @@ class Capture:
         self.produced: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.current: Invocation | None = None
         self.calls = 0  # calls that went through Dynamo
+        self.varying = _VaryingSizes()
+        # Static shapes by default; the sizes that change between calls are marked dynamic
+        # by ``varying`` (per transformed module, not by Dynamo's process-wide automatic
+        # dynamic shapes, so a module's graphs do not depend on what ran before it).
         self.compiled: Callable[..., Any] = torch.compile(
             owner.module, backend=self.backend, dynamic=False
         )
@@ -366,6 +370,7 @@ class Capture:
         self.produced = {}
         import torch._dynamo
 
+        args, kwargs, marked = self.varying.mark(args, kwargs)
         try:
             with dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True):
                 out = self.compiled(*args, **kwargs)
@@ -390,7 +395,7 @@ class Capture:
         if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
             self.last_trace = self.trace
         self.produced = {}
-        return out
+        return _VaryingSizes.unmark(out, marked) if marked else out
 
     @property
     def owner_passes(self) -> tuple[GraphPass, ...]:
@@ -401,6 +406,67 @@ class Capture:
     def owner_module(self) -> nn.Module:
         owner = self.owner_ref()
         return owner.module if owner is not None else nn.Module()
+
+
+class _VaryingSizes:
+    """The input sizes that changed between calls of one transformed module.
+
+    Dynamo compiles a static graph per input shape; a model fed batches of varying length
+    would get one graph (and, for tracking, one set of graph copies) per length, without
+    bound. Once an input's size in some dimension differs from its first call's, that
+    dimension is marked dynamic (``torch._dynamo.maybe_mark_dynamic``: Dynamo may still
+    specialise it where the code needs a concrete size) on every later call, so one more
+    graph serves every length. The mark is put on an alias of the caller's tensor (same
+    storage, same autograd history), never on the tensor itself; an alias the forward
+    returns is handed back as the caller's tensor.
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[int, ...]] = {}
+        self.dynamic: dict[str, set[int]] = {}
+
+    def mark(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, Tensor]]:
+        """``args``/``kwargs`` with the varying tensors replaced by marked aliases, and
+        ``id(alias) -> caller's tensor``."""
+        marked: dict[int, Tensor] = {}
+        aliases: dict[int, Tensor] = {}  # one alias per caller's tensor, however often passed
+        args = tuple(self._mark(f"args[{i}]", a, marked, aliases) for i, a in enumerate(args))
+        kwargs = {key: self._mark(key, value, marked, aliases) for key, value in kwargs.items()}
+        return args, kwargs, marked
+
+    def _mark(
+        self, key: str, value: Any, marked: dict[int, Tensor], aliases: dict[int, Tensor]
+    ) -> Any:
+        if not isinstance(value, Tensor) or type(value) is not Tensor:
+            return value
+        shape = tuple(value.shape)
+        first = self.first.setdefault(key, shape)
+        if len(first) != len(shape):
+            return value  # a different rank: Dynamo recompiles whatever is marked
+        dims = self.dynamic.setdefault(key, set())
+        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
+        if not dims:
+            return value
+        import torch._dynamo
+
+        alias = aliases.get(id(value))
+        if alias is None:
+            alias = value.view_as(value) if value.requires_grad else value.detach()
+            aliases[id(value)] = alias
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(alias, dim)
+        marked[id(alias)] = value
+        return alias
+
+    @staticmethod
+    def unmark(output: Any, marked: dict[int, Tensor]) -> Any:
+        if isinstance(output, Tensor):
+            return marked.get(id(output), output)
+        if type(output) in (tuple, list):
+            return type(output)(_VaryingSizes.unmark(v, marked) for v in output)
+        return output
 
 
 class TransformedModule(nn.Module):
