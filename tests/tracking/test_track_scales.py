@@ -389,6 +389,26 @@ def test_graph_break_in_a_loop_is_still_captured_whole() -> None:
             tracked(x, labels).backward()
 
 
+class CountingLoop(LoopWithBreak):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor, labels: Tensor) -> Tensor:
+        self.calls += 1
+        return super().forward(x, labels)
+
+
+def test_replay_says_side_effects_ran_twice_and_later_calls_run_once() -> None:
+    tracked = track_scales(CountingLoop())
+    x, labels = torch.randn(3, 8), torch.tensor([0, 1, 2])
+    with pytest.warns(UserWarning, match="side effects of the forward .* happened twice"):
+        tracked(x, labels)
+    assert tracked.module.calls == 2  # the Dynamo run and its replay
+    tracked(x, labels)  # the eager tracer directly: once
+    assert tracked.module.calls == 3
+
+
 def test_transformed_module_keeps_the_original_names() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
     tracked = track_scales(model)

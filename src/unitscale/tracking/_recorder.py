@@ -175,7 +175,8 @@ class TrackScalesPass(GraphPass):
         The first call goes through Dynamo with the RNG and buffers saved; if some of its ops
         ran outside the captured graphs (Dynamo skipped a frame, e.g. for a graph break in a
         loop), the state is restored and the call replayed under the eager tracer, whose
-        outputs are returned. Later calls then use the eager tracer directly. Only when
+        outputs are returned. Python side effects cannot be restored: those of that first call
+        happen twice, and the warning says so. Later calls then use the eager tracer directly. Only when
         tracking is the sole transform: other passes need Dynamo graphs to rewrite.
         """
         self._capture = capture
@@ -197,7 +198,9 @@ class TrackScalesPass(GraphPass):
             return out
         warn_user(
             f"track_scales: {reason}; this call was replayed with unitscale's eager tracer, "
-            "which records every op (names from source lines). Outputs are those of the replay"
+            "which records every op (names from source lines). Outputs are those of the replay; "
+            "RNG and buffers were restored before it, but Python side effects of the forward "
+            "(prints, counters on the module) happened twice in this call"
         )
         snapshot.restore()
         self.before_call(module, args, kwargs)
