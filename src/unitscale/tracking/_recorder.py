@@ -176,8 +176,8 @@ class TrackScalesPass(GraphPass):
         ran outside the captured graphs (Dynamo skipped a frame, e.g. for a graph break in a
         loop), the state is restored and the call replayed under the eager tracer, whose
         outputs are returned. Python side effects cannot be restored: those of that first call
-        happen twice, and the warning says so. Later calls then use the eager tracer directly. Only when
-        tracking is the sole transform: other passes need Dynamo graphs to rewrite.
+        happen twice, and the warning says so. Later calls then use the eager tracer directly.
+        Only when tracking is the sole transform: other passes need Dynamo graphs to rewrite.
         """
         self._capture = capture
         if not self.enabled or len(module.passes) != 1:
