@@ -96,6 +96,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps",
     )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"torch threads (default {d.threads}: the models are small, and one thread per "
+        "process is fastest on a busy machine)",
+    )
     parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         depths=args.depths,
         steps=args.steps,
         seed=args.seed,
+        threads=args.threads,
         fp8=False if args.no_fp8 else None,
     )
     out = Path(args.out)
