@@ -42,9 +42,7 @@ def table(curves: dict[tuple[str, int], list[float]], fp8: dict[int, float] | No
         for k, loss in zip(steps, losses, strict=True):
             rows.append((p, "fp32", width, 2, k, centre * 2.0**k, loss))
     for width, loss in (fp8 or {}).items():
-        best = min(
-            (loss_, k) for k, loss_ in zip(steps, curves[("u-muP", width)], strict=True)
-        )[1]
+        best = min((loss_, k) for k, loss_ in zip(steps, curves[("u-muP", width)], strict=True))[1]
         rows.append(("u-muP", "fp8", width, 2, best, DEFAULT_MUP_LR * 2.0**best, loss))
     return pd.DataFrame(rows, columns=COLUMNS)
 
