@@ -75,22 +75,35 @@ def test_out_that_cannot_be_created_is_refused(
     assert "cannot be created" in _error(capsys)
 
 
-@pytest.mark.slow
-def test_quick_run_writes_every_output(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    result = subprocess.run(
-        [*COMMAND, "transfer", "--quick", "--out", str(out)],
+def _quick(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*COMMAND, "transfer", "--quick", "--seed", "0", "--out", str(out)],
         env=ENV,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_output_and_is_deterministic(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = _quick(out)
     assert result.returncode == 0, result.stderr
+    again = _quick(tmp_path / "again")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "again" / "transfer.csv").read_bytes() == (out / "transfer.csv").read_bytes()
     names = {p.name for p in out.iterdir()}
     assert names == {"transfer.csv", "transfer.json", "transfer.png", "report.html", "summary.txt"}
     with (out / "transfer.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == CSV_COLUMNS
+    # One row per run and evaluation: 24 steps, evaluated every 12 (unless a run diverged).
+    runs = {tuple(r[c] for c in CSV_COLUMNS[:6]) for r in rows}
+    assert len(runs) == 14
+    finished = [r for r in rows if r["final"] == "True" and r["heldout_loss"]]
+    assert len(rows) == 2 * len(finished) + (14 - len(finished))
+    assert {r["step"] for r in finished} == {"24"}
     # Progress: one line per run (2 parametrisations x 2 widths x 3 lrs + 2 FP8) on stderr.
     assert result.stderr.count("] [") == 14 and "[14/14] u-muP fp8" in result.stderr
     document = json.loads((out / "transfer.json").read_text())

@@ -20,6 +20,7 @@ from unitscale.experiments.transfer import (
     _eval_data,
     _train_data,
     best_points,
+    build_model,
     default_config,
     evaluate_claims,
     final_frame,
@@ -220,3 +221,26 @@ def test_sweep_is_deterministic_under_the_seed(tmp_path: Path, single_thread: No
         tmp_path / "seed1.csv",
     )  # fmt: skip
     assert other.read_bytes() != paths[0].read_bytes()
+
+
+@pytest.mark.parametrize("width", [32, 256])
+def test_both_parametrisations_are_the_same_decoder(width: int) -> None:
+    """Same parameter shapes (hence counts) in the same order; no position embedding."""
+    standard, mup = (build_model(p, width, 2, DEFAULT_CONFIG) for p in ("standard", "u-muP"))
+    shapes = [sorted(tuple(p.shape) for p in m.parameters()) for m in (standard, mup)]
+    assert shapes[0] == shapes[1]
+    assert not any("position" in name for name, _ in standard.named_parameters())
+    # The standard one has GPT-2's init; the u-muP one unit-scaled weights.
+    assert standard.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert mup.embedding.weight.std().item() == pytest.approx(1.0, rel=0.05)
+
+
+@pytest.mark.slow
+def test_depth_sweep_reports_claims_across_depth(single_thread: None) -> None:
+    config = default_config("depth", quick=True, lr_steps=(0, 1), fp8=False, **TINY)
+    result = run_transfer(config)
+    assert {(r.width, r.depth) for r in result.runs} == {(32, 1), (32, 2)}
+    text = summary_text(result)
+    assert "sweeps across depth (1, 2; width 32)" in text
+    assert "claim (1) u-muP's best learning rate at the largest depth" in text
+    assert "claim (4)" in text and "not evaluated: no FP8 run at some depth" in text

@@ -757,52 +757,60 @@ def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]
     """
     size = _size_column(final)
     best = best_points(final).sort_values(["parametrisation", size], kind="stable")
-    claims: list[Claim] = []
-
     mup = best[best["parametrisation"] == "u-muP"]
+    standard = best[best["parametrisation"] == "standard"]
+    return [
+        _claim_transfer(mup, size),
+        _claim_standard_moves(standard, size),
+        _claim_default(mup, size, tolerance),
+        _claim_fp8(final, mup, size, tolerance),
+    ]
+
+
+def _moved(best: pd.DataFrame) -> int | None:
+    """Grid steps from the smallest size's best to the largest's (None: not measurable)."""
+    if len(best) < 2 or not best["lr_step"].notna().all():
+        return None
+    return int(best["lr_step"].iloc[-1] - best["lr_step"].iloc[0])
+
+
+def _claim_transfer(mup: pd.DataFrame, size: str) -> Claim:
     statement = (
         f"u-muP's best learning rate at the largest {size} is within one grid step (2x) of its "
         f"best at the smallest"
     )
-    if len(mup) >= 2 and mup["lr_step"].notna().all():
-        first, last = mup.iloc[0], mup.iloc[-1]
-        moved = int(last["lr_step"] - first["lr_step"])
-        claims.append(
-            Claim(
-                1, statement, abs(moved) <= 1, f"moves {moved:+d} steps; {_steps_text(mup, size)}"
-            )
-        )
-    else:
-        claims.append(Claim(1, statement, None, "not evaluated: a size is missing or diverged"))
+    moved = _moved(mup)
+    if moved is None:
+        return Claim(1, statement, None, "not evaluated: a size is missing or diverged")
+    return Claim(1, statement, abs(moved) <= 1, f"moves {moved:+d} steps; {_steps_text(mup, size)}")
 
-    standard = best[best["parametrisation"] == "standard"]
+
+def _claim_standard_moves(standard: pd.DataFrame, size: str) -> Claim:
     statement = f"how far the standard parametrisation's best learning rate moves over the {size}s"
-    if len(standard) >= 2 and standard["lr_step"].notna().all():
-        moved = int(standard["lr_step"].iloc[-1] - standard["lr_step"].iloc[0])
-        claims.append(
-            Claim(
-                2,
-                statement,
-                None,
-                f"moves {moved:+d} steps ({2.0**moved:g}x) from the smallest to the largest "
-                f"{size}; {_steps_text(standard, size)}",
-            )
-        )
-    else:
-        claims.append(Claim(2, statement, None, "not evaluated: a size is missing or diverged"))
+    moved = _moved(standard)
+    if moved is None:
+        return Claim(2, statement, None, "not evaluated: a size is missing or diverged")
+    detail = (
+        f"moves {moved:+d} steps ({2.0**moved:g}x) from the smallest to the largest {size}; "
+        f"{_steps_text(standard, size)}"
+    )
+    return Claim(2, statement, None, detail)
 
+
+def _claim_default(mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
     statement = (
         f"u-muP at its default learning rate (every mult 1) ends within {tolerance:.0%} of the "
         f"best point of its sweep at every {size}"
     )
     gaps = [(int(r[size]), _gap(r["default_loss"], r["heldout_loss"])) for _, r in mup.iterrows()]
-    if gaps:
-        held = all(math.isfinite(g) and g <= tolerance for _, g in gaps)
-        detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
-        claims.append(Claim(3, statement, held, f"default vs best: {detail}"))
-    else:
-        claims.append(Claim(3, statement, None, "not evaluated: no u-muP runs"))
+    if not gaps:
+        return Claim(3, statement, None, "not evaluated: no u-muP runs")
+    held = all(math.isfinite(g) and g <= tolerance for _, g in gaps)
+    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    return Claim(3, statement, held, f"default vs best: {detail}")
 
+
+def _claim_fp8(final: pd.DataFrame, mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
     statement = (
         f"u-muP in simulated FP8 at its best learning rate ends within {tolerance:.0%} of its "
         f"FP32 loss at every {size}, with no loss scaling"
@@ -812,16 +820,13 @@ def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]
     for _, r in mup.iterrows():
         match = fp8[(fp8["width"] == r["width"]) & (fp8["depth"] == r["depth"])]
         if len(match):
-            gaps.append(
-                (int(r[size]), _gap(float(match["heldout_loss"].iloc[0]), r["heldout_loss"]))
-            )
-    if gaps and len(gaps) == len(mup):
-        held = all(math.isfinite(g) and abs(g) <= tolerance for _, g in gaps)
-        detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
-        claims.append(Claim(4, statement, held, f"FP8 vs FP32 held-out: {detail}"))
-    else:
-        claims.append(Claim(4, statement, None, "not evaluated: no FP8 run at some size"))
-    return claims
+            loss = float(match["heldout_loss"].iloc[0])
+            gaps.append((int(r[size]), _gap(loss, r["heldout_loss"])))
+    if not gaps or len(gaps) != len(mup):
+        return Claim(4, statement, None, f"not evaluated: no FP8 run at some {size}")
+    held = all(math.isfinite(g) and abs(g) <= tolerance for _, g in gaps)
+    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    return Claim(4, statement, held, f"FP8 vs FP32 held-out: {detail}")
 
 
 def _pct(value: float) -> str:
