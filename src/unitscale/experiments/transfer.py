@@ -81,6 +81,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "best_points",
     "evaluate_claims",
     # presentation
+    "table_lines",
     "summary_text",
     "plot_transfer",
     "write_transfer_csv",
@@ -165,9 +166,10 @@ class TransferConfig:
         fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
         threads: torch intra-op threads during the sweep (restored afterwards). 1 by
-            default: these models are too small for intra-op parallelism to pay, and on a
-            shared 2-core machine (load 5) a width-64 step took 25 ms on one thread against
-            376 ms on two; one thread also makes the results independent of the core count.
+            default: these models are too small for intra-op parallelism to pay (on the
+            shared 2-core machine at load 5, measured once ad hoc: a width-64 step took
+            25 ms on one thread, 376 ms on two); one thread also makes the results
+            independent of the core count.
 
     Example:
         >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
@@ -704,11 +706,9 @@ class Claim:
     @property
     def verdict(self) -> str:
         """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"`` for None."""
-        if self.held is None:
-            return "measured" if self.number == 2 and "not evaluated" not in self.detail else (
-                "not evaluated"
-            )  # fmt: skip
-        return "held" if self.held else "NOT held"
+        if self.held is not None:
+            return "held" if self.held else "NOT held"
+        return "not evaluated" if self.detail.startswith("not evaluated") else "measured"
 
 
 def _steps_text(best: pd.DataFrame, size: str) -> str:
