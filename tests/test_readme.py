@@ -20,7 +20,8 @@ def test_performance_table_is_generated_from_committed_results() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_transfer_table_marks_the_best_point_as_the_library_does() -> None:
+@pytest.mark.parametrize("name", ["TRANSFER", "TRANSFER_DEPTH"])
+def test_transfer_table_marks_the_best_point_as_the_library_does(name: str) -> None:
     """The README's transfer table (benchmarks/readme_tables.py) bolds, in each row, the run
     that ``unitscale.experiments.transfer.best_points`` picks from the same JSON."""
     import json
@@ -35,11 +36,14 @@ def test_transfer_table_marks_the_best_point_as_the_library_does() -> None:
         import readme_tables
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    document = json.loads(readme_tables.TRANSFER.read_text())
+    path = getattr(readme_tables, name)
+    document = json.loads(path.read_text())
     runs = pd.DataFrame(document["runs"]).rename(columns={"final_heldout_loss": "heldout_loss"})
     runs["heldout_loss"] = runs["heldout_loss"].astype(float)
     best = best_points(runs)
-    rows = [line for line in readme_tables.transfer_table().splitlines() if line.startswith("| ")]
+    rows = [
+        line for line in readme_tables.transfer_table(path).splitlines() if line.startswith("| ")
+    ]
     steps = document["config"]["lr_steps"]
     assert len(rows) == 1 + len(best)  # the header, then one row per parametrisation and size
     for row, (_, point) in zip(rows[1:], best.iterrows(), strict=True):
