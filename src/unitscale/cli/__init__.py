@@ -24,7 +24,7 @@ from ..errors import UnitScaleError
 __all__ = ["SUBCOMMANDS", "CommandError", "build_parser", "main"]
 
 #: Subcommand modules under ``unitscale.cli``, in the order ``--help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("analyse", "train")
+SUBCOMMANDS: tuple[str, ...] = ("analyse", "train", "transfer")
 
 
 class CommandError(UnitScaleError):

@@ -5,6 +5,6 @@ below imports from here. Also importable under their short names: ``unitscale.mo
 ``unitscale.data``, ``unitscale.training``.
 """
 
-from . import data, models, training
+from . import data, models, training, transfer
 
-__all__ = ["data", "models", "training"]
+__all__ = ["data", "models", "training", "transfer"]

@@ -60,6 +60,9 @@ class GPTConfig:
             :func:`unitscale.functional.residual_add`), or None (default) for
             :class:`unitscale.TransformerDecoder`'s running-mean schedule
             ``tau_k = 1 / (k + 1)`` over the ``k``-th residual block; unused by the plain model.
+        position_embedding: give the plain model a learned position embedding (default);
+            False builds it without one ("NoPE", causal attention alone tells positions
+            apart), the layout of :class:`unitscale.TransformerDecoder`. Unused by the twin.
 
     Example:
         >>> GPTConfig(hidden_size=64).head_size
@@ -74,6 +77,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     residual_tau: float | None = None
+    position_embedding: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "depth", "heads", "seq_len", "mlp_ratio"):
@@ -193,7 +197,9 @@ class PlainGPT(nn.Module):
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embedding = nn.Embedding(config.seq_len, config.hidden_size)
+        self.position_embedding = (
+            nn.Embedding(config.seq_len, config.hidden_size) if config.position_embedding else None
+        )
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.depth)])
         self.final_norm = nn.LayerNorm(config.hidden_size)
@@ -229,7 +235,9 @@ class PlainGPT(nn.Module):
         seq = input_ids.shape[1]
         positions = torch.arange(seq, device=input_ids.device)
         mask = _attention_mask(attention_mask, seq, input_ids.device)
-        x = self.token_embedding(input_ids) + self.position_embedding(positions)
+        x = self.token_embedding(input_ids)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions)
         x = self.dropout(x)
         for block in self.blocks:
             x = block(x, mask)

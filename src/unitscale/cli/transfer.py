@@ -1,0 +1,185 @@
+"""``unitscale transfer``: learning-rate sweeps across width (or depth), standard vs u-μP.
+
+The work is done by :mod:`unitscale.experiments.transfer` (the runs, the table, the claims,
+the figure and the report); this module parses options, shows progress on stderr, prints the
+summary on stdout and writes the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._args import positive_int
+from ._output import Progress
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_OUT = "unitscale-transfer"
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, e.g. ``32,64,128``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    values = []
+    for part in parts:
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} is not an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} must be at least 1")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no sizes; give e.g. 32,64,128,256")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} lists a size twice")
+    return tuple(values)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``transfer`` and its options."""
+    from ..experiments.transfer import DEFAULT_CONFIG as d
+
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "transfer",
+        help="sweep the learning rate across widths (or depths) for the standard "
+        "parametrisation and u-muP; show whether the best learning rate transfers",
+        description=(
+            "Train the same decoder at several widths (or depths), at every learning rate of "
+            "a 2x grid, in two parametrisations: standard (plain PyTorch, GPT-2 init, "
+            "torch.optim.AdamW) and u-muP (unitscale.TransformerDecoder(mup=True), "
+            "unitscale.optim.AdamW), on the bundled text with the same batches and seed; then "
+            "u-muP in simulated FP8 (no loss scaling) at each size's best learning rate. "
+            "Print the final held-out losses and the four claims of the README (held or not, "
+            "with the numbers); write transfer.csv, transfer.json, transfer.png, report.html "
+            "and summary.txt."
+        ),
+    )
+    parser.add_argument(
+        "--vary",
+        choices=("width", "depth"),
+        default="width",
+        help="sweep widths 32,64,128,256 at depth 2 (default) or depths 1,2,4,8 at width 64",
+    )
+    parser.add_argument(
+        "--widths",
+        type=_size_list,
+        default=None,
+        metavar="LIST",
+        help="comma-separated widths, multiples of 32 (one width with --vary depth)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=_size_list,
+        default=None,
+        metavar="LIST",
+        help="comma-separated depths (one depth with --vary width)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"optimiser steps per run (default {d.steps})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"initialisation, data order and evaluation seed (default {d.seed})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"torch threads (default {d.threads}: the models are small, and one thread per "
+        "process is fastest on a busy machine)",
+    )
+    parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _check_out(out: Path) -> None:
+    from . import CommandError
+
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {str(out)!r} exists and is not a folder; choose another")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"--out {str(out)!r} cannot be created: {exc.strerror}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``unitscale transfer`` with parsed options; return the exit status."""
+    progress = Progress()
+    try:
+        import matplotlib  # noqa: F401
+        import pandas  # noqa: F401
+    except ModuleNotFoundError as exc:
+        from . import CommandError
+
+        raise CommandError(
+            f"unitscale transfer needs {exc.name}: pip install 'unitscale[analysis]'"
+        ) from exc
+    from ..experiments.transfer import (
+        default_config,
+        final_frame,
+        plot_transfer,
+        run_transfer,
+        runs_frame,
+        summary_text,
+        write_transfer_csv,
+        write_transfer_json,
+        write_transfer_report,
+    )
+
+    config = default_config(
+        args.vary,
+        quick=args.quick,
+        widths=args.widths,
+        depths=args.depths,
+        steps=args.steps,
+        seed=args.seed,
+        threads=args.threads,
+        fp8=False if args.no_fp8 else None,
+    )
+    out = Path(args.out)
+    _check_out(out)
+    runs = len(config.sizes) * len(config.lr_steps) * 2 + (len(config.sizes) if config.fp8 else 0)
+    progress(
+        f"{runs} runs of {config.steps} steps across {config.vary} "
+        f"(sizes {[w if config.vary == 'width' else d for w, d in config.sizes]}) "
+        "on the bundled CPython documentation text"
+    )
+    result = run_transfer(config, progress=None if args.no_progress else progress)
+
+    written = [write_transfer_csv(result, out / "transfer.csv")]
+    written.append(write_transfer_json(result, out / "transfer.json"))
+    figure = plot_transfer(final_frame(runs_frame(result.runs)), config)
+    png = out / "transfer.png"
+    figure.savefig(png, dpi=100, metadata={"Software": None})
+    written.append(png)
+    written.append(write_transfer_report(result, out / "report.html"))
+    text = summary_text(result)
+    written.append(out / "summary.txt")
+    text += f"\nwrote {len(written)} outputs to {out}/: " + ", ".join(p.name for p in written)
+    text += "\n"
+    (out / "summary.txt").write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    progress("done")
+    return 0

@@ -1,0 +1,1044 @@
+"""Hyperparameter transfer across width (or depth): learning-rate sweeps, standard vs u-μP.
+
+The library behind ``unitscale transfer``. :func:`run_transfer` trains the same decoder in
+two parametrisations, at every size of :class:`TransferConfig` and every learning rate of a
+2x grid, on the bundled text:
+
+- ``standard``: the plain-PyTorch decoder (:class:`unitscale.models.PlainGPT` without a
+  position embedding, GPT-2's N(0, 0.02) initialisation) with ``torch.optim.AdamW``;
+- ``u-muP``: :class:`unitscale.TransformerDecoder` with ``mup=True`` (every mult 1) and
+  :class:`unitscale.optim.AdamW` (per-parameter learning rates from the u-μP tags);
+
+then u-μP once more per size in simulated FP8 (:func:`unitscale.transforms.simulate_fp8`,
+the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best in FP32.
+:func:`final_frame` and :func:`evaluate_claims` turn the runs into the table and the four
+claims of the README; :func:`summary_text`, :func:`plot_transfer` and
+:func:`write_transfer_report` present them.
+
+Design constraints:
+
+- the grid, steps, schedule and sizes are fixed in :data:`DEFAULT_CONFIG` (written down
+  before the committed run was made, and not tuned on its results);
+- every run of a sweep trains on the same list of batches in the same order, every run of
+  one size and parametrisation starts from the same weights (seeded by ``config.seed``),
+  and the whole sweep is deterministic under the seed (same machine and thread count:
+  identical CSV); the global RNG is left as it was;
+- collection (:func:`run_transfer`) is separate from presentation; claims are computed from
+  the table alone, so that they can be checked on any table;
+- nothing here parses options or prints; progress goes to a callback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .. import modules as us
+from .. import optim as us_optim
+from ..errors import UnitScaleError
+from .data import Batch, batches
+from .models import GPTConfig, plain_gpt
+from .training import TrainConfig, _png_data_uri
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # errors
+    "TransferConfigError",
+    # configuration
+    "PARAMETRISATIONS",
+    "DEFAULT_MUP_LR",
+    "DEFAULT_STANDARD_LR",
+    "DEFAULT_CONFIG",
+    "TransferConfig",
+    "default_config",
+    # runs
+    "TransferRun",
+    "TransferResult",
+    "build_model",
+    "build_optimiser",
+    "train_one",
+    "run_transfer",
+    # tables and claims
+    "CSV_COLUMNS",
+    "Claim",
+    "runs_frame",
+    "final_frame",
+    "best_points",
+    "evaluate_claims",
+    # presentation
+    "table_lines",
+    "summary_text",
+    "plot_transfer",
+    "write_transfer_csv",
+    "write_transfer_json",
+    "write_transfer_report",
+]
+
+#: The two parametrisations of the decoder, in the order they are run and shown.
+PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
+
+#: u-μP's default learning rate (``unitscale.optim.AdamW(lr=...)``, every mult 1): the centre
+#: of its grid. Chosen before any transfer run from ``unitscale train``'s unit-scaled model,
+#: whose best Adam rate at width 128 was 0.05 on N(0, 1) weights; u-μP gives a hidden weight
+#: ``lr / sqrt(fan_in)``, and 0.05 * sqrt(128) = 0.57, rounded to the power of two 0.5.
+DEFAULT_MUP_LR = 0.5
+
+#: Centre of the standard parametrisation's grid: ``unitscale train``'s plain learning rate
+#: (the best of its FP32 sweep at width 128).
+DEFAULT_STANDARD_LR = 3e-3
+
+#: Width of one attention head: a model of width ``w`` has ``w / HEAD_SIZE`` heads.
+HEAD_SIZE = 32
+
+#: The columns of ``transfer.csv``, one row per run and evaluation.
+CSV_COLUMNS: tuple[str, ...] = (
+    "parametrisation",
+    "precision",
+    "width",
+    "depth",
+    "lr_step",
+    "lr",
+    "step",
+    "train_loss",
+    "heldout_loss",
+    "final",
+    "data_digest",
+)
+
+
+class TransferConfigError(UnitScaleError, ValueError):
+    """A transfer sweep's configuration is invalid."""
+
+
+def _positive_ints(name: str, values: Any) -> tuple[int, ...]:
+    try:
+        out = tuple(values)
+    except TypeError:
+        raise TransferConfigError(
+            f"TransferConfig: {name}={values!r} must be a sequence of positive integers"
+        ) from None
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
+        raise TransferConfigError(
+            f"TransferConfig: {name}={values!r} must be a non-empty sequence of positive integers"
+        )
+    if len(set(out)) != len(out):
+        raise TransferConfigError(f"TransferConfig: {name}={list(out)!r} lists a value twice")
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """One transfer sweep: sizes, learning-rate grid, data, optimiser and schedule.
+
+    Attributes:
+        vary: ``"width"`` (sweep ``widths`` at the one depth in ``depths``) or ``"depth"``
+            (sweep ``depths`` at the one width in ``widths``).
+        widths: model widths, multiples of :data:`HEAD_SIZE` (one per depth sweep).
+        depths: numbers of transformer blocks (one per width sweep).
+        lr_steps: the grid: run at ``centre * 2**k`` for each ``k`` (must include 0, the
+            default learning rate).
+        mup_lr: u-μP's default learning rate, the centre of its grid.
+        standard_lr: the centre of the standard parametrisation's grid.
+        steps: optimiser steps per run.
+        batch_size: sequences per batch.
+        seq_len: bytes per sequence.
+        warmup_steps: linear warm-up steps (None: 5% of ``steps``), then cosine decay to 10%
+            of the peak (:meth:`unitscale.training.TrainConfig.lr_at`).
+        eval_every: held-out loss every this many steps, and at the end.
+        eval_batches: held-out batches per evaluation (and training batches for the final
+            training loss).
+        seed: initialisation, data order and evaluation sample.
+        fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
+        fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
+        threads: torch intra-op threads during the sweep (restored afterwards). 1 by
+            default: these models are too small for intra-op parallelism to pay (on the
+            shared 2-core machine at load 5, measured once ad hoc: a width-64 step took
+            25 ms on one thread, 376 ms on two); one thread also makes the results
+            independent of the core count.
+
+    Example:
+        >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
+        >>> c.sizes, c.grid("u-muP")
+        ([(32, 2), (64, 2)], [(-1, 0.25), (0, 0.5), (1, 1.0)])
+    """
+
+    vary: Literal["width", "depth"] = "width"
+    widths: tuple[int, ...] = (32, 64, 128, 256)
+    depths: tuple[int, ...] = (2,)
+    lr_steps: tuple[int, ...] = (-3, -2, -1, 0, 1, 2, 3)
+    mup_lr: float = DEFAULT_MUP_LR
+    standard_lr: float = DEFAULT_STANDARD_LR
+    steps: int = 160
+    batch_size: int = 8
+    seq_len: int = 32
+    warmup_steps: int | None = None
+    eval_every: int = 40
+    eval_batches: int = 8
+    seed: int = 0
+    fp8: bool = True
+    fp8_recipe: str = "hardware"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.vary not in ("width", "depth"):
+            raise TransferConfigError(
+                f"TransferConfig: vary={self.vary!r} must be 'width' or 'depth'"
+            )
+        widths = _positive_ints("widths", self.widths)
+        depths = _positive_ints("depths", self.depths)
+        object.__setattr__(self, "widths", widths)
+        object.__setattr__(self, "depths", depths)
+        varied, fixed = (widths, depths) if self.vary == "width" else (depths, widths)
+        other = "depths" if self.vary == "width" else "widths"
+        if len(varied) < 2:
+            raise TransferConfigError(
+                f"TransferConfig: vary={self.vary!r} needs at least two {self.vary}s, got "
+                f"{list(varied)}"
+            )
+        if len(fixed) != 1:
+            raise TransferConfigError(
+                f"TransferConfig: vary={self.vary!r} takes one value of {other}, got {list(fixed)}"
+            )
+        bad = [w for w in widths if w % HEAD_SIZE]
+        if bad:
+            raise TransferConfigError(
+                f"TransferConfig: widths {bad} are not multiples of the head size {HEAD_SIZE}; "
+                f"use e.g. 32,64,128,256"
+            )
+        steps = tuple(self.lr_steps)
+        if any(isinstance(k, bool) or not isinstance(k, int) for k in steps) or 0 not in steps:
+            raise TransferConfigError(
+                f"TransferConfig: lr_steps={list(steps)!r} must be integers including 0 (the "
+                "default learning rate)"
+            )
+        if len(set(steps)) != len(steps):
+            raise TransferConfigError(f"TransferConfig: lr_steps={list(steps)!r} repeats a step")
+        object.__setattr__(self, "lr_steps", tuple(sorted(steps)))
+        for name in ("mup_lr", "standard_lr"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise TransferConfigError(f"TransferConfig: {name}={value!r} must be positive")
+        # The schedule and the remaining sizes are checked by the training configuration.
+        try:
+            _ = self._schedule
+        except UnitScaleError as exc:
+            raise TransferConfigError(str(exc).replace("TrainConfig", "TransferConfig")) from None
+        from ..transforms import FP8_RECIPES
+
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise TransferConfigError(
+                f"TransferConfig: fp8_recipe={self.fp8_recipe!r}; choose from "
+                f"{', '.join(FP8_RECIPES)}"
+            )
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise TransferConfigError(
+                f"TransferConfig: threads={self.threads!r} must be a positive integer"
+            )
+
+    @property
+    def _schedule(self) -> TrainConfig:
+        # unitscale train's schedule (warm-up, cosine to 10%) with a peak of 1.
+        return TrainConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            warmup_steps=self.warmup_steps,
+            eval_every=self.eval_every,
+            eval_batches=self.eval_batches,
+            lr_plain=1.0,
+            runs=("plain-fp32",),
+        )
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        """The ``(width, depth)`` of every size swept, smallest first."""
+        return [(w, d) for d in self.depths for w in self.widths]
+
+    def grid(self, parametrisation: str) -> list[tuple[int, float]]:
+        """``(k, learning rate)`` for each grid step ``k`` of ``parametrisation``."""
+        centre = self.mup_lr if _check_parametrisation(parametrisation) == "u-muP" else (
+            self.standard_lr
+        )  # fmt: skip
+        return [(k, centre * 2.0**k) for k in self.lr_steps]
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's multiplier of the peak learning rate at ``step``.
+
+        Example:
+            >>> c = TransferConfig(steps=100)
+            >>> [round(c.lr_factor(s), 3) for s in (0, 4, 5, 99)]
+            [0.2, 1.0, 1.0, 0.1]
+        """
+        return self._schedule.lr_at("plain-fp32", step)
+
+
+def _check_parametrisation(name: str) -> str:
+    if name not in PARAMETRISATIONS:
+        raise TransferConfigError(
+            f"unknown parametrisation {name!r}; choose from {', '.join(PARAMETRISATIONS)}"
+        )
+    return name
+
+
+#: The sweep ``unitscale transfer`` runs with no options (fixed before the committed run).
+DEFAULT_CONFIG = TransferConfig()
+
+_QUICK = {
+    "steps": 24,
+    "batch_size": 4,
+    "seq_len": 32,
+    "lr_steps": (-1, 0, 1),
+    "eval_every": 12,
+    "eval_batches": 4,
+}
+
+
+def default_config(vary: str = "width", quick: bool = False, **overrides: Any) -> TransferConfig:
+    """The command's sweep: :data:`DEFAULT_CONFIG`, or across depth, or the quick version.
+
+    Across width: widths 32, 64, 128, 256 at depth 2. Across depth (``vary="depth"``):
+    depths 1, 2, 4, 8 at width 64. ``quick`` (a smoke run of under a minute or two): widths
+    32, 64 (depths 1, 2 at width 32), 24 steps of 4 x 32 bytes, grid steps -1, 0, 1,
+    4 evaluation batches.
+    ``overrides`` replace any field (None values are ignored).
+
+    Example:
+        >>> c = default_config("depth", quick=True)
+        >>> c.sizes, c.steps
+        ([(32, 1), (32, 2)], 24)
+    """
+    if vary not in ("width", "depth"):
+        raise TransferConfigError(f"default_config: vary={vary!r} must be 'width' or 'depth'")
+    fields_: dict[str, Any] = {"vary": vary}
+    if vary == "depth":
+        fields_.update(widths=(64,), depths=(1, 2, 4, 8))
+    if quick:
+        fields_.update(_QUICK)
+        fields_.update(
+            {"widths": (32, 64), "depths": (2,)}
+            if vary == "width"
+            else {"widths": (32,), "depths": (1, 2)}
+        )
+    fields_.update({k: v for k, v in overrides.items() if v is not None})
+    return replace(DEFAULT_CONFIG, **fields_)
+
+
+# -- runs ------------------------------------------------------------------------------------
+@dataclass
+class TransferRun:
+    """One training run of a sweep.
+
+    Attributes:
+        parametrisation: ``"standard"`` or ``"u-muP"``.
+        precision: ``"fp32"`` or ``"fp8"`` (simulated).
+        width, depth: the model's size.
+        lr_step: its grid step ``k`` (learning rate ``centre * 2**k``).
+        lr: its peak learning rate (u-μP: the base rate each parameter's rule scales).
+        evals: ``(step, mean training loss since the previous evaluation, held-out loss)``
+            at every evaluation; the last one is at ``steps``.
+        final_train_loss: mean loss over the fixed training evaluation batches at the end.
+        stopped_at: the step whose loss was not finite (training stopped there), or None.
+        data_digest: SHA-256 (first 16 hex digits) of the token ids of every batch trained on.
+        seconds: wall time (building, training and evaluating).
+    """
+
+    parametrisation: str
+    precision: str
+    width: int
+    depth: int
+    lr_step: int
+    lr: float
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    final_train_loss: float = math.nan
+    stopped_at: int | None = None
+    data_digest: str = ""
+    seconds: float = 0.0
+
+    @property
+    def final_heldout_loss(self) -> float:
+        """The held-out loss after the last step (NaN for a run that diverged)."""
+        return self.evals[-1][2] if self.stopped_at is None and self.evals else math.nan
+
+
+@dataclass
+class TransferResult:
+    """A sweep's runs, its settings and how long it took.
+
+    Attributes:
+        config: the sweep.
+        runs: every run, FP32 sweeps first, then the FP8 runs.
+        seconds: wall time of the whole sweep.
+        load_average: the 1-minute load average before and after (None where unknown).
+    """
+
+    config: TransferConfig
+    runs: list[TransferRun]
+    seconds: float = 0.0
+    load_average: tuple[float | None, float | None] = (None, None)
+
+
+def build_model(parametrisation: str, width: int, depth: int, config: TransferConfig) -> nn.Module:
+    """The decoder of ``parametrisation`` at ``width`` x ``depth``, seeded by ``config.seed``.
+
+    Both have ``width / 32`` heads of 32, a 4x GELU MLP with biases, pre-norm LayerNorm
+    blocks, a final LayerNorm, an untied readout and no position embedding; ``standard`` is
+    :class:`unitscale.models.PlainGPT` (``position_embedding=False``), ``u-muP`` is
+    ``unitscale.TransformerDecoder(width, depth, heads, 256, bias=True, mup=True)``. Both take
+    ``model(input_ids, labels=labels)`` and return the mean cross-entropy.
+
+    Example:
+        >>> ids = torch.zeros(2, 16, dtype=torch.long)
+        >>> [type(build_model(p, 64, 2, TransferConfig())).__name__ for p in PARAMETRISATIONS]
+        ['PlainGPT', 'TransformerDecoder']
+        >>> build_model("standard", 64, 2, TransferConfig())(ids, labels=ids).shape
+        torch.Size([])
+    """
+    heads = width // HEAD_SIZE
+    if _check_parametrisation(parametrisation) == "standard":
+        gpt = GPTConfig(
+            hidden_size=width,
+            depth=depth,
+            heads=heads,
+            seq_len=config.seq_len,
+            position_embedding=False,
+        )
+        return plain_gpt(gpt, seed=config.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return us.TransformerDecoder(width, depth, heads, 256, bias=True, mup=True)
+
+
+def build_optimiser(parametrisation: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9, 0.95, no weight decay) at peak ``lr``: torch's for ``standard``,
+    :class:`unitscale.optim.AdamW` (each parameter ``lr`` times its u-μP rule) for ``u-muP``.
+
+    Example:
+        >>> m = build_model("u-muP", 64, 2, TransferConfig())
+        >>> rates = {g["lr"] for g in build_optimiser("u-muP", m, 1.0).param_groups}
+        >>> [round(r * math.sqrt(2), 4) for r in sorted(rates)[:2]]  # 1/sqrt(fan_in * depth)
+        [0.0625, 0.125]
+    """
+    if _check_parametrisation(parametrisation) == "standard":
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return us_optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _loss(model: Callable[..., Tensor], batch: Batch) -> Tensor:
+    return model(batch.input_ids, labels=batch.labels)
+
+
+def _evaluate(model: Callable[..., Tensor], data: Sequence[Batch], grad: bool) -> float:
+    # FP8 runs are captured by TorchDynamo, which guards on the grad mode: they evaluate with
+    # autograd on (as unitscale train does) rather than be captured a second time.
+    with torch.set_grad_enabled(grad):
+        return sum(float(_loss(model, b).detach()) for b in data) / len(data)
+
+
+def _eval_data(config: TransferConfig, split: Literal["train", "heldout"]) -> list[Batch]:
+    # The same fixed samples as unitscale train's, from their own streams.
+    seed = config.seed + (1_000_003 if split == "train" else 2_000_003)
+    stream = batches(config.batch_size, config.seq_len, seed=seed, split=split)
+    return [next(stream) for _ in range(config.eval_batches)]
+
+
+def _train_data(config: TransferConfig) -> list[Batch]:
+    stream = batches(config.batch_size, config.seq_len, seed=config.seed, split="train")
+    return [next(stream) for _ in range(config.steps)]
+
+
+def train_one(
+    parametrisation: str,
+    width: int,
+    depth: int,
+    lr_step: int,
+    config: TransferConfig,
+    data: Sequence[Batch],
+    heldout: Sequence[Batch],
+    train_eval: Sequence[Batch],
+    precision: str = "fp32",
+) -> TransferRun:
+    """Train one run of a sweep on ``data`` (one batch per step) and evaluate it.
+
+    The peak learning rate is the grid's ``lr_step``; every parameter group follows the
+    schedule (:meth:`TransferConfig.lr_factor`) from its own peak. A non-finite training
+    loss stops the run. ``precision="fp8"`` wraps the model in ``simulate_fp8`` (the
+    config's recipe, no loss scaling).
+
+    Example:
+        >>> c = default_config(quick=True, steps=2, eval_every=1, eval_batches=1)
+        >>> data, held = _train_data(c), _eval_data(c, "heldout")
+        >>> r = train_one("standard", 32, 2, 0, c, data, held, held)
+        >>> [step for step, _, _ in r.evals], abs(r.evals[0][1] - math.log(256)) < 0.1
+        ([1, 2], True)
+    """
+    if precision not in ("fp32", "fp8"):
+        raise TransferConfigError(f"train_one: precision={precision!r} must be 'fp32' or 'fp8'")
+    if len(data) < config.steps:
+        raise TransferConfigError(
+            f"train_one: {len(data)} batches for {config.steps} steps; pass one per step"
+        )
+    lr = dict(config.grid(parametrisation))[lr_step]
+    start = time.perf_counter()
+    run = TransferRun(parametrisation, precision, width, depth, lr_step, lr)
+    digest = hashlib.sha256()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_model(parametrisation, width, depth, config)
+        if precision == "fp8":
+            from ..transforms import simulate_fp8
+
+            model = simulate_fp8(model, recipe=config.fp8_recipe)
+        model.train()
+        optimiser = build_optimiser(parametrisation, model, lr)
+        peaks = [group["lr"] for group in optimiser.param_groups]
+        losses: list[float] = []
+        for step in range(config.steps):
+            factor = config.lr_factor(step)
+            for group, peak in zip(optimiser.param_groups, peaks, strict=True):
+                group["lr"] = peak * factor
+            batch = data[step]
+            digest.update(batch.input_ids.numpy().tobytes())
+            loss = _loss(model, batch)
+            loss.backward()
+            value = float(loss.detach())
+            losses.append(value)
+            if not math.isfinite(value):
+                run.stopped_at = step
+                break
+            optimiser.step()
+            optimiser.zero_grad(set_to_none=True)
+            done = step + 1
+            if done % config.eval_every == 0 or done == config.steps:
+                mean = sum(losses) / len(losses)
+                run.evals.append((done, mean, _evaluate(model, heldout, precision == "fp8")))
+                losses = []
+        if run.stopped_at is None:
+            run.final_train_loss = _evaluate(model, train_eval, precision == "fp8")
+    run.data_digest = digest.hexdigest()[:16]
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - not on Linux/macOS
+        return None
+
+
+def run_transfer(
+    config: TransferConfig, progress: Callable[[str], None] | None = None
+) -> TransferResult:
+    """Run the whole sweep of ``config``: every parametrisation, size and grid step in FP32,
+    then (``config.fp8``) u-μP in simulated FP8 at each size's best FP32 learning rate, on
+    ``config.threads`` threads.
+
+    Args:
+        config: the sweep.
+        progress: called with one line after each run.
+
+    Returns:
+        The :class:`TransferResult`.
+
+    Example:
+        >>> c = default_config(quick=True, steps=2, eval_every=2, eval_batches=1,
+        ...                    lr_steps=(0,), fp8=False, widths=(32, 64))
+        >>> [(r.parametrisation, r.width) for r in run_transfer(c).runs]
+        [('standard', 32), ('standard', 64), ('u-muP', 32), ('u-muP', 64)]
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run_transfer(config, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_transfer(config: TransferConfig, progress: Callable[[str], None] | None) -> TransferResult:
+    start = time.perf_counter()
+    load_before = _load()
+    data = _train_data(config)
+    heldout, train_eval = _eval_data(config, "heldout"), _eval_data(config, "train")
+    plan = [
+        (p, width, depth, k, "fp32")
+        for p in PARAMETRISATIONS
+        for width, depth in config.sizes
+        for k, _ in config.grid(p)
+    ]
+    total = len(plan) + (len(config.sizes) if config.fp8 else 0)
+    runs: list[TransferRun] = []
+
+    def one(p: str, width: int, depth: int, k: int, precision: str) -> None:
+        run = train_one(p, width, depth, k, config, data, heldout, train_eval, precision)
+        runs.append(run)
+        if progress is not None:
+            loss = run.final_heldout_loss
+            shown = f"{loss:.4f}" if math.isfinite(loss) else f"diverged at step {run.stopped_at}"
+            progress(
+                f"[{len(runs)}/{total}] {p} {precision} width {width} depth {depth} "
+                f"lr {run.lr:g}: held-out {shown} ({run.seconds:.1f}s)"
+            )
+
+    for item in plan:
+        one(*item)
+    if config.fp8:
+        best = best_points(final_frame(runs_frame(runs)))
+        for width, depth in config.sizes:
+            row = best[
+                (best.parametrisation == "u-muP") & (best.width == width) & (best.depth == depth)
+            ]
+            if len(row) and row.lr_step.notna().all():
+                one("u-muP", width, depth, int(row.lr_step.iloc[0]), "fp8")
+    return TransferResult(config, runs, time.perf_counter() - start, (load_before, _load()))
+
+
+# -- tables and claims -----------------------------------------------------------------------
+def runs_frame(runs: Sequence[TransferRun]) -> pd.DataFrame:
+    """One row per run and evaluation (:data:`CSV_COLUMNS`); ``final`` marks the row of the
+    run's last evaluation. A run that diverged has one row, at the step it stopped, with
+    empty losses."""
+    import pandas as pd
+
+    rows: list[tuple[Any, ...]] = []
+    for r in runs:
+        head = (r.parametrisation, r.precision, r.width, r.depth, r.lr_step, r.lr)
+        evals = list(r.evals)
+        if r.stopped_at is not None:
+            evals.append((r.stopped_at, math.nan, math.nan))
+        for i, (step, train, held) in enumerate(evals):
+            rows.append((*head, step, train, held, i == len(evals) - 1, r.data_digest))
+    return pd.DataFrame(rows, columns=list(CSV_COLUMNS))
+
+
+def final_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of :func:`runs_frame` with ``final`` set: one per run, its final losses."""
+    return frame[frame["final"].astype(bool)].reset_index(drop=True)
+
+
+def _size_column(frame: pd.DataFrame) -> str:
+    """The column that varies across the sweep's sizes (``width`` unless only depth does)."""
+    return "depth" if frame["width"].nunique() == 1 and frame["depth"].nunique() > 1 else "width"
+
+
+def best_points(final: pd.DataFrame) -> pd.DataFrame:
+    """The best FP32 grid point of each parametrisation and size.
+
+    Args:
+        final: :func:`final_frame` (any table with ``parametrisation``, ``precision``,
+            ``width``, ``depth``, ``lr_step``, ``lr`` and ``heldout_loss``).
+
+    Returns:
+        One row per parametrisation and size: ``lr_step`` and ``lr`` of the lowest finite
+        held-out loss (ties: the smaller step), that ``heldout_loss``, ``at_edge`` (the best is
+        the grid's first or last step, so the true optimum may lie outside the grid) and
+        ``default_loss`` (the loss at step 0). A size whose every run diverged has NaNs.
+
+    Example:
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"parametrisation": "u-muP", "precision": "fp32", "width": 32,
+        ...                   "depth": 2, "lr_step": [-1, 0, 1], "lr": [0.25, 0.5, 1.0],
+        ...                   "heldout_loss": [2.0, 1.5, float("nan")]})
+        >>> best_points(t)[["lr_step", "heldout_loss", "at_edge"]].values.tolist()
+        [[0.0, 1.5, False]]
+    """
+    import pandas as pd
+
+    fp32 = final[final["precision"] == "fp32"]
+    rows = []
+    for (p, width, depth), group in fp32.groupby(["parametrisation", "width", "depth"], sort=False):
+        steps = sorted(group["lr_step"])
+        finite = group[group["heldout_loss"].map(lambda v: math.isfinite(float(v)))]
+        default = group.loc[group["lr_step"] == 0, "heldout_loss"]
+        row: dict[str, Any] = {
+            "parametrisation": p,
+            "width": width,
+            "depth": depth,
+            "default_loss": float(default.iloc[0]) if len(default) else math.nan,
+        }
+        if len(finite):
+            best = finite.sort_values(["heldout_loss", "lr_step"], kind="stable").iloc[0]
+            k = int(best["lr_step"])
+            row.update(
+                lr_step=float(k),
+                lr=float(best["lr"]),
+                heldout_loss=float(best["heldout_loss"]),
+                at_edge=k in (steps[0], steps[-1]),
+            )
+        else:
+            row.update(lr_step=math.nan, lr=math.nan, heldout_loss=math.nan, at_edge=False)
+        rows.append(row)
+    columns = ["parametrisation", "width", "depth", "lr_step", "lr", "heldout_loss"]
+    return pd.DataFrame(rows, columns=[*columns, "at_edge", "default_loss"])
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the README's claims, evaluated on a sweep's table.
+
+    Attributes:
+        number: 1 to 4.
+        statement: what is claimed.
+        held: True or False, or None where the claim is a measurement (claim 2) or could not
+            be evaluated (e.g. no FP8 runs).
+        detail: the numbers it rests on.
+    """
+
+    number: int
+    statement: str
+    held: bool | None
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"`` for None."""
+        if self.held is not None:
+            return "held" if self.held else "NOT held"
+        return "not evaluated" if self.detail.startswith("not evaluated") else "measured"
+
+
+def _steps_text(best: pd.DataFrame, size: str) -> str:
+    parts = []
+    for _, row in best.iterrows():
+        k = row["lr_step"]
+        edge = " (grid edge)" if row["at_edge"] else ""
+        shown = f"k={int(k):+d} (lr {row['lr']:g}){edge}" if math.isfinite(k) else "all diverged"
+        parts.append(f"{size} {int(row[size])}: {shown}")
+    return "; ".join(parts)
+
+
+def _gap(a: float, b: float) -> float:
+    return (a - b) / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
+
+
+def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]:
+    """The four claims of the README, evaluated from a table of final losses.
+
+    1. u-μP's best learning rate at the largest size is within one grid step of its best at
+       the smallest.
+    2. How far the standard parametrisation's best learning rate moves over the same sizes
+       (a measurement: ``held`` is None).
+    3. u-μP at its default learning rate (grid step 0) ends within ``tolerance`` of the best
+       point of its sweep at every size.
+    4. u-μP in simulated FP8 at its best learning rate ends within ``tolerance`` of its FP32
+       loss at every size.
+
+    An optimum at the grid's edge is reported as such (the true optimum may lie beyond it).
+
+    Args:
+        final: :func:`final_frame`, or any table with its columns.
+        tolerance: the relative gap claims 3 and 4 allow.
+
+    Returns:
+        The four :class:`Claim` objects.
+
+    Example:
+        >>> import pandas as pd
+        >>> rows = [("u-muP", "fp32", w, 2, k, 2.0**k, 2 + abs(k - 0.1 * (w == 64)))
+        ...         for w in (32, 64) for k in (-1, 0, 1)]
+        >>> t = pd.DataFrame(rows, columns=["parametrisation", "precision", "width", "depth",
+        ...                                 "lr_step", "lr", "heldout_loss"])
+        >>> [c.verdict for c in evaluate_claims(t)]
+        ['held', 'not evaluated', 'held', 'not evaluated']
+    """
+    size = _size_column(final)
+    best = best_points(final).sort_values(["parametrisation", size], kind="stable")
+    mup = best[best["parametrisation"] == "u-muP"]
+    standard = best[best["parametrisation"] == "standard"]
+    return [
+        _claim_transfer(mup, size),
+        _claim_standard_moves(standard, size),
+        _claim_default(mup, size, tolerance),
+        _claim_fp8(final, mup, size, tolerance),
+    ]
+
+
+def _moved(best: pd.DataFrame) -> int | None:
+    """Grid steps from the smallest size's best to the largest's (None: not measurable)."""
+    if len(best) < 2 or not best["lr_step"].notna().all():
+        return None
+    return int(best["lr_step"].iloc[-1] - best["lr_step"].iloc[0])
+
+
+def _claim_transfer(mup: pd.DataFrame, size: str) -> Claim:
+    statement = (
+        f"u-muP's best learning rate at the largest {size} is within one grid step (2x) of its "
+        f"best at the smallest"
+    )
+    moved = _moved(mup)
+    if moved is None:
+        return Claim(1, statement, None, "not evaluated: a size is missing or diverged")
+    return Claim(1, statement, abs(moved) <= 1, f"moves {moved:+d} steps; {_steps_text(mup, size)}")
+
+
+def _claim_standard_moves(standard: pd.DataFrame, size: str) -> Claim:
+    statement = f"how far the standard parametrisation's best learning rate moves over the {size}s"
+    moved = _moved(standard)
+    if moved is None:
+        return Claim(2, statement, None, "not evaluated: a size is missing or diverged")
+    detail = (
+        f"moves {moved:+d} steps ({2.0**moved:g}x) from the smallest to the largest {size}; "
+        f"{_steps_text(standard, size)}"
+    )
+    return Claim(2, statement, None, detail)
+
+
+def _claim_default(mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
+    statement = (
+        f"u-muP at its default learning rate (every mult 1) ends within {tolerance:.0%} of the "
+        f"best point of its sweep at every {size}"
+    )
+    gaps = [(int(r[size]), _gap(r["default_loss"], r["heldout_loss"])) for _, r in mup.iterrows()]
+    if not gaps:
+        return Claim(3, statement, None, "not evaluated: no u-muP runs")
+    held = all(math.isfinite(g) and g <= tolerance for _, g in gaps)
+    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    return Claim(3, statement, held, f"default vs best: {detail}")
+
+
+def _claim_fp8(final: pd.DataFrame, mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
+    statement = (
+        f"u-muP in simulated FP8 at its best learning rate ends within {tolerance:.0%} of its "
+        f"FP32 loss at every {size}, with no loss scaling"
+    )
+    fp8 = final[(final["precision"] == "fp8") & (final["parametrisation"] == "u-muP")]
+    gaps = []
+    for _, r in mup.iterrows():
+        match = fp8[(fp8["width"] == r["width"]) & (fp8["depth"] == r["depth"])]
+        if len(match):
+            loss = float(match["heldout_loss"].iloc[0])
+            gaps.append((int(r[size]), _gap(loss, r["heldout_loss"])))
+    if not gaps or len(gaps) != len(mup):
+        return Claim(4, statement, None, f"not evaluated: no FP8 run at some {size}")
+    held = all(math.isfinite(g) and abs(g) <= tolerance for _, g in gaps)
+    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    return Claim(4, statement, held, f"FP8 vs FP32 held-out: {detail}")
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.2%}" if math.isfinite(value) else "n/a (diverged)"
+
+
+# -- presentation ----------------------------------------------------------------------------
+def _loss_text(value: float) -> str:
+    return f"{value:.4f}" if math.isfinite(value) else "div."
+
+
+def table_lines(final: pd.DataFrame, config: TransferConfig) -> list[str]:
+    """The final held-out loss of every run: one line per parametrisation and size, one
+    column per grid step, the best marked ``*``, then the FP8 run's loss."""
+    size = _size_column(final)
+    best = best_points(final)
+    steps = list(config.lr_steps)
+    header = [f"{size}", *(f"k={k:+d}" for k in steps), "best lr", "fp8 at best"]
+    lines: list[str] = []
+    for p in PARAMETRISATIONS:
+        grid = dict(config.grid(p))
+        centre = grid[0]
+        lines.append(f"{p}: final held-out loss at lr = {centre:g} x 2^k")
+        rows = [header]
+        chosen = final[final["parametrisation"] == p]
+        for (width, depth), group in chosen.groupby(["width", "depth"], sort=True):
+            fp32 = group[group["precision"] == "fp32"]
+            b = best[(best.parametrisation == p) & (best.width == width) & (best.depth == depth)]
+            k_best = b["lr_step"].iloc[0] if len(b) else math.nan
+            cells = [str(width if size == "width" else depth)]
+            for k in steps:
+                value = fp32.loc[fp32["lr_step"] == k, "heldout_loss"]
+                text = _loss_text(float(value.iloc[0])) if len(value) else ""
+                cells.append(text + ("*" if k == k_best else " "))
+            cells.append(f"{grid[int(k_best)]:g}" if math.isfinite(k_best) else "n/a")
+            fp8 = group[group["precision"] == "fp8"]
+            cells.append(_loss_text(float(fp8["heldout_loss"].iloc[0])) if len(fp8) else "")
+            rows.append(cells)
+        widths_ = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for row in rows:
+            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths_, strict=True)))
+        lines.append("")
+    return lines
+
+
+def summary_text(result: TransferResult) -> str:
+    """What ``unitscale transfer`` prints: the settings, the loss table and the claims."""
+    config = result.config
+    final = final_frame(runs_frame(result.runs))
+    (width,) = config.widths if config.vary == "depth" else (None,)
+    (depth,) = config.depths if config.vary == "width" else (None,)
+    fixed = f"depth {depth}" if width is None else f"width {width}"
+    sizes = ", ".join(str(s) for s in (config.widths if width is None else config.depths))
+    lines = [
+        f"unitscale transfer: learning-rate sweeps across {config.vary} ({sizes}; {fixed}), "
+        f"{config.steps} steps, batch {config.batch_size} x {config.seq_len} bytes, seed "
+        f"{config.seed}",
+        "standard: plain PyTorch decoder (GPT-2 init) + torch.optim.AdamW; u-muP: "
+        "unitscale.TransformerDecoder(mup=True) + unitscale.optim.AdamW (default lr "
+        f"{config.mup_lr:g}, every mult 1); fp8: u-muP under simulate_fp8 "
+        f"({config.fp8_recipe!r} recipe, no loss scaling) at its best lr",
+        "",
+        *table_lines(final, config),
+        "losses: mean next-byte cross-entropy (nats) over "
+        f"{config.eval_batches} fixed held-out batches after the last step; * best of the row; "
+        "div.: diverged (non-finite loss)",
+        "",
+    ]
+    for claim in evaluate_claims(final):
+        lines.append(f"claim ({claim.number}) {claim.statement}: {claim.verdict}")
+        lines.append(f"    {claim.detail}")
+    load = ", ".join("n/a" if v is None else f"{v:.1f}" for v in result.load_average)
+    lines.append("")
+    lines.append(
+        f"time: {result.seconds:.0f}s for {len(result.runs)} runs on {config.threads} "
+        f"thread(s) (1-minute load average before, after: {load})"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
+    """Final held-out loss against learning rate: one panel per parametrisation, one curve
+    per size, each curve's optimum starred; u-μP's FP8 runs as crosses; the default learning
+    rate (grid step 0) dotted."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    size = _size_column(final)
+    best = best_points(final)
+    fig = Figure(figsize=(11.0, 4.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(PARAMETRISATIONS), sharey=True)
+    values = sorted(final[size].unique())
+    colours = colormaps["viridis"]([i / max(len(values) - 1, 1) * 0.9 for i in range(len(values))])
+    finite = [float(v) for v in final["heldout_loss"] if math.isfinite(float(v))]
+    for ax, p in zip(axes, PARAMETRISATIONS, strict=True):
+        chosen = final[final["parametrisation"] == p]
+        for colour, value in zip(colours, values, strict=True):
+            runs = chosen[chosen[size] == value]
+            fp32 = runs[runs["precision"] == "fp32"].sort_values("lr")
+            ax.plot(fp32["lr"], fp32["heldout_loss"], "o-", color=colour, ms=4, lw=1.4,
+                    label=f"{size} {value}")  # fmt: skip
+            b = best[(best.parametrisation == p) & (best[size] == value)]
+            if len(b) and math.isfinite(b["lr"].iloc[0]):
+                ax.plot(b["lr"], b["heldout_loss"], "*", color=colour, ms=15, mec="black", mew=0.6)
+            fp8 = runs[runs["precision"] == "fp8"]
+            if len(fp8):
+                ax.plot(fp8["lr"], fp8["heldout_loss"], "x", color=colour, ms=9, mew=2)
+        ax.axvline(dict(config.grid(p))[0], color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("peak learning rate" + (" (base lr of every rule)" if p == "u-muP" else ""))
+        ax.set_title(
+            "standard (PyTorch init, torch AdamW)" if p == "standard"
+            else "u-muP (unitscale.optim.AdamW); x: FP8 at best lr",
+            fontsize=10,
+        )  # fmt: skip
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final held-out loss (nats per byte)")
+    if finite:
+        low, high = min(finite), min(max(finite), math.log(256))
+        pad = 0.05 * (high - low) + 1e-3
+        axes[0].set_ylim(low - pad, high + pad)
+    axes[0].legend(fontsize=8, title="star: best; dotted: default / centre", title_fontsize=7)
+    fig.suptitle(
+        f"unitscale transfer: {config.steps} steps, batch {config.batch_size} x "
+        f"{config.seq_len}, seed {config.seed}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def write_transfer_csv(result: TransferResult, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`runs_frame` to ``path`` (6 decimals, ``\\n`` line ends); return it."""
+    out = Path(path)
+    frame = runs_frame(result.runs)
+    frame.to_csv(out, index=False, float_format="%.6f", lineterminator="\n")
+    return out
+
+
+def _finite_or_none(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) -> Path:
+    """Write the settings, every run's final losses and seconds, the claims, the time and the
+    load to ``path`` as JSON (the committed results README's table is generated from)."""
+    final = final_frame(runs_frame(result.runs))
+    document = {
+        "command": "unitscale transfer",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": result.config.threads,
+        "seconds": round(result.seconds, 1),
+        "load_average_before": result.load_average[0],
+        "load_average_after": result.load_average[1],
+        "config": {
+            k: list(v) if isinstance(v, tuple) else v for k, v in asdict(result.config).items()
+        },
+        "runs": [
+            {
+                "parametrisation": r.parametrisation,
+                "precision": r.precision,
+                "width": r.width,
+                "depth": r.depth,
+                "lr_step": r.lr_step,
+                "lr": r.lr,
+                "final_heldout_loss": _finite_or_none(r.final_heldout_loss),
+                "final_train_loss": _finite_or_none(r.final_train_loss),
+                "stopped_at": r.stopped_at,
+                "seconds": round(r.seconds, 2),
+            }
+            for r in result.runs
+        ],
+        "claims": [
+            {"number": c.number, "statement": c.statement, "verdict": c.verdict, "detail": c.detail}
+            for c in evaluate_claims(final)
+        ],
+    }
+    out = Path(path)
+    out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+def write_transfer_report(result: TransferResult, path: str | os.PathLike[str]) -> Path:
+    """Write a self-contained HTML page: the summary, the picture inline and the settings."""
+    final = final_frame(runs_frame(result.runs))
+    figure = plot_transfer(final, result.config)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "img-src data:; style-src 'unsafe-inline'\">",
+        "<title>unitscale transfer</title>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;"
+        "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}img{max-width:100%;"
+        "height:auto}pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
+        "<h1>unitscale transfer: learning-rate transfer, standard vs u-muP</h1>",
+        f'<figure><img alt="final held-out loss against learning rate" '
+        f'src="{_png_data_uri(figure)}"><figcaption>Final held-out loss against the peak '
+        "learning rate; one curve per size, the best of each starred; crosses: u-muP in "
+        "simulated FP8 at its best learning rate.</figcaption></figure>",
+        "<h2>Results and claims</h2>",
+        f"<pre>{html.escape(summary_text(result))}</pre>",
+        "<h2>Settings</h2><table>",
+    ]
+    for name, value in asdict(result.config).items():
+        parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(str(value))}</td></tr>")
+    parts.append("</table></body></html>")
+    out = Path(path)
+    out.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,246 @@
+"""Learning-rate transfer sweeps (unitscale.experiments.transfer): configuration, the claims
+computed from a table, and short sweeps (slow: they train)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from unitscale.experiments.transfer import (
+    CSV_COLUMNS,
+    DEFAULT_CONFIG,
+    DEFAULT_MUP_LR,
+    TransferConfig,
+    TransferConfigError,
+    _eval_data,
+    _train_data,
+    best_points,
+    build_model,
+    default_config,
+    evaluate_claims,
+    final_frame,
+    run_transfer,
+    runs_frame,
+    summary_text,
+    train_one,
+    write_transfer_csv,
+)
+
+COLUMNS = ["parametrisation", "precision", "width", "depth", "lr_step", "lr", "heldout_loss"]
+
+
+def table(curves: dict[tuple[str, int], list[float]], fp8: dict[int, float] | None = None,
+          steps: tuple[int, ...] = (-2, -1, 0, 1, 2)) -> pd.DataFrame:  # fmt: skip
+    """A synthetic final table: ``curves[(parametrisation, width)]`` lists the loss per step."""
+    rows = []
+    for (p, width), losses in curves.items():
+        centre = DEFAULT_MUP_LR if p == "u-muP" else 3e-3
+        for k, loss in zip(steps, losses, strict=True):
+            rows.append((p, "fp32", width, 2, k, centre * 2.0**k, loss))
+    for width, loss in (fp8 or {}).items():
+        best = min((loss_, k) for k, loss_ in zip(steps, curves[("u-muP", width)], strict=True))[1]
+        rows.append(("u-muP", "fp8", width, 2, best, DEFAULT_MUP_LR * 2.0**best, loss))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_default_config_is_the_documented_sweep() -> None:
+    c = DEFAULT_CONFIG
+    assert c.sizes == [(32, 2), (64, 2), (128, 2), (256, 2)]
+    assert c.lr_steps == (-3, -2, -1, 0, 1, 2, 3)
+    grid = c.grid("u-muP")
+    assert dict(grid)[0] == DEFAULT_MUP_LR == 0.5
+    # A 2x grid: each point is twice the one before.
+    assert all(b / a == 2.0 for (_, a), (_, b) in itertools.pairwise(grid))
+    assert next(lr for _, lr in c.grid("standard")) == pytest.approx(3e-3 / 8)
+    assert default_config("depth").sizes == [(64, 1), (64, 2), (64, 4), (64, 8)]
+    assert default_config(quick=True, seed=3, steps=None).seed == 3
+
+
+def test_schedule_is_unitscale_trains() -> None:
+    c = TransferConfig(steps=100)
+    # Warm-up over 5 steps, peak, cosine decay to 10% at the last step.
+    assert c.lr_factor(0) == pytest.approx(0.2)
+    assert c.lr_factor(5) == pytest.approx(1.0)
+    assert c.lr_factor(99) == pytest.approx(0.1)
+    factors = [c.lr_factor(s) for s in range(5, 100)]
+    assert all(a >= b for a, b in itertools.pairwise(factors))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"widths": (48, 64)}, r"widths \[48\] are not multiples of the head size 32"),
+        ({"widths": (64,)}, r"vary='width' needs at least two widths, got \[64\]"),
+        ({"depths": (1, 2)}, r"vary='width' takes one value of depths, got \[1, 2\]"),
+        ({"vary": "depth", "depths": (1, 2)}, r"takes one value of widths, got \[32, 64, 128"),
+        ({"widths": (32, 0)}, r"widths=\(32, 0\) must be a non-empty sequence of positive"),
+        ({"widths": (32, 32)}, r"lists a value twice"),
+        ({"lr_steps": (-1, 1)}, r"must be integers including 0"),
+        ({"mup_lr": -1.0}, r"mup_lr=-1.0 must be positive"),
+        ({"steps": 0}, r"TransferConfig: steps=0 must be a positive integer"),
+        ({"vary": "heads"}, r"vary='heads' must be 'width' or 'depth'"),
+        ({"fp8_recipe": "bf16"}, r"fp8_recipe='bf16'; choose from"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(TransferConfigError, match=message):
+        TransferConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_parametrisation_is_an_error() -> None:
+    with pytest.raises(TransferConfigError, match=r"unknown parametrisation 'mup'"):
+        DEFAULT_CONFIG.grid("mup")
+
+
+# -- claims from a table ---------------------------------------------------------------------
+def test_best_points_take_the_lowest_finite_loss_and_flag_grid_edges() -> None:
+    t = table(
+        {
+            ("u-muP", 32): [3.0, 2.5, 2.2, 2.3, math.nan],  # best k=0; the diverged run is out
+            ("u-muP", 64): [1.9, 2.0, 2.1, 2.2, 2.3],  # best at the grid's low edge
+            ("standard", 32): [2.4, 2.4, 2.5, 2.6, 2.7],  # a tie: the smaller step wins
+            ("standard", 64): [math.nan] * 5,  # every run diverged
+        }
+    )
+    best = best_points(t).set_index(["parametrisation", "width"])
+    assert best.loc[("u-muP", 32), "lr_step"] == 0
+    assert not best.loc[("u-muP", 32), "at_edge"]
+    assert best.loc[("u-muP", 64), "lr_step"] == -2
+    assert best.loc[("u-muP", 64), "at_edge"]
+    assert best.loc[("u-muP", 64), "default_loss"] == 2.1
+    assert best.loc[("standard", 32), "lr_step"] == -2
+    assert math.isnan(best.loc[("standard", 64), "lr_step"])
+
+
+def test_claims_held_on_a_table_where_only_u_mup_transfers() -> None:
+    curves = {
+        ("u-muP", 32): [2.6, 2.3, 2.20, 2.25, 2.5],  # best k=0
+        ("u-muP", 256): [2.0, 1.85, 1.80, 1.83, 2.2],  # best k=0
+        ("standard", 32): [2.8, 2.6, 2.4, 2.3, 2.35],  # best k=+1
+        ("standard", 256): [2.1, 2.3, 2.5, 2.7, 3.0],  # best k=-2: moved 3 steps down
+    }
+    claims = evaluate_claims(table(curves, fp8={32: 2.21, 256: 1.90}))
+    assert [c.number for c in claims] == [1, 2, 3, 4]
+    one, two, three, four = claims
+    assert one.held is True and one.verdict == "held" and "moves +0 steps" in one.detail
+    assert two.held is None and two.verdict == "measured"
+    assert "moves -3 steps (0.125x)" in two.detail
+    assert "width 256: k=-2 (lr 0.00075) (grid edge)" in two.detail
+    assert three.held is True and "width 32: +0.00%; width 256: +0.00%" in three.detail
+    # FP8 within 2% at width 32 (+0.45%), not at width 256 (+5.56%): the claim fails.
+    assert four.held is False and four.verdict == "NOT held"
+    assert "width 32: +0.45%; width 256: +5.56%" in four.detail
+
+
+def test_claims_fail_when_u_mup_optimum_moves_and_default_is_far() -> None:
+    curves = {
+        ("u-muP", 32): [2.6, 2.3, 2.2, 2.1, 2.5],  # best k=+1
+        ("u-muP", 64): [2.0, 1.8, 2.0, 2.3, 2.6],  # best k=-1: moved 2 steps
+        ("standard", 32): [2.8, 2.6, 2.4, 2.3, 2.35],
+        ("standard", 64): [2.8, 2.6, 2.4, 2.3, 2.35],
+    }
+    one, two, three, four = evaluate_claims(table(curves))
+    assert one.held is False and "moves -2 steps" in one.detail
+    assert "moves +0 steps (1x)" in two.detail
+    # Default (k=0) vs best: 2.2 / 2.1 - 1 = +4.76%, 2.0 / 1.8 - 1 = +11.11%.
+    assert three.held is False and "width 32: +4.76%; width 64: +11.11%" in three.detail
+    assert four.held is None and four.verdict == "not evaluated"
+
+
+def test_claims_across_depth_name_the_depth() -> None:
+    rows = [
+        ("u-muP", "fp32", 64, d, k, 0.5 * 2.0**k, 2.0 + abs(k)) for d in (1, 4) for k in (-1, 0, 1)
+    ]
+    one = evaluate_claims(pd.DataFrame(rows, columns=COLUMNS))[0]
+    assert "largest depth" in one.statement and "depth 4: k=+0" in one.detail
+
+
+def test_a_diverged_default_fails_claim_three() -> None:
+    curves = {("u-muP", 32): [2.3, 2.2, math.nan], ("u-muP", 64): [2.3, 2.2, 2.1]}
+    three = evaluate_claims(table(curves, steps=(-1, 1, 0)))[2]
+    assert three.held is False and "width 32: n/a (diverged)" in three.detail
+
+
+# -- sweeps (train) --------------------------------------------------------------------------
+TINY = {"steps": 4, "eval_every": 2, "eval_batches": 1, "batch_size": 2, "seq_len": 16}
+
+
+@pytest.mark.slow
+def test_sweep_table_shape_same_batches_and_fp8_at_best(single_thread: None) -> None:
+    config = default_config(quick=True, **TINY)
+    result = run_transfer(config)
+    frame = runs_frame(result.runs)
+    assert list(frame.columns) == list(CSV_COLUMNS)
+    # 2 parametrisations x 2 widths x 3 learning rates in FP32, then one FP8 run per width.
+    assert len(result.runs) == 2 * 2 * 3 + 2
+    diverged = [r for r in result.runs if r.stopped_at is not None]
+    assert len(frame) == 2 * (len(result.runs) - len(diverged)) + len(diverged)
+    final = final_frame(frame)
+    assert len(final) == len(result.runs)
+    assert set(final["step"][final["heldout_loss"].notna()]) == {4}
+    # Every run trained on the same batches in the same order.
+    assert frame["data_digest"].nunique() == 1
+    # Each size's FP8 run uses the best FP32 learning rate of u-muP at that size.
+    best = best_points(final).set_index(["parametrisation", "width"])
+    for _, row in final[final["precision"] == "fp8"].iterrows():
+        assert row["lr_step"] == best.loc[("u-muP", row["width"]), "lr_step"]
+    text = summary_text(result)
+    assert text.count("claim (") == 4 and "u-muP: final held-out loss at lr = 0.5 x 2^k" in text
+
+
+@pytest.mark.slow
+def test_the_digest_sees_the_batches(single_thread: None) -> None:
+    config = default_config(quick=True, **TINY)
+    held = _eval_data(config, "heldout")
+    data = _train_data(config)
+    other = _train_data(default_config(quick=True, **{**TINY, "seed": 1}))
+    a = train_one("u-muP", 32, 2, 0, config, data, held, held)
+    b = train_one("standard", 32, 2, 0, config, data, held, held)
+    c = train_one("standard", 32, 2, 0, config, other, held, held)
+    assert a.data_digest == b.data_digest != c.data_digest
+    # Different batches, different losses: the digest is of what was trained on.
+    assert b.evals[0][1] != c.evals[0][1]
+
+
+@pytest.mark.slow
+def test_sweep_is_deterministic_under_the_seed(tmp_path: Path, single_thread: None) -> None:
+    config = default_config(quick=True, widths=(32, 64), lr_steps=(0, 1), **TINY)
+    state = torch.random.get_rng_state()
+    paths = [write_transfer_csv(run_transfer(config), tmp_path / f"{i}.csv") for i in range(2)]
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
+    other = write_transfer_csv(
+        run_transfer(default_config(quick=True, widths=(32, 64), lr_steps=(0, 1),
+                                    **{**TINY, "seed": 1})),
+        tmp_path / "seed1.csv",
+    )  # fmt: skip
+    assert other.read_bytes() != paths[0].read_bytes()
+
+
+@pytest.mark.parametrize("width", [32, 256])
+def test_both_parametrisations_are_the_same_decoder(width: int) -> None:
+    """Same parameter shapes (hence counts) in the same order; no position embedding."""
+    standard, mup = (build_model(p, width, 2, DEFAULT_CONFIG) for p in ("standard", "u-muP"))
+    shapes = [sorted(tuple(p.shape) for p in m.parameters()) for m in (standard, mup)]
+    assert shapes[0] == shapes[1]
+    assert not any("position" in name for name, _ in standard.named_parameters())
+    # The standard one has GPT-2's init; the u-muP one unit-scaled weights.
+    assert standard.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert mup.embedding.weight.std().item() == pytest.approx(1.0, rel=0.05)
+
+
+@pytest.mark.slow
+def test_depth_sweep_reports_claims_across_depth(single_thread: None) -> None:
+    config = default_config("depth", quick=True, lr_steps=(0, 1), fp8=False, **TINY)
+    result = run_transfer(config)
+    assert {(r.width, r.depth) for r in result.runs} == {(32, 1), (32, 2)}
+    text = summary_text(result)
+    assert "sweeps across depth (1, 2; width 32)" in text
+    assert "claim (1) u-muP's best learning rate at the largest depth" in text
+    assert "claim (4)" in text and "not evaluated: no FP8 run at some depth" in text
