@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scale import scale_bwd
-from ._nonlinear import _rsqrt
+from ._shared import shared_rsqrt
 
 # --------------------------------------------------------------------------------------------
 # normalisation
@@ -19,7 +19,8 @@ from ._nonlinear import _rsqrt
 
 def _norm_param_scale(input: Tensor, normalized_shape: Any) -> float:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    return _rsqrt(input.numel() // max(math.prod(shape), 1))
+    batched = input.dim() > len(shape)
+    return shared_rsqrt(input.numel() // max(math.prod(shape), 1), batched)
 
 
 def layer_norm(
