@@ -43,7 +43,7 @@ import torch
 from .errors import UnitScaleError
 from .parameter import has_mup_tags
 
-__all__ = ["data_parallel_size", "fully_shard", "set_data_parallel"]
+__all__ = ["data_parallel_group", "data_parallel_size", "fully_shard", "set_data_parallel"]
 
 _settings: dict[str, Any] = {"group": None, "size": None}
 
@@ -103,6 +103,18 @@ def data_parallel_size() -> int:
     return int(
         distributed.get_world_size(group) if group is not None else distributed.get_world_size()
     )
+
+
+def data_parallel_group() -> Any:
+    """The process group given to :func:`set_data_parallel`, or None (the world).
+
+    Scale tracking reduces statistics over it (see :mod:`unitscale.tracking`).
+
+    Example:
+        >>> data_parallel_group() is None
+        True
+    """
+    return _settings["group"]
 
 
 def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:

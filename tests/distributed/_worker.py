@@ -78,6 +78,7 @@ def _relative_errors(
 def check_gradients(name: str, wrapper: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     inputs, labels = batch()
+    torch.manual_seed(0)  # unit_scale re-initialises weights from the global generator
     model = MODELS[name]()
     reference = copy.deepcopy(model)
     set_data_parallel(size=1)
@@ -143,6 +144,144 @@ def check_compile() -> dict[str, Any]:
     }
 
 
+class CountCollectives:
+    """Counts torch.distributed.all_reduce calls while installed (the reduction looks the
+    function up at call time)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = dist.all_reduce
+
+    def __enter__(self) -> CountCollectives:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self.original
+
+
+def _records(graph: Any) -> dict[tuple[str, str], dict[str, float]]:
+    from unitscale.tracking.records import graph_records
+
+    return {(r.name, r.direction): r.metrics for r in graph_records(graph)}
+
+
+def _compare(
+    ref: dict[tuple[str, str], dict[str, float]], got: dict[tuple[str, str], dict[str, float]]
+) -> dict[str, Any]:
+    worst, where, numel_equal, numel_diff = 0.0, "", True, []
+    for key, metrics in ref.items():
+        other = got.get(key)
+        if other is None:
+            return {
+                "missing": list(key),
+                "max_error": float("inf"),
+                "numel_equal": False,
+                "records": len(ref),
+            }
+        if other["numel"] != metrics["numel"]:
+            numel_equal = False
+            numel_diff.append([*key, metrics["numel"], other["numel"]])
+        for metric, value in metrics.items():
+            error = abs(other[metric] - value) / max(abs(value), 1e-12)
+            if metric in ("abs_mean", "abs_min"):  # cancelling or tiny: relative to the rms
+                error = abs(other[metric] - value) / max(metrics["rms"], 1e-12)
+            if metric.startswith(("underflow", "overflow")):
+                error = abs(other[metric] - value)
+            if error > worst:
+                worst, where = error, f"{key[0]}/{key[1]}/{metric}"
+    return {
+        "missing": [],
+        "max_error": worst,
+        "worst": where,
+        "numel_equal": numel_equal,
+        "records": len(ref),
+        "extra": len(set(got) - set(ref)),
+    }
+
+
+def check_statistics(wrapper: str) -> dict[str, Any]:
+    """scales_graph() of a tracked model under DDP/FSDP2 equals one process's (reference)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    model = track_scales(unit_scale(plain_gpt(CONFIG, seed=0)))
+    reference = copy.deepcopy(model)
+    set_data_parallel(size=1)
+    reference(inputs, labels=labels).backward()
+    ref = _records(reference.scales_graph())
+    set_data_parallel()
+    wrapped = fully_shard(model) if wrapper == "fsdp" else DistributedDataParallel(model)
+    local = GLOBAL_BATCH // world
+    rows = slice(rank * local, (rank + 1) * local)
+    wrapped(inputs[rows], labels=labels[rows]).backward()
+    with CountCollectives() as counter:
+        got = _records(model.scales_graph())
+    result = _compare(ref, got)
+    result["collectives"] = counter.calls
+    result["local_numel_of_input"] = int(inputs[rows].numel())
+    return result
+
+
+def check_monitor() -> dict[str, Any]:
+    """ScaleMonitor inside DDP: its table equals one process's; rank 0 alone writes the CSV."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    base = unit_scale(plain_gpt(CONFIG, seed=0))
+    ref_monitor = us.ScaleMonitor(copy.deepcopy(base), every=1)
+    set_data_parallel(size=1)
+    ref_monitor.module(inputs, labels=labels).backward()
+    ref_monitor.step()
+    set_data_parallel()
+    monitor = us.ScaleMonitor(base, every=1)
+    ddp = DistributedDataParallel(monitor.module)
+    local = GLOBAL_BATCH // world
+    rows = slice(rank * local, (rank + 1) * local)
+    ddp(inputs[rows], labels=labels[rows]).backward()
+    with CountCollectives() as counter:
+        monitor.step()
+    ref_table = ref_monitor.table().set_index(["tensor", "direction", "metric"])["value"]
+    table = monitor.table().set_index(["tensor", "direction", "metric"])["value"]
+    joined = ref_table.to_frame("ref").join(table.to_frame("got"), how="outer")
+    scale = joined.xs("rms", level="metric")["ref"].abs().clip(lower=1e-12)
+    by_tensor = scale.reindex(joined.index.droplevel("metric")).to_numpy()
+    relative = (joined["got"] - joined["ref"]).abs() / joined["ref"].abs().clip(lower=1e-12)
+    metric = joined.index.get_level_values("metric")
+    against_rms = (joined["got"] - joined["ref"]).abs() / by_tensor
+    fraction = metric.str.startswith(("underflow", "overflow"))
+    error = relative.where(~metric.isin(["abs_mean", "abs_min"]), against_rms)
+    error = error.where(~fraction, (joined["got"] - joined["ref"]).abs()).max()
+    out = Path(sys.argv[2]) / f"monitor-rank{rank}.csv"
+    monitor.to_csv(out)
+    dist.barrier()
+    return {
+        "rows": len(joined),
+        "nan_rows": int(joined.isna().any(axis=1).sum()),
+        "max_error": float(error),
+        "collectives": counter.calls,
+        "csv_written": out.exists(),
+    }
+
+
+def check_mismatch() -> dict[str, Any]:
+    """Ranks that read different numbers of tensors get a clear error, not a hang."""
+    from unitscale.tracking._distributed import DistributedStatsError, reduce_stats
+    from unitscale.tracking.metrics import tensor_stats
+
+    count = 2 + dist.get_rank()
+    rows = torch.stack([tensor_stats(torch.ones(3)) for _ in range(count)])
+    try:
+        reduce_stats(rows, [3] * count, [False] * count, None)
+    except DistributedStatsError as error:
+        return {"error": str(error)}
+    return {"error": ""}
+
+
 def main() -> None:
     checks, out = sys.argv[1].split(","), Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -152,6 +291,15 @@ def main() -> None:
         for check in checks:
             if check == "compile":
                 results[check] = check_compile()
+                continue
+            if check == "mismatch":
+                results[check] = check_mismatch()
+                continue
+            if check == "monitor":
+                results[check] = check_monitor()
+                continue
+            if check.startswith("statistics:"):
+                results[check] = check_statistics(check.split(":")[1])
                 continue
             name, wrapper = check.rsplit(":", 1)
             results[check] = check_gradients(name, wrapper)
