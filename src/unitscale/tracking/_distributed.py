@@ -14,7 +14,7 @@ the ranks' values (the loss of the concatenated batch when the shards are equal)
 Values computed from parameters and constants alone (a position embedding's output, a
 weight cast to FP8: "replicated") are counted once, from rank 0; their gradients are
 partial sums on each rank, so tracking keeps those gradient tensors (not activations' ones)
-until the read, and averages them in one more packed ``all_reduce``.
+until the next call, and averages them in one more packed ``all_reduce`` at each read.
 
 Parameters are special. A parameter's value is the same on every rank (FSDP2 gathers it
 whole for the forward pass), so only rank 0's statistics of it count. Its gradient
@@ -128,8 +128,6 @@ def reduce_replicated_grads(
         part = flat[offset : offset + grad.numel()].view(grad.shape).to(grad.dtype)
         offset += grad.numel()
         out[(k, slot)] = (grad.numel(), tensor_stats(part))
-    for invocation in trace:
-        invocation.data.pop("replicated_grads", None)
     return out
 
 
