@@ -268,6 +268,22 @@ def check_monitor() -> dict[str, Any]:
     }
 
 
+def check_fsdp_averages() -> dict[str, Any]:
+    """Whether this torch's FSDP2 averages gradients over gloo for a plain ``nn.Linear``
+    (torch 2.7.1 sums them: then no model, unit-scaled or not, matches one process)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 6)
+    reference = copy.deepcopy(layer)
+    x = torch.randn(8, 4)
+    reference(x).mean().backward()
+    fully_shard(layer)
+    local = 8 // world
+    layer(x[rank * local : (rank + 1) * local]).mean().backward()
+    ratio = float(_full(layer.weight.grad).norm() / reference.weight.grad.norm())
+    return {"averages": abs(ratio - 1) < 1e-5, "ratio": ratio, "torch": torch.__version__}
+
+
 def check_mismatch() -> dict[str, Any]:
     """Ranks that read different numbers of tensors get a clear error, not a hang."""
     from unitscale.tracking._distributed import DistributedStatsError, reduce_stats
@@ -282,6 +298,21 @@ def check_mismatch() -> dict[str, Any]:
     return {"error": ""}
 
 
+def run_check(check: str) -> dict[str, Any]:
+    if check == "compile":
+        return check_compile()
+    if check == "fsdp-averages":
+        return check_fsdp_averages()
+    if check == "mismatch":
+        return check_mismatch()
+    if check == "monitor":
+        return check_monitor()
+    if check.startswith("statistics:"):
+        return check_statistics(check.split(":")[1])
+    name, wrapper = check.rsplit(":", 1)
+    return check_gradients(name, wrapper)
+
+
 def main() -> None:
     checks, out = sys.argv[1].split(","), Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -289,20 +320,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for check in checks:
-            if check == "compile":
-                results[check] = check_compile()
-                continue
-            if check == "mismatch":
-                results[check] = check_mismatch()
-                continue
-            if check == "monitor":
-                results[check] = check_monitor()
-                continue
-            if check.startswith("statistics:"):
-                results[check] = check_statistics(check.split(":")[1])
-                continue
-            name, wrapper = check.rsplit(":", 1)
-            results[check] = check_gradients(name, wrapper)
+            try:
+                results[check] = run_check(check)
+            except Exception as error:  # reported per check: the others still run
+                results[check] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     finally:
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
         dist.destroy_process_group()

@@ -77,3 +77,21 @@ def spawn(script: str, args: list[str], out: Path, world: int = 2) -> list[dict[
 def spawn_ranks() -> Callable[..., list[dict[str, Any]]]:
     """:func:`spawn`, for the tests of this folder."""
     return spawn
+
+
+def _skip_unless_fsdp_averages(results: list[dict[str, Any]]) -> None:
+    """Skip an FSDP2 check where torch's own FSDP2 does not average gradients over gloo."""
+    probe = results[0]["fsdp-averages"]
+    if not probe["averages"]:
+        pytest.skip(
+            f"torch {probe['torch']}'s FSDP2 over gloo does not average gradients (a plain "
+            f"nn.Linear gets {probe['ratio']:.3f}x one process's), so no model can match one "
+            "process there"
+        )
+
+
+@pytest.fixture(scope="module")
+def skip_unless_fsdp_averages() -> Callable[[list[dict[str, Any]]], None]:
+    """Skip an FSDP2 check where torch's own FSDP2 does not average gradients over gloo
+    (measured by the workers' ``fsdp-averages`` check)."""
+    return _skip_unless_fsdp_averages
