@@ -59,7 +59,10 @@ def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_sca
     ``1/sqrt(k)``, ``1/sqrt(fan_left)``, ``1/sqrt(fan_right)``. Default
     ``to_output_scale``: all three ``1/sqrt(k)`` (true gradients, std
     ``sqrt(fan / k)``); ``to_left_grad_scale``/``to_right_grad_scale`` keep one gradient
-    unit; ``None``: all unit.
+    unit; ``None``: all unit. Under data parallelism an operand broadcast along the batch
+    (dimension 0 of a batched output, or the rows of a 2-D left operand) counts the global
+    batch and its gradient is multiplied by the data-parallel size
+    (:mod:`unitscale.data_parallel`).
 
     Args:
         input: left operand, assumed unit-scaled.
@@ -117,7 +120,9 @@ def linear(
     ``sqrt(fan_in / fan_out)``; ``None``: both unit. Weight and bias gradients are never
     constrained: they are always ``1/sqrt(batch)`` times the true ``grad_y^T x`` (so they
     are not the true gradient unless ``batch`` is 1, a deliberate unit-scaling choice). The
-    bias is added unscaled (it starts at zero).
+    bias is added unscaled (it starts at zero). Under data parallelism ``batch`` is the
+    global batch and the factor is multiplied by the data-parallel size, so that averaged
+    gradients equal one process's (:mod:`unitscale.data_parallel`).
 
     Args:
         input: ``(..., fan_in)``, assumed unit-scaled.
@@ -271,7 +276,8 @@ def embedding(
     ``tokens = input.numel()`` spread uniformly over ``num_embeddings`` rows, an element's
     gradient variance is ``tokens / num_embeddings`` on average, so it is scaled by
     ``sqrt(num_embeddings / tokens)`` (rows of frequent tokens stay above 1, unused rows 0).
-    Never constrained (a weight).
+    Never constrained (a weight). Under data parallelism, token ids of 2 or more dimensions
+    with more than one row count the global tokens (:mod:`unitscale.data_parallel`).
 
     Args:
         input: integer token ids.

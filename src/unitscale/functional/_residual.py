@@ -30,7 +30,10 @@ def add(
     is also multiplied by ``alpha``. Ideal scales: output ``1/sqrt(1 + alpha^2)``, input
     ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
     Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
-    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit.
+    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit. Under data
+    parallelism an operand broadcast along dimension 0 of the output (when it is larger than
+    1) counts the global batch and its gradient is multiplied by the data-parallel size
+    (:mod:`unitscale.data_parallel`).
 
     Only an addition of two floating-point tensors is scaled. If either operand is a Python
     number, a non-float tensor or a symbolic size, this is the plain addition (adding a
