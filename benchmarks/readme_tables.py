@@ -153,9 +153,22 @@ def optim_rows() -> list[str]:
     ]
 
 
+def distributed_rows() -> list[str]:
+    path = RESULTS / "distributed.json"
+    run = latest_run(path)
+    return [
+        f"| `scales_graph()` reduced over {run['processes']} gloo ranks vs a DDP training step, "
+        f"built-in GPT under `unit_scale`, {run['tensors']} tensors (`bench_distributed.py`, "
+        f"interleaved; paid on recorded steps only) | reduction "
+        f"{1e3 * (run['read_reduced_s'] - run['read_local_s']):.1f} ms = "
+        f"{100 * run['reduction_vs_step']:.1f}% of a {1e3 * run['step_s']:.0f} ms step |  "
+        f"| {_when(run, path)} |"
+    ]
+
+
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
-    lines += ops_rows() + formats_rows() + tracking_rows() + optim_rows()
+    lines += ops_rows() + formats_rows() + tracking_rows() + optim_rows() + distributed_rows()
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 from . import (
     constraints,
     data,
+    data_parallel,
     formats,
     functional,
     models,
@@ -43,6 +44,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # submodules (analysis, utils and cli import matplotlib/pandas: import them explicitly)
     "constraints",
     "data",
+    "data_parallel",
     "formats",
     "functional",
     "models",

@@ -8,6 +8,7 @@ progress on stderr, prints the summary on stdout and writes the files.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -182,6 +183,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="data-parallel over N local processes (gloo; each a share of every batch, "
+        "which --batch-size must divide); under torchrun, its ranks are used instead",
+    )
     parser.set_defaults(run=run)
     return parser  # fmt: skip
 
@@ -208,12 +217,18 @@ def run(args: argparse.Namespace) -> int:
         write_train_report,
     )
     from ..tracking import MonitorError
+    from ._launch import init_from_environment, is_rank_zero, launch
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         from . import CommandError
 
         raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        launch(run, args.nproc, argparse.Namespace(**vars(args)))
+        return 0
+    if init_from_environment() and not is_rank_zero():
+        args.no_progress = True  # rank 0 alone shows progress and writes the outputs
     config = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -241,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     for name in config.runs:
         results[name] = train_run(name, config, progress=not args.no_progress)
         progress(f"{name}: done in {results[name].seconds:.0f}s")
+    if not is_rank_zero():
+        return 0
 
     written: list[Path] = [write_losses_csv(results, out / "losses.csv")]
     figure = plot_losses(results)

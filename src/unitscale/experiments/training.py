@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -315,6 +315,35 @@ def _evaluate(model: Callable[..., Tensor], data: Sequence[Batch]) -> float:
     return total / len(data)
 
 
+def _data_parallel() -> tuple[int, int]:
+    """``(rank, world size)`` of ``torch.distributed`` when it is initialised, else ``(0, 1)``."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size()
+    return 0, 1
+
+
+def _shard(batch: Batch, rank: int, world: int) -> Batch:
+    """This rank's rows of the global ``batch`` (a contiguous block)."""
+    rows = batch.input_ids.shape[0] // world
+    part = slice(rank * rows, (rank + 1) * rows)
+    return replace(
+        batch,
+        input_ids=batch.input_ids[part],
+        attention_mask=batch.attention_mask[part],
+        labels=batch.labels[part],
+    )
+
+
+def _mean_over_ranks(loss: Tensor, world: int) -> float:
+    """The global batch's loss: the mean of the ranks' (equal) shard losses."""
+    if world == 1:
+        return float(loss.detach())
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return float(total) / world
+
+
 def train_run(
     run: str,
     config: TrainConfig,
@@ -328,6 +357,12 @@ def train_run(
     read once (one synchronisation per step); a non-finite loss stops the run (the remaining
     steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.tracking.ScaleMonitor`
     records scales every that many steps and reports the first NaN/Inf.
+
+    When ``torch.distributed`` is initialised with more than one rank, the run is
+    data-parallel: every rank reads the same global batches, trains
+    ``DistributedDataParallel`` on its block of ``batch_size / world size`` rows (gradients
+    equal one process's, see :mod:`unitscale.data_parallel`) and records the global loss
+    (one ``all_reduce`` per step); evaluation runs the whole batches on every rank.
 
     Args:
         run: one of :data:`RUN_NAMES`.
@@ -351,6 +386,12 @@ def train_run(
     """
     from tqdm.auto import tqdm
 
+    rank, world = _data_parallel()
+    if config.batch_size % world:
+        raise TrainConfigError(
+            f"batch_size={config.batch_size} must be a multiple of the {world} data-parallel "
+            "processes (each trains on an equal share of every batch)"
+        )
     start = time.perf_counter()
     heldout_data = _eval_batches(config, "heldout")
     train_eval_data = _eval_batches(config, "train")
@@ -370,6 +411,10 @@ def train_run(
             )
             step_module = monitor.module
             result.monitor = monitor
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            step_module = DistributedDataParallel(step_module)
         model.train()
         optimiser = torch.optim.Adam(
             model.parameters(), lr=config.lr_at(run, 0), betas=(0.9, 0.95), weight_decay=0.0
@@ -388,11 +433,11 @@ def train_run(
                     result.heldout[step] = _evaluate(model, heldout_data)
                 for group in optimiser.param_groups:
                     group["lr"] = config.lr_at(run, step)
-                loss = _loss(step_module, next(stream))
+                loss = _loss(step_module, _shard(next(stream), rank, world))
                 loss.backward()
                 if monitor is not None:
                     monitor.step()
-                value = float(loss.detach())
+                value = _mean_over_ranks(loss, world)
                 result.train_losses.append(value)
                 if not math.isfinite(value):
                     result.stopped_at = step

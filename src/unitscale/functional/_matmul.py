@@ -11,6 +11,7 @@ from torch import Tensor
 from ..constraints import apply_constraint
 from ..scale import scale_bwd, scale_fwd_bwd
 from ._nonlinear import Constraint, _finish, _prescale, _reject, _rsqrt, _single
+from ._shared import broadcast_along_batch, shared_rsqrt, shared_size
 
 # --------------------------------------------------------------------------------------------
 # matmul-like ops
@@ -32,6 +33,21 @@ def _matmul_fans(left: Tensor, right: Tensor) -> tuple[int, int, int]:
     return k, products // max(left.numel(), 1), products // max(right.numel(), 1)
 
 
+def _matmul_shared(left: Tensor, right: Tensor) -> tuple[bool, bool]:
+    """Whether each operand's gradient sums over the sharded (data-parallel) dimension:
+    dimension 0 of a batched output, or the rows of a 2-D left operand."""
+    if left.dim() > 2 or right.dim() > 2:
+        batch = tuple(torch.broadcast_shapes(left.shape[:-2], right.shape[:-2]))
+        if not batch:
+            return False, False
+        out = (*batch, 1, 1)
+        return (
+            broadcast_along_batch((*left.shape[:-2], 1, 1), out),
+            broadcast_along_batch((*right.shape[:-2], 1, 1), out),
+        )
+    return False, left.dim() == 2 and left.shape[0] > 1
+
+
 def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
     """Unit-scaled ``torch.matmul`` of two activations (neither is treated as a weight).
 
@@ -43,7 +59,10 @@ def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_sca
     ``1/sqrt(k)``, ``1/sqrt(fan_left)``, ``1/sqrt(fan_right)``. Default
     ``to_output_scale``: all three ``1/sqrt(k)`` (true gradients, std
     ``sqrt(fan / k)``); ``to_left_grad_scale``/``to_right_grad_scale`` keep one gradient
-    unit; ``None``: all unit.
+    unit; ``None``: all unit. Under data parallelism an operand broadcast along the batch
+    (dimension 0 of a batched output, or the rows of a 2-D left operand) counts the global
+    batch and its gradient is multiplied by the data-parallel size
+    (:mod:`unitscale.data_parallel`).
 
     Args:
         input: left operand, assumed unit-scaled.
@@ -59,11 +78,13 @@ def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_sca
         1.0
     """
     k, fan_left, fan_right = _matmul_fans(input, other)
+    left_shared, right_shared = _matmul_shared(input, other)
+    left_size, right_size = shared_size(left_shared), shared_size(right_shared)
     out_scale, left_scale, right_scale = apply_constraint(
-        constraint, _rsqrt(k), _rsqrt(fan_left), _rsqrt(fan_right)
+        constraint, _rsqrt(k), _rsqrt(fan_left * left_size), _rsqrt(fan_right * right_size)
     )
-    left = _prescale(input, left_scale, out_scale)
-    right = _prescale(other, right_scale, out_scale)
+    left = _prescale(input, left_scale * left_size, out_scale)
+    right = _prescale(other, right_scale * right_size, out_scale)
     return _finish(torch.matmul(left, right), out_scale)
 
 
@@ -71,7 +92,7 @@ def _linear(input: Tensor, weight: Tensor, bias: Tensor | None, constraint: Cons
     fan_out, fan_in = weight.shape[0], weight.shape[-1]
     batch = input.numel() // max(fan_in, 1)
     out_scale, in_scale = apply_constraint(constraint, _rsqrt(fan_in), _rsqrt(fan_out))
-    weight_grad_scale = _rsqrt(batch)
+    weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
     # F.linear(x, s * W) = s * (x W^T): the output scale rides on the (smaller) weight, whose
     # own gradient factor is set independently (weights are never constrained).
     weight = scale_fwd_bwd(weight, out_scale, weight_grad_scale)
@@ -99,7 +120,9 @@ def linear(
     ``sqrt(fan_in / fan_out)``; ``None``: both unit. Weight and bias gradients are never
     constrained: they are always ``1/sqrt(batch)`` times the true ``grad_y^T x`` (so they
     are not the true gradient unless ``batch`` is 1, a deliberate unit-scaling choice). The
-    bias is added unscaled (it starts at zero).
+    bias is added unscaled (it starts at zero). Under data parallelism ``batch`` is the
+    global batch and the factor is multiplied by the data-parallel size, so that averaged
+    gradients equal one process's (:mod:`unitscale.data_parallel`).
 
     Args:
         input: ``(..., fan_in)``, assumed unit-scaled.
@@ -168,7 +191,7 @@ def linear_readout(
     if mup:
         fan_out, fan_in = weight.shape[0], weight.shape[-1]
         batch = input.numel() // max(fan_in, 1)
-        weight_grad_scale = _rsqrt(batch)
+        weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
         weight = scale_fwd_bwd(weight, 1.0 / max(fan_in, 1), weight_grad_scale)
         if bias is not None:
             bias = scale_bwd(bias, weight_grad_scale)
@@ -229,7 +252,7 @@ def conv1d(
     fan_in = in_per_group * kernel
     fan_out = out_channels // groups * kernel / step
     out_scale, in_scale = apply_constraint(constraint, _rsqrt(fan_in), _rsqrt(fan_out))
-    weight_grad_scale = _rsqrt(batch)
+    weight_grad_scale = shared_rsqrt(batch, input.dim() == 3)
     weight = scale_fwd_bwd(weight, out_scale, weight_grad_scale)
     if bias is not None:
         bias = scale_bwd(bias, weight_grad_scale)
@@ -253,7 +276,8 @@ def embedding(
     ``tokens = input.numel()`` spread uniformly over ``num_embeddings`` rows, an element's
     gradient variance is ``tokens / num_embeddings`` on average, so it is scaled by
     ``sqrt(num_embeddings / tokens)`` (rows of frequent tokens stay above 1, unused rows 0).
-    Never constrained (a weight).
+    Never constrained (a weight). Under data parallelism, token ids of 2 or more dimensions
+    with more than one row count the global tokens (:mod:`unitscale.data_parallel`).
 
     Args:
         input: integer token ids.
@@ -280,5 +304,6 @@ def embedding(
     _reject("embedding", "norm_type", norm_type, 2.0, "norm_type only applies with max_norm")
     _reject("embedding", "scale_grad_by_freq", scale_grad_by_freq, False, "unit scaling sets it")
     _reject("embedding", "sparse", sparse, False, "use dense gradients (sparse=False)")
-    weight = scale_bwd(weight, math.sqrt(weight.shape[0] / max(input.numel(), 1)))
+    size = shared_size(input.dim() >= 2 and input.shape[0] > 1)
+    weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * size, 1)))
     return F.embedding(input, weight, padding_idx)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scale import scale_bwd
-from ._nonlinear import _rsqrt
+from ._shared import shared_rsqrt
 
 # --------------------------------------------------------------------------------------------
 # normalisation
@@ -19,7 +19,8 @@ from ._nonlinear import _rsqrt
 
 def _norm_param_scale(input: Tensor, normalized_shape: Any) -> float:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    return _rsqrt(input.numel() // max(math.prod(shape), 1))
+    batched = input.dim() > len(shape)
+    return shared_rsqrt(input.numel() // max(math.prod(shape), 1), batched)
 
 
 def layer_norm(
@@ -40,7 +41,9 @@ def layer_norm(
     assumes the rows' incoming gradients are independent. A norm in front of attention
     breaks that: attention averages rows, so the gradient of a shift shared by all rows
     adds up instead of cancelling, and those weight and bias gradients come out larger
-    (about 2x for 128 causal positions).
+    (about 2x for 128 causal positions). Under data parallelism ``batch`` is the global
+    batch and the factor is multiplied by the data-parallel size
+    (:mod:`unitscale.data_parallel`).
 
     Args:
         input: the input; unit-scaled rows give unit input gradients.

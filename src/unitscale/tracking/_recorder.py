@@ -42,6 +42,7 @@ from ..capture import (
     trace_eagerly,
     warn_user,
 )
+from . import _distributed
 from .metrics import Metrics, stats_to_data, tensor_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
@@ -91,6 +92,8 @@ class TrackScalesPass(GraphPass):
         # id(caller's tensor) -> (tensor, its alias, the alias's version) for the running call.
         self._aliases: dict[int, tuple[Tensor, Tensor, int]] = {}
         self._capture: Capture | None = None
+        #: Under data parallelism: keep the gradients of replicated values (see _distributed).
+        self._keep_replicated = False
 
     def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
@@ -159,6 +162,7 @@ class TrackScalesPass(GraphPass):
             if node.op == "placeholder":
                 after_inputs = record
         piece.data["slots"] = slots
+        piece.data["replicated_slots"] = _replicated_slots(nodes, piece, slots)
         piece.data["aliases"] = aliases
         piece.data["full_aliases"] = full_aliases
         return gm
@@ -305,7 +309,10 @@ class TrackScalesPass(GraphPass):
                 self._hooked.add(id(x))
                 self._handles.append(x.register_hook(self._leaf_hook(id(x))))
             else:
-                self._handles.append(x.register_hook(self._grad_hook(invocation, slot)))
+                keep = self._keep_replicated and slot in invocation.piece.data.get(
+                    "replicated_slots", ()
+                )
+                self._handles.append(x.register_hook(self._grad_hook(invocation, slot, keep)))
 
     def record_shape(self, x: Any, slot: int) -> None:
         """Store only the shape of ``x`` for ``slot`` (its statistics are another slot's)."""
@@ -314,9 +321,12 @@ class TrackScalesPass(GraphPass):
         if self.enabled and invocation is not None and isinstance(x, Tensor):
             invocation.data.setdefault("shape", {})[slot] = tuple(x.shape)
 
-    def _grad_hook(self, invocation: Invocation, slot: int) -> Any:
+    def _grad_hook(self, invocation: Invocation, slot: int, keep: bool = False) -> Any:
         def hook(grad: Tensor) -> None:
             invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), tensor_stats(grad))
+            if keep:
+                # Equal values on every rank, partial gradients: averaged when read.
+                invocation.data.setdefault("replicated_grads", {})[slot] = grad
 
         return hook
 
@@ -338,6 +348,7 @@ class TrackScalesPass(GraphPass):
             return
         self._seen = {}
         self._param_grads = {}
+        self._keep_replicated = _distributed.active_group()[0]
 
     def prepare_inputs(
         self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -408,6 +419,24 @@ class _RequireGrad(torch.autograd.Function):
         return grad, None
 
 
+def _replicated_slots(nodes: list[fx.Node], piece: Piece, slots: dict[str, int]) -> set[int]:
+    """Slots of values computed from parameters, buffers and constants alone (no model
+    input): equal on every data-parallel rank, e.g. a position embedding's output."""
+    kinds = iter(piece.placeholders)
+    replicated: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "placeholder":
+            kind = next(kinds, ("input", ""))[0]
+            if kind in ("param", "buffer"):
+                replicated.add(node)
+        elif node.op == "get_attr" or (
+            node.op in ("call_function", "call_method", "call_module")
+            and all(arg in replicated for arg in node.all_input_nodes)
+        ):
+            replicated.add(node)
+    return {slots[node.name] for node in replicated if node.name in slots}
+
+
 def _can_alias(tensor: Tensor) -> bool:
     return (
         type(tensor) is Tensor
@@ -469,6 +498,8 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     """Join the pieces of the last call into one graph carrying metrics meta.
 
     One host synchronisation per device: every statistics vector is stacked and read at once.
+    Under data parallelism the statistics are reduced over the ranks first (a collective:
+    see :mod:`unitscale.tracking._distributed`).
     """
     graph = fx.Graph()
     capture = module.capture
@@ -476,7 +507,13 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         return graph
     inner = module.module
     module_names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
-    trainable = {n for n, p in inner.named_parameters(remove_duplicate=False) if p.requires_grad}
+    named_params = dict(inner.named_parameters(remove_duplicate=False))
+    trainable = {n for n, p in named_params.items() if p.requires_grad}
+    distributed, group = _distributed.active_group()
+    replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
+    reduced_grads = (
+        _distributed.reduce_replicated_grads(capture.last_trace, group) if distributed else {}
+    )
     shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
     outputs: list[list[fx.Node | None]] = []  # per invocation, the node of each output
     pending: list[tuple[fx.Node, str, _Stats]] = []  # (node, "fwd"/"bwd", statistics)
@@ -496,6 +533,14 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 same = other.data.get(direction, {}).get(source)
                 if same is not None:
                     stats[slot] = same
+        if distributed:
+            for slot in piece.data.get("replicated_slots", ()):
+                if slot in fwd:
+                    replicated.add(id(fwd[slot]))
+            for (index, slot), averaged in reduced_grads.items():
+                if index == k:
+                    bwd[slot] = averaged
+                    replicated.add(id(averaged))
         for slot, source in piece.data.get("aliases", {}).items():
             if source in fwd:
                 fwd[slot] = fwd[source]
@@ -523,7 +568,14 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                         new.meta["module_path"] = name.rpartition(".")[0]
                         new.meta["requires_grad"] = kind == "param" and name in trainable
                         shared[name] = new
-                        _queue(pending, new, fwd.get(slot), track._param_grads.get(input_id))
+                        grad = track._param_grads.get(input_id)
+                        if distributed and name in named_params:
+                            grad, same = _distributed.parameter_grad_stats(named_params[name])
+                            if same and grad is not None:
+                                replicated.add(id(grad))
+                        if distributed and slot in fwd:
+                            replicated.add(id(fwd[slot]))
+                        _queue(pending, new, fwd.get(slot), grad)
                     env[node] = new
                     continue
                 produced = outputs[source[0]][source[1]] if source is not None else None
@@ -566,7 +618,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     for node in graph.nodes:
         if node.op != "output":
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
-    _read_stats(pending)
+    _read_stats(pending, (group, replicated) if distributed else None)
     return graph
 
 
@@ -610,15 +662,28 @@ def _queue(
         pending.append((node, "bwd", bwd))
 
 
-def _read_stats(pending: Sequence[tuple[fx.Node, str, _Stats]]) -> None:
-    """Copy every statistics vector to the host in one transfer per device."""
+def _read_stats(
+    pending: Sequence[tuple[fx.Node, str, _Stats]], reduce: tuple[Any, set[int]] | None = None
+) -> None:
+    """Copy every statistics vector to the host in one transfer per device; with ``reduce``
+    (``(group, ids of replicated statistics)``), reduce them over the ranks first."""
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, _, (_, stats)) in enumerate(pending):
         by_device.setdefault(stats.device, []).append(i)
-    for indices in by_device.values():
-        rows = torch.stack([pending[i][2][1] for i in indices]).tolist()
-        for i, row in zip(indices, rows, strict=True):
-            node, direction, (numel, _) = pending[i]
+    if reduce is not None and len(by_device) > 1:
+        # The ranks must issue the same collectives: one device's worth, in one order.
+        device = next(iter(by_device))
+        by_device = {device: list(range(len(pending)))}
+    for device, indices in by_device.items():
+        stacked = torch.stack([pending[i][2][1].to(device) for i in indices])
+        numels = [pending[i][2][0] for i in indices]
+        if reduce is not None:
+            group, replicated = reduce
+            same = [id(pending[i][2]) in replicated for i in indices]
+            stacked, numels = _distributed.reduce_stats(stacked, numels, same, group)
+        rows = stacked.tolist()
+        for i, row, numel in zip(indices, rows, numels, strict=True):
+            node, direction, _ = pending[i]
             metrics = node.meta.get("metrics")
             if metrics is None:
                 continue

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .._lazy_dynamo import is_optimized_module
 from ..capture import GraphPass, Stage, TransformedModule, iter_tensors
 from ..errors import UnitScaleError
+from . import _distributed
 from ._recorder import TrackScalesPass
 from .metrics import Metrics
 from .records import METRIC_NAMES, op_name
@@ -299,7 +300,7 @@ class ScaleMonitor:
         self.module._monitor = weakref.ref(self)
         self._track: TrackScalesPass = self.module.passes[-1]  # type: ignore[assignment]
         self._writer: Any = None
-        if tensorboard is not None:
+        if tensorboard is not None and _distributed.writes_files():
             self._writer = (
                 tensorboard
                 if hasattr(tensorboard, "add_scalar")
@@ -613,8 +614,14 @@ class ScaleMonitor:
         return self._table.copy()
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`table` to a CSV file (floats in full precision); return the path."""
+        """Write :meth:`table` to a CSV file (floats in full precision); return the path.
+
+        Under ``torch.distributed`` only rank 0 writes (every rank holds the same global
+        table); the others return the path without writing.
+        """
         out = Path(path)
+        if not _distributed.writes_files():
+            return out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.table().to_csv(out, index=False, lineterminator="\n")
         return out
@@ -666,6 +673,8 @@ class ScaleMonitor:
         """
         chosen = self.tensorboard_metrics if metrics is None else tuple(metrics)
         self._check_tb_metrics(chosen)
+        if not _distributed.writes_files():  # rank 0 writes (the table is the same on all)
+            return
         target = writer if hasattr(writer, "add_scalar") else _tensorboard().summary_writer(writer)
         _tensorboard().write_scalars(target, self._records, chosen)
         if target is not writer and hasattr(target, "close"):

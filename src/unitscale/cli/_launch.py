@@ -1,0 +1,88 @@
+"""Data-parallel processes for the command: ``--nproc N`` locally, or ranks started by torchrun.
+
+``launch(target, nproc, *args)`` starts ``nproc`` local processes (``spawn``), joins them in
+a gloo process group on a free local port, and runs ``target(*args)`` in each. When one
+rank fails, the others are stopped (they would wait for it in a collective) and the
+launch raises :class:`~unitscale.cli.CommandError` with that rank's error: the command exits
+non-zero instead of hanging. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set),
+:func:`init_from_environment` joins the group torchrun describes instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["init_from_environment", "is_rank_zero", "launch"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, nproc: int, port: int, target: Callable[..., Any], args: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=nproc)
+    try:
+        target(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(target: Callable[..., Any], nproc: int, *args: Any) -> None:
+    """Run ``target(*args)`` in ``nproc`` local gloo ranks; raise if any rank fails.
+
+    Raises:
+        CommandError: a rank raised (its error, first line) or exited abnormally.
+    """
+    import torch.multiprocessing as mp
+
+    from . import CommandError
+
+    try:
+        mp.spawn(_rank_main, args=(nproc, _free_port(), target, args), nprocs=nproc, join=True)
+    except mp.ProcessRaisedException as exc:
+        message = str(exc).strip().splitlines()
+        rank = getattr(exc, "error_index", "?")
+        raise CommandError(
+            f"rank {rank} of {nproc} failed: {message[-1] if message else exc}"
+        ) from None
+    except mp.ProcessExitedException as exc:
+        raise CommandError(
+            f"rank {exc.error_index} of {nproc} exited with {exc.exit_code}"
+        ) from None
+
+
+def init_from_environment() -> bool:
+    """Join the gloo process group that ``torchrun`` describes in the environment, once.
+
+    Returns:
+        True when this process is one of several ranks (torchrun's or :func:`launch`'s).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    dist.init_process_group("gloo")
+    return dist.get_world_size() > 1
+
+
+def is_rank_zero() -> bool:
+    """Whether this process writes the outputs (rank 0, or the only process)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,333 @@
+"""One rank of the data-parallel checks, started by the tests in this folder (not a test).
+
+Run as ``python _worker.py CHECKS OUT_DIR`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT`` set. Every rank builds the same models from the same seed, computes the
+reference (one process on the concatenated batch, data-parallel size 1) itself, then runs the
+wrapped model (DDP or FSDP2) on its shard of the batch, and writes what it measured to
+``OUT_DIR/rank<R>.json`` for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("UNITSCALE_STATS", "eager")
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import unitscale as us
+from unitscale.data_parallel import fully_shard, set_data_parallel
+from unitscale.models import GPTConfig, plain_gpt, unit_scaled_gpt
+from unitscale.parameter import has_mup_tags
+from unitscale.transforms import simulate_fp8, track_scales, unit_scale
+
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)
+GLOBAL_BATCH = 8
+
+
+def _decoder() -> nn.Module:
+    torch.manual_seed(0)
+    return us.TransformerDecoder(hidden_size=32, depth=2, heads=2, vocab_size=64, mup=True)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "modules-decoder": _decoder,
+    "modules-gpt": lambda: unit_scaled_gpt(CONFIG, seed=0),
+    "unit_scale": lambda: unit_scale(plain_gpt(CONFIG, seed=0)),
+    "simulate_fp8": lambda: simulate_fp8(unit_scale(plain_gpt(CONFIG, seed=0))),
+    "track_scales": lambda: track_scales(unit_scale(plain_gpt(CONFIG, seed=0))),
+}
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(
+        0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len + 1), generator=generator
+    )
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("module.")
+
+
+def _relative_errors(
+    ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    return {
+        name: float((got[name] - value).norm() / value.norm().clamp_min(1e-30))
+        for name, value in ref.items()
+        if name in got
+    }
+
+
+def check_gradients(name: str, wrapper: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)  # unit_scale re-initialises weights from the global generator
+    model = MODELS[name]()
+    reference = copy.deepcopy(model)
+    set_data_parallel(size=1)
+    ref_loss = reference(inputs, labels=labels)
+    ref_loss.backward()
+    set_data_parallel()
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    keys_before = list(model.state_dict().keys())
+    tags_before = {n: has_mup_tags(p) for n, p in model.named_parameters()}
+    if wrapper == "fsdp":
+        wrapped: nn.Module = fully_shard(model)
+    else:
+        wrapped = DistributedDataParallel(model)
+        if wrapper == "ddp-uncorrected":  # the scales of one process: shows the check can fail
+            set_data_parallel(size=1)
+    local = GLOBAL_BATCH // world
+    rows = slice(rank * local, (rank + 1) * local)
+    loss = wrapped(inputs[rows], labels=labels[rows])
+    loss.backward()
+    set_data_parallel()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= world
+    grads = {
+        _strip(n): _full(p.grad).detach()
+        for n, p in wrapped.named_parameters()
+        if p.grad is not None
+    }
+    errors = _relative_errors(ref_grads, grads)
+    inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+    return {
+        "loss_error": abs(float(mean_loss - ref_loss.detach()) / float(ref_loss.detach())),
+        "max_grad_error": max(errors.values()),
+        "min_grad_error": min(errors.values()),
+        "worst": max(errors, key=errors.__getitem__),
+        "grad_names": sorted(grads) == sorted(ref_grads),
+        "missing": sorted(set(ref_grads) - set(grads)),
+        "state_dict_keys": list(inner.state_dict().keys()) == keys_before,
+        "names": [_strip(n) for n, _ in wrapped.named_parameters()] == list(tags_before),
+        "tags": {_strip(n): has_mup_tags(p) for n, p in wrapped.named_parameters()} == tags_before,
+        "any_tags": any(tags_before.values()),
+    }
+
+
+def check_compile() -> dict[str, Any]:
+    """torch.compile(fullgraph=True) of a unit-scaled module with torch.distributed up."""
+    torch.manual_seed(0)
+    layer = us.Linear(16, 8)
+    x = torch.randn(4, 16)
+    single = copy.deepcopy(layer)
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True)
+    compiled(x).sum().backward()
+    layer(x).sum().backward()
+    set_data_parallel(size=1)
+    single(x).sum().backward()
+    set_data_parallel()
+    compiled_grad = compiled.weight.grad
+    return {
+        "compiled_vs_eager": float(
+            (compiled_grad - layer.weight.grad).norm() / layer.weight.grad.norm()
+        ),
+        "ratio_to_one_process": float(layer.weight.grad.norm() / single.weight.grad.norm()),
+    }
+
+
+class CountCollectives:
+    """Counts torch.distributed.all_reduce calls while installed (the reduction looks the
+    function up at call time)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = dist.all_reduce
+
+    def __enter__(self) -> CountCollectives:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self.original
+
+
+def _records(graph: Any) -> dict[tuple[str, str], dict[str, float]]:
+    from unitscale.tracking.records import graph_records
+
+    return {(r.name, r.direction): r.metrics for r in graph_records(graph)}
+
+
+def _compare(
+    ref: dict[tuple[str, str], dict[str, float]], got: dict[tuple[str, str], dict[str, float]]
+) -> dict[str, Any]:
+    worst, where, numel_equal, numel_diff = 0.0, "", True, []
+    for key, metrics in ref.items():
+        other = got.get(key)
+        if other is None:
+            return {
+                "missing": list(key),
+                "max_error": float("inf"),
+                "numel_equal": False,
+                "records": len(ref),
+            }
+        if other["numel"] != metrics["numel"]:
+            numel_equal = False
+            numel_diff.append([*key, metrics["numel"], other["numel"]])
+        for metric, value in metrics.items():
+            error = abs(other[metric] - value) / max(abs(value), 1e-12)
+            if metric in ("abs_mean", "abs_min"):  # cancelling or tiny: relative to the rms
+                error = abs(other[metric] - value) / max(metrics["rms"], 1e-12)
+            if metric.startswith(("underflow", "overflow")):
+                error = abs(other[metric] - value)
+            if error > worst:
+                worst, where = error, f"{key[0]}/{key[1]}/{metric}"
+    return {
+        "missing": [],
+        "max_error": worst,
+        "worst": where,
+        "numel_equal": numel_equal,
+        "records": len(ref),
+        "extra": len(set(got) - set(ref)),
+    }
+
+
+def check_statistics(wrapper: str) -> dict[str, Any]:
+    """scales_graph() of a tracked model under DDP/FSDP2 equals one process's (reference)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    model = track_scales(unit_scale(plain_gpt(CONFIG, seed=0)))
+    reference = copy.deepcopy(model)
+    set_data_parallel(size=1)
+    reference(inputs, labels=labels).backward()
+    ref = _records(reference.scales_graph())
+    set_data_parallel()
+    wrapped = fully_shard(model) if wrapper == "fsdp" else DistributedDataParallel(model)
+    local = GLOBAL_BATCH // world
+    rows = slice(rank * local, (rank + 1) * local)
+    wrapped(inputs[rows], labels=labels[rows]).backward()
+    with CountCollectives() as counter:
+        got = _records(model.scales_graph())
+    result = _compare(ref, got)
+    result["collectives"] = counter.calls
+    result["local_numel_of_input"] = int(inputs[rows].numel())
+    return result
+
+
+def check_monitor() -> dict[str, Any]:
+    """ScaleMonitor inside DDP: its table equals one process's; rank 0 alone writes the CSV."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    base = unit_scale(plain_gpt(CONFIG, seed=0))
+    ref_monitor = us.ScaleMonitor(copy.deepcopy(base), every=1)
+    set_data_parallel(size=1)
+    ref_monitor.module(inputs, labels=labels).backward()
+    ref_monitor.step()
+    set_data_parallel()
+    monitor = us.ScaleMonitor(base, every=1)
+    ddp = DistributedDataParallel(monitor.module)
+    local = GLOBAL_BATCH // world
+    rows = slice(rank * local, (rank + 1) * local)
+    ddp(inputs[rows], labels=labels[rows]).backward()
+    with CountCollectives() as counter:
+        monitor.step()
+    ref_table = ref_monitor.table().set_index(["tensor", "direction", "metric"])["value"]
+    table = monitor.table().set_index(["tensor", "direction", "metric"])["value"]
+    joined = ref_table.to_frame("ref").join(table.to_frame("got"), how="outer")
+    scale = joined.xs("rms", level="metric")["ref"].abs().clip(lower=1e-12)
+    by_tensor = scale.reindex(joined.index.droplevel("metric")).to_numpy()
+    relative = (joined["got"] - joined["ref"]).abs() / joined["ref"].abs().clip(lower=1e-12)
+    metric = joined.index.get_level_values("metric")
+    against_rms = (joined["got"] - joined["ref"]).abs() / by_tensor
+    fraction = metric.str.startswith(("underflow", "overflow"))
+    error = relative.where(~metric.isin(["abs_mean", "abs_min"]), against_rms)
+    error = error.where(~fraction, (joined["got"] - joined["ref"]).abs()).max()
+    out = Path(sys.argv[2]) / f"monitor-rank{rank}.csv"
+    monitor.to_csv(out)
+    dist.barrier()
+    return {
+        "rows": len(joined),
+        "nan_rows": int(joined.isna().any(axis=1).sum()),
+        "max_error": float(error),
+        "collectives": counter.calls,
+        "csv_written": out.exists(),
+    }
+
+
+def check_fsdp_averages() -> dict[str, Any]:
+    """Whether this torch's FSDP2 averages gradients over gloo for a plain ``nn.Linear``
+    (torch 2.7.1 sums them: then no model, unit-scaled or not, matches one process)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 6)
+    reference = copy.deepcopy(layer)
+    x = torch.randn(8, 4)
+    reference(x).mean().backward()
+    fully_shard(layer)
+    local = 8 // world
+    layer(x[rank * local : (rank + 1) * local]).mean().backward()
+    ratio = float(_full(layer.weight.grad).norm() / reference.weight.grad.norm())
+    return {"averages": abs(ratio - 1) < 1e-5, "ratio": ratio, "torch": torch.__version__}
+
+
+def check_mismatch() -> dict[str, Any]:
+    """Ranks that read different numbers of tensors get a clear error, not a hang."""
+    from unitscale.tracking._distributed import DistributedStatsError, reduce_stats
+    from unitscale.tracking.metrics import tensor_stats
+
+    count = 2 + dist.get_rank()
+    rows = torch.stack([tensor_stats(torch.ones(3)) for _ in range(count)])
+    try:
+        reduce_stats(rows, [3] * count, [False] * count, None)
+    except DistributedStatsError as error:
+        return {"error": str(error)}
+    return {"error": ""}
+
+
+def run_check(check: str) -> dict[str, Any]:
+    if check == "compile":
+        return check_compile()
+    if check == "fsdp-averages":
+        return check_fsdp_averages()
+    if check == "mismatch":
+        return check_mismatch()
+    if check == "monitor":
+        return check_monitor()
+    if check.startswith("statistics:"):
+        return check_statistics(check.split(":")[1])
+    name, wrapper = check.rsplit(":", 1)
+    return check_gradients(name, wrapper)
+
+
+def main() -> None:
+    checks, out = sys.argv[1].split(","), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results: dict[str, Any] = {}
+    try:
+        for check in checks:
+            try:
+                results[check] = run_check(check)
+            except Exception as error:  # reported per check: the others still run
+                results[check] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
