@@ -15,8 +15,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "unitscale"
 @pytest.mark.slow
 def test_import_does_not_load_dynamo_or_inductor() -> None:
     code = (
-        "import sys, unitscale, unitscale.analysis, unitscale.cli; "
-        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+        "import sys, unitscale, unitscale.analysis, unitscale.cli, unitscale.integrations; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'transformers') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
