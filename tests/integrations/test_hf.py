@@ -27,7 +27,12 @@ from transformers import (  # noqa: E402
 
 from unitscale.analysis import graph_to_dataframe, tensorboard_available  # noqa: E402
 from unitscale.integrations import IntegrationError, ScaleMonitorCallback  # noqa: E402
-from unitscale.tracking import LONG_COLUMNS, MonitorError, NonFiniteWarning  # noqa: E402
+from unitscale.tracking import (  # noqa: E402
+    LONG_COLUMNS,
+    MonitorError,
+    NonFiniteError,
+    NonFiniteWarning,
+)
 from unitscale.transforms import track_scales  # noqa: E402
 
 VOCAB, SEQ = 64, 16
@@ -243,3 +248,17 @@ def test_argument_errors(tmp_path: Path) -> None:
 def test_tensorboard_true_without_tensorboard_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(IntegrationError, match="needs the tensorboard package"):
         _direct_begin(ScaleMonitorCallback(tensorboard=True), nn.Linear(2, 2), tmp_path)
+
+
+def test_raise_on_nan_restores_the_model_first(tmp_path: Path) -> None:
+    model = nn.Linear(4, 2)
+    callback = ScaleMonitorCallback(every=5, on_non_finite="raise", tensorboard=False)
+    args = _direct_begin(callback, model, tmp_path)
+    with torch.no_grad():
+        model.weight[1, 2] = float("inf")
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(NonFiniteError, match=r"'weight'.*0 NaN and 1 Inf of 8 elements"):
+        callback.on_pre_optimizer_step(args, TrainerState(), TrainerControl())
+    assert "forward" not in model.__dict__  # training stops: the model is as it was
+    report = callback.non_finite
+    assert report is not None and (report.step, report.tensor) == (0, "weight")

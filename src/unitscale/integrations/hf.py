@@ -19,7 +19,9 @@ How it hooks in, and why:
   training stops on a NaN with ``on_non_finite="raise"``).
 - ``ScaleMonitor.step()`` must run after ``backward()`` and before ``optimizer.step()``:
   the callback calls it in ``on_pre_optimizer_step`` (transformers 4.44 or later). Monitor
-  step ``n`` is the optimiser step that takes ``state.global_step`` from ``n`` to ``n + 1``.
+  step ``n`` is the optimiser step that takes ``state.global_step`` from
+  ``first_step + n`` to ``first_step + n + 1`` (``first_step`` is 0 unless the run resumed
+  from a checkpoint).
   With gradient accumulation, the last micro-batch of each step is the one recorded and
   replayed.
 
@@ -197,6 +199,8 @@ class ScaleMonitorCallback(TrainerCallback):
         #: The :class:`~unitscale.tracking.ScaleMonitor` of the current or last training run
         #: (None before ``trainer.train()``).
         self.monitor: ScaleMonitor | None = None
+        #: ``state.global_step`` when the current or last run began (monitor step 0).
+        self.first_step = 0
         #: The files written at the end of the last training run.
         self.written: list[Path] = []
         self._redirect: _ForwardRedirect | None = None
@@ -232,6 +236,7 @@ class ScaleMonitorCallback(TrainerCallback):
                 "monitoring"
             )
         self.close()
+        self.first_step = int(getattr(state, "global_step", 0) or 0)
         self._main_process = bool(getattr(state, "is_world_process_zero", True))
         out = self._out(args)
         writer: Any = None
