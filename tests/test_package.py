@@ -33,6 +33,26 @@ def test_python_m_unitscale_help() -> None:
     assert out.stdout.startswith("usage: unitscale")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["train", "--help"], ["nosuch"]])
+def test_python_m_unitscale_behaves_like_the_command(argv: list[str]) -> None:
+    """Same output and exit status as the installed ``unitscale`` script, errors included."""
+    script = Path(sys.executable).with_name("unitscale")
+    if not script.exists():
+        pytest.skip(f"no unitscale script beside {sys.executable} (package not installed)")
+    runs = [
+        subprocess.run(cmd + argv, capture_output=True, text=True, timeout=300)
+        for cmd in ([sys.executable, "-m", "unitscale"], [str(script)])
+    ]
+    module, command = runs
+    assert (module.returncode, module.stdout, module.stderr) == (
+        command.returncode,
+        command.stdout,
+        command.stderr,
+    )
+    assert module.returncode == (0 if argv[-1] == "--help" else 2)
+
+
 def _imported_modules(path: Path) -> set[str]:
     """Absolute names of the unitscale modules ``path`` imports (relative imports resolved)."""
     package = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
