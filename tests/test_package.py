@@ -15,8 +15,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "unitscale"
 @pytest.mark.slow
 def test_import_does_not_load_dynamo_or_inductor() -> None:
     code = (
-        "import sys, unitscale, unitscale.analysis, unitscale.cli; "
-        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+        "import sys, unitscale, unitscale.analysis, unitscale.cli, unitscale.integrations; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'transformers') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -30,6 +31,26 @@ def test_python_m_unitscale_help() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: unitscale")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["train", "--help"], ["nosuch"]])
+def test_python_m_unitscale_behaves_like_the_command(argv: list[str]) -> None:
+    """Same output and exit status as the installed ``unitscale`` script, errors included."""
+    script = Path(sys.executable).with_name("unitscale")
+    if not script.exists():
+        pytest.skip(f"no unitscale script beside {sys.executable} (package not installed)")
+    runs = [
+        subprocess.run(cmd + argv, capture_output=True, text=True, timeout=300)
+        for cmd in ([sys.executable, "-m", "unitscale"], [str(script)])
+    ]
+    module, command = runs
+    assert (module.returncode, module.stdout, module.stderr) == (
+        command.returncode,
+        command.stdout,
+        command.stderr,
+    )
+    assert module.returncode == (0 if argv[-1] == "--help" else 2)
 
 
 def _imported_modules(path: Path) -> set[str]:

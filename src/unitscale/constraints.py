@@ -19,6 +19,7 @@ from .errors import UnitScaleError
 
 __all__ = [
     "CONSTRAINTS",
+    "UnknownConstraintError",
     "amean",
     "apply_constraint",
     "gmean",

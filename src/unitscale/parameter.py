@@ -31,6 +31,7 @@ from .errors import UnitScaleError
 __all__ = [
     "MUP_TYPES",
     "Parameter",
+    "ParameterTagError",
     "has_mup_tags",
     "infer_mup_type",
     "tag_model",

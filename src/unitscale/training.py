@@ -1,5 +1,5 @@
 """``unitscale.training``: the name DESIGN.md and the README use for
-:mod:`unitscale.experiments.training` (where the code lives)."""
+``unitscale.experiments.training`` (where the code lives)."""
 
 from .experiments.training import (
     MONITOR_METRICS,

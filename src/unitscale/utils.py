@@ -1,5 +1,5 @@
 """``unitscale.utils``: the name DESIGN.md and the README use for
-:mod:`unitscale.analysis.annotated` (where the code lives)."""
+``unitscale.analysis.annotated`` (where the code lives)."""
 
 from .analysis.annotated import (
     analyse_module,

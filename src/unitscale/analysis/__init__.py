@@ -15,7 +15,7 @@ from .dataframe import graph_to_dataframe
 from .heatmap import scale_heatmap
 from .plot import plot
 from .report import write_report
-from .risk import RISK_FRACTION, RiskSummary, risk_summary
+from .risk import RISK_FRACTION, FormatRisk, RiskSummary, WorstTensor, risk_summary
 from .tensorboard import tensorboard_available, write_scalars
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
@@ -34,6 +34,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "write_scalars",
     # risk in low-precision formats
     "RISK_FRACTION",
+    "FormatRisk",
     "RiskSummary",
+    "WorstTensor",
     "risk_summary",
 ]

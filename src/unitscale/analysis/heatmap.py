@@ -32,8 +32,9 @@ def scale_heatmap(
     above, blue below. Zeros and missing values are light grey; NaN and Inf are black.
 
     Args:
-        table: a long table as :meth:`ScaleMonitor.table` returns (columns ``step``,
-            ``tensor``, ``direction``, ``metric``, ``value``, ``label``, ``row`` and
+        table: a long table as :meth:`ScaleMonitor.table
+            <unitscale.tracking.ScaleMonitor.table>` returns (columns ``step``, ``tensor``,
+            ``direction``, ``metric``, ``value``, ``label``, ``row`` and
             ``same_scale``).
         metric: the metric shown (``"mean_abs"``, ``"rms"``, ``"abs_max"``, ...).
         direction: ``"fwd"`` (values) or ``"bwd"`` (gradients).

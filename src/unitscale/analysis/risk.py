@@ -14,7 +14,7 @@ from ..errors import AnalysisError
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["RISK_FRACTION", "FormatRisk", "RiskSummary", "risk_summary"]
+__all__ = ["RISK_FRACTION", "FormatRisk", "RiskSummary", "WorstTensor", "risk_summary"]
 
 #: A tensor counts as underflowing in a format when more than this fraction of its values
 #: would round to zero; any overflowing value counts (it saturates or becomes Inf).

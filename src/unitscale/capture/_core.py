@@ -153,7 +153,7 @@ class Piece:
     index: int
     #: The graph as Dynamo gave it (before any pass), with Dynamo's node meta.
     graph: fx.Graph
-    #: Per placeholder: ``("param", qualified_name)``, ``("buffer", name)`` or ``("input", name)``.
+    #: Per placeholder, ``("param", qualified_name)``, ``("buffer", name)`` or ``("input", name)``.
     placeholders: list[tuple[str, str]]
     #: Free-form per-pass data (e.g. the tracking pass's slot of each node).
     data: dict[str, Any] = field(default_factory=dict)

@@ -1,5 +1,5 @@
 """``unitscale.data``: the name DESIGN.md and the README use for
-:mod:`unitscale.experiments.data` (where the code lives)."""
+``unitscale.experiments.data`` (where the code lives)."""
 
 from ..experiments.data import (
     HELDOUT_FRACTION,

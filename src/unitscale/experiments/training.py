@@ -196,7 +196,7 @@ class TrainConfig:
 
     @property
     def warmup(self) -> int:
-        """Warm-up steps: ``warmup_steps``, or 5% of ``steps`` when it is None."""
+        """Warm-up steps (``warmup_steps``, or 5% of ``steps`` when it is None)."""
         return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
 
     def lr_for(self, run: str) -> float:

@@ -234,7 +234,7 @@ class FPFormat:
 
     @property
     def bits(self) -> int:
-        """Total width in bits: sign, exponent and mantissa."""
+        """Total width in bits (sign, exponent and mantissa)."""
         return 1 + self.exponent_bits + self.mantissa_bits
 
     @property

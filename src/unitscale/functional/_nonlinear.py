@@ -309,7 +309,7 @@ def gelu(
 
     With ``mult`` (u-μP's α): ``y = s * gelu(mult * input)``, ideal scales
     ``1 / std(gelu(mult x))`` and ``1 / rms(mult gelu'(mult x))``, computed by quadrature
-    (:mod:`unitscale._mult`; no closed form; error below 1e-9 for mult in [1/16, 16]).
+    (``functional/_mult.py``; no closed form; error below 1e-9 for mult in [1/16, 16]).
 
     Args:
         input: the input, assumed unit-scaled.
@@ -357,7 +357,7 @@ def silu(
 
     With ``mult`` (u-μP's α): ``y = s * silu(mult * input)``, ideal scales
     ``1 / std(silu(mult x))`` and ``1 / rms(mult silu'(mult x))`` by quadrature
-    (:mod:`unitscale._mult`; no closed form; error below 1e-9 for mult in [1/16, 16]).
+    (``functional/_mult.py``; no closed form; error below 1e-9 for mult in [1/16, 16]).
 
     Args:
         input: the input, assumed unit-scaled.
@@ -400,7 +400,7 @@ def silu_glu(
 
     With ``mult`` (u-μP's α, on the gate): ``y = s * input * silu(mult * gate)``; the same
     rule with ``rms(silu(mult g))`` (output and input) and ``rms(mult silu'(mult g))`` (gate),
-    by quadrature (:mod:`unitscale._mult`).
+    by quadrature (``functional/_mult.py``).
 
     Args:
         input: the linear half, assumed unit-scaled.

@@ -48,7 +48,7 @@ def transformer_residual_scaling_rule(
     ``layers`` is the number of residual *branches* (twice the number of transformer
     layers; attention branches have even ``index``, MLP branches odd); ``tau`` is the share
     of the stream's variance that :func:`~unitscale.functional.residual_add` gives branch
-    ``index``. Rule (derived in :mod:`unitscale._residual`): branch ``k`` has weight
+    ``index``. Rule (derived in ``functional/_residual.py``): branch ``k`` has weight
     ``β_k² = α_res² · 2 r_k / (1 + α_ratio²) / layers`` with ``r_k = α_ratio²`` for attention
     and 1 for MLP, and ``tau_k = β_k² / (1 + Σ_{j<=k} β_j²)``. So the stream stays unit after
     every branch, the branches together weigh ``α_res²`` against the embedding's 1 at any

@@ -1,5 +1,5 @@
 """``unitscale.models``: the name DESIGN.md and the README use for
-:mod:`unitscale.experiments.models` (where the code lives)."""
+``unitscale.experiments.models`` (where the code lives)."""
 
 from ..experiments.models import (
     GPTConfig,

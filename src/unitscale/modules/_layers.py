@@ -131,8 +131,8 @@ class Conv1d(nn.Conv1d):
     """Unit-scaled ``nn.Conv1d``; ``forward`` calls :func:`unitscale.functional.conv1d`.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-            device, dtype: as for ``nn.Conv1d``.
+        in_channels: as for ``nn.Conv1d``, and so are ``out_channels``, ``kernel_size``,
+            ``stride``, ``padding``, ``dilation``, ``groups``, ``bias``, ``device``, ``dtype``.
         padding_mode: only ``"zeros"`` is supported.
         constraint: see :func:`~unitscale.functional.conv1d`.
 

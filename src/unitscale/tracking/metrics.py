@@ -245,7 +245,8 @@ class Metrics:
     """Scale statistics of one graph node: ``fwd`` of its value, ``bwd`` of its gradient.
 
     ``bwd`` is None until a backward pass reaches the node (and stays None where no
-    gradient flows). Stored under ``node.meta["metrics"]`` by :func:`track_scales`.
+    gradient flows). Stored under ``node.meta["metrics"]`` by
+    :func:`~unitscale.transforms.track_scales`.
     """
 
     Data: ClassVar[type[_Data]] = _Data

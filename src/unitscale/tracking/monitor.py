@@ -63,7 +63,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "ScaleMonitor",
 ]
 
-#: Columns of :meth:`ScaleMonitor.table`, in order.
+#: Columns of :meth:`ScaleMonitor.table <unitscale.tracking.ScaleMonitor.table>`, in order.
 LONG_COLUMNS: tuple[str, ...] = (
     "step",
     "tensor",
@@ -242,7 +242,7 @@ class ScaleMonitor:
         every: record every ``every``-th step (a positive integer), or None to only check
             for non-finite values.
         metrics: the metrics kept in the table (default: all of
-            :data:`unitscale.analysis.dataframe.METRIC_NAMES`).
+            :data:`unitscale.tracking.METRIC_NAMES`).
         on_non_finite: ``"warn"``, ``"raise"`` or ``"ignore"``.
         check_finite: check for NaN/Inf every step (and replay the first bad step).
         tensorboard: a log folder, or an object with ``add_scalar(tag, value, step)`` such

@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 
-#: Every metric column, in order: the scalar fields of ``Metrics.Data``, then
-#: ``underflow_<fmt>``/``overflow_<fmt>`` per format (the keys of ``Metrics.Data.as_dict()``).
+#: Every metric column in order (the scalar fields of ``Metrics.Data``, then
+#: ``underflow_<fmt>``/``overflow_<fmt>`` per format, the keys of ``Metrics.Data.as_dict()``).
 METRIC_NAMES: tuple[str, ...] = (
     *(f.name for f in fields(Metrics.Data) if f.name not in ("underflow", "overflow")),
     *(f"{kind}_{key}" for key in FORMAT_KEYS for kind in ("underflow", "overflow")),

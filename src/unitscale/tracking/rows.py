@@ -28,7 +28,7 @@ class TensorRow:
 
     @property
     def label(self) -> str:
-        """Readable label: parameters by qualified name, others as ``module: variable``."""
+        """Readable label (parameters by qualified name, others as ``module: variable``)."""
         if self.weight or not self.module:
             return self.name
         return f"{self.module}: {self.name}"
