@@ -32,6 +32,7 @@ PUBLIC_PACKAGES = (
     "unitscale.functional",
     "unitscale.modules",
     "unitscale.optim",
+    "unitscale.data_parallel",
     "unitscale.formats",
     "unitscale.capture",
     "unitscale.tracking",
