@@ -244,6 +244,6 @@ def test_hf_models_are_built_small_and_offline() -> None:
     assert model.config.n_embd == 64 and model.config.n_layer == 2
     assert model.config.vocab_size == 256
     assert sum(p.numel() for p in model.parameters()) < 500_000
-    entry = NamedModel("gpt2", model, hf=True)
+    entry = NamedModel("gpt2", model, "causal-lm")
     loss = call_model(entry, model, example_batch(2, 32))
     assert loss.shape == () and 4.0 < loss.item() < 7.0  # about log(256) at random init

@@ -1,0 +1,120 @@
+"""How ``unitscale analyse`` calls the models it is given (``unitscale.cli._models``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from unitscale.analysis import graph_to_dataframe, risk_summary
+from unitscale.cli import CommandError
+from unitscale.cli._models import NamedModel, call_model, resolve_models
+from unitscale.data import example_batch
+from unitscale.transforms import prune_same_scale_tensors, track_scales
+
+FACTORIES = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, input_ids):
+        return self.head(torch.relu(self.mid(self.emb(input_ids))))
+
+
+class TinyWithLoss(Tiny):
+    def forward(self, input_ids, labels):
+        logits = super().forward(input_ids)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class Pairs(Tiny):
+    def forward(self, input_ids):
+        return super().forward(input_ids)[:, :2]
+
+
+def logits():
+    return Tiny()
+
+
+def own_loss():
+    return TinyWithLoss()
+
+
+def wrong_shape():
+    return Pairs()
+"""
+
+
+def _track(entry: NamedModel, batch_size: int = 4, seq_len: int = 32) -> tuple[float, object]:
+    batch = example_batch(batch_size, seq_len, seed=0)
+    tracked = track_scales(entry.model)
+    loss = call_model(entry, tracked, batch)
+    loss.backward()
+    return float(loss.detach()), tracked.scales_graph()
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    path = tmp_path / "mine.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def test_a_logits_model_gets_the_verdict_of_the_same_model_returning_its_loss(
+    factories: Path,
+) -> None:
+    """The loss is part of what is unit-scaled: the twins of the two factories agree.
+
+    Tolerance: the counts of tensors at risk are equal (0 tensors apart) in E4M3 and E5M2,
+    the twins' losses agree to 1e-6, and the twin's logit gradient has an RMS within 2x of 1 (a loss
+    computed outside the twin left it near 2^-15).
+    """
+    verdicts = {}
+    for name in ("logits", "own_loss"):
+        plain, twin = resolve_models(f"{factories}:{name}", seq_len=32, seed=0)
+        _track(plain)  # the plain model runs as well
+        twin_loss, graph = _track(twin)
+        table = graph_to_dataframe(graph)
+        logit_grad = table[(table["module"] == "head") & (table["op"] == "linear")]
+        logit_grad = logit_grad[logit_grad["direction"] == "bwd"]
+        assert len(logit_grad) == 1
+        assert 0.5 < float(logit_grad["rms"].iloc[0]) < 2.0
+        summary = risk_summary(graph_to_dataframe(prune_same_scale_tensors(graph)))
+        verdicts[name] = (twin_loss, {
+            f: (summary.formats[f].underflow, summary.formats[f].overflow)
+            for f in ("e4m3", "e5m2")
+        })  # fmt: skip
+    assert math.isclose(verdicts["logits"][0], verdicts["own_loss"][0], rel_tol=1e-6)
+    assert verdicts["logits"][1] == verdicts["own_loss"][1]
+    assert verdicts["logits"][1]["e5m2"] == (0, 0)
+
+
+def test_a_factory_model_keeps_its_parameter_names_and_class_name(factories: Path) -> None:
+    plain, twin = resolve_models(f"{factories}:logits", seq_len=16, seed=0)
+    names = [n for n, _ in plain.model.named_parameters()]
+    assert names == ["emb.weight", "mid.weight", "mid.bias", "head.weight", "head.bias"]
+    assert type(plain.model).__name__ == "Tiny"
+    assert list(twin.model.state_dict()) == list(plain.model.state_dict())
+    batch = example_batch(2, 16, seed=0)
+    expected = torch.nn.functional.cross_entropy(
+        type(plain.model).__mro__[1].forward(plain.model, batch.input_ids).flatten(0, 1),
+        batch.labels.flatten(),
+    )
+    assert torch.equal(call_model(plain, plain.model, batch), expected)
+
+
+def test_a_factory_model_with_outputs_of_the_wrong_shape_is_refused(factories: Path) -> None:
+    plain, _ = resolve_models(f"{factories}:wrong_shape", seq_len=16, seed=0)
+    with pytest.raises(CommandError, match=r"returned \(2, 2, 256\): expected a scalar loss.*"
+                       r"or logits of shape \(2, 16, vocab\)"):  # fmt: skip
+        call_model(plain, plain.model, example_batch(2, 16, seed=0))
