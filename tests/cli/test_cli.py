@@ -181,6 +181,9 @@ def test_user_factory_forward_only(tmp_path: Path) -> None:
     assert {r["direction"] for r in rows} == {"fwd"}
     assert {"emb.weight", "head.weight", "head.bias"} <= {r["name"] for r in rows}
     assert "batch 2 x 16, seed 3, forward" in run.stdout
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert f"wrote {len(written)} files to out/: " in run.stdout and len(written) == 5
+    assert sorted(run.stdout.rsplit(": ", 1)[1].strip().split(", ")) == written
 
 
 @pytest.mark.parametrize(
@@ -208,7 +211,17 @@ def test_bad_input_fails_with_one_line(
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [
-        (["analyse", "--bogus"], 2, r"^unitscale: error: unrecognized arguments: --bogus"),
+        (
+            ["analyse", "--bogus"],
+            2,
+            r"^unitscale analyse: error: unrecognized arguments: --bogus "
+            r"\(see 'unitscale analyse --help'\)$",
+        ),
+        (
+            ["--bogus"],
+            2,
+            r"^unitscale: error: unrecognized arguments: --bogus \(see 'unitscale --he",
+        ),
         (["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
         (["analyse", "--seq-len", "x"], 2, r"'x' is not an integer"),
         (["analyse", "--model", "hf:not-a-model"], 1, r"unknown Hugging Face model type"),

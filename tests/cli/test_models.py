@@ -118,3 +118,42 @@ def test_a_factory_model_with_outputs_of_the_wrong_shape_is_refused(factories: P
     with pytest.raises(CommandError, match=r"returned \(2, 2, 256\): expected a scalar loss.*"
                        r"or logits of shape \(2, 16, vocab\)"):  # fmt: skip
         call_model(plain, plain.model, example_batch(2, 16, seed=0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "objective", "head"),
+    [
+        ("gpt2", "causal-lm", "GPT2LMHeadModel"),
+        ("bert", "masked-lm", "BertForMaskedLM"),
+        ("t5", "seq2seq", "T5ForConditionalGeneration"),
+        ("bart", "seq2seq", "BartForConditionalGeneration"),
+    ],
+)
+def test_each_hf_family_runs_with_its_own_objective(
+    model_type: str, objective: str, head: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("transformers")
+    from unitscale.cli._models import hf_model, hf_objective, objective_batch
+
+    with caplog.at_level("WARNING"):
+        model = hf_model(model_type, seq_len=32, seed=0)
+        assert type(model).__name__ == head and hf_objective(model.config) == objective
+        assert sum(p.numel() for p in model.parameters()) < 2_000_000  # built small
+        batch = example_batch(2, 32, seed=0)
+        loss = call_model(NamedModel(model_type, model, objective), model, batch)
+    assert not [r for r in caplog.records if "is_decoder" in r.getMessage()]
+    assert getattr(model.config, "is_decoder", False) is False or objective == "seq2seq"
+    # Random weights: about log(256) nats per predicted byte.
+    assert loss.shape == () and abs(loss.item() - math.log(256)) < 1.0
+    values = objective_batch(objective, batch, model.config)
+    if objective == "masked-lm":
+        predicted = values["labels"] != -100
+        assert 0.05 < predicted.float().mean().item() < 0.3 and predicted.any(dim=1).all()
+        assert torch.equal(values["labels"][predicted], batch.input_ids[predicted])
+        assert (values["input_ids"][predicted] == 0).all()
+    elif objective == "seq2seq":
+        assert values["input_ids"].shape == values["labels"].shape == (2, 16)
+        assert torch.equal(torch.cat([values["input_ids"], values["labels"]], 1), batch.input_ids)
+    else:
+        assert torch.equal(values["labels"], batch.input_ids)

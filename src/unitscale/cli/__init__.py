@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -60,10 +61,28 @@ def build_parser() -> Parser:
     return parser
 
 
+#: A library message's leading function name (``load_corpus: ``, ``batches(split='train'): ``).
+_WHERE = re.compile(r"^[A-Za-z_][\w.]*(\([^)]*\))?: ")
+#: Library argument names in corpus errors, as the command's options.
+_OPTIONS = {"seq_len=": "--seq-len ", "batch_size=": "--batch-size ", "seq_len": "--seq-len"}
+
+
+def _in_command_terms(message: str) -> str:
+    """A corpus error in the command's terms: no function name, options instead of arguments."""
+    message = _WHERE.sub("", message)
+    for argument, option in _OPTIONS.items():
+        message = message.replace(argument, option)
+    return message
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error).strip()
     first = text.splitlines()[0] if text else type(error).__name__
-    return first if isinstance(error, UnitScaleError) else f"{type(error).__name__}: {first}"
+    if not isinstance(error, UnitScaleError):
+        return f"{type(error).__name__}: {first}"
+    if type(error).__name__ == "CorpusError":  # no import: the data layer loads torch
+        return _in_command_terms(first)
+    return first
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # name the subcommand whose options they are not
+            prog = f"unitscale {args.command}" if args.command else "unitscale"
+            raise UsageError(
+                f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see '{prog} --help')"
+            )
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -76,6 +76,14 @@ HF_SMALL: dict[str, int] = {
     "d_ff": 256,
     "head_dim": 16,
     "d_kv": 16,
+    # encoder-decoder configs (T5, BART) size each side separately
+    "num_decoder_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 256,
+    "decoder_ffn_dim": 256,
 }
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
 _TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -142,6 +150,12 @@ def _small_config(config: Any, seq_len: int) -> None:
             setattr(config, key, i)
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    if getattr(config, "is_encoder_decoder", False):
+        # Labels are shifted right into the decoder input from this token (T5: the pad).
+        start = getattr(config, "decoder_start_token_id", None)
+        if not isinstance(start, int):
+            pad = getattr(config, "pad_token_id", None)
+            config.decoder_start_token_id = pad if isinstance(pad, int) else 0
     if hf_objective(config) == "masked-lm" and hasattr(config, "is_decoder"):
         config.is_decoder = False  # an encoder: bidirectional attention, no decoder warnings
 
@@ -385,8 +399,11 @@ def objective_batch(objective: str, batch: Batch, config: Any = None) -> dict[st
         half = ids.shape[1] // 2
         if half < 1:
             raise CommandError("--seq-len must be at least 2 for an encoder-decoder model")
-        return {"input_ids": ids[:, :half], "attention_mask": mask[:, :half],
-                "labels": ids[:, half:]}  # fmt: skip
+        return {
+            "input_ids": ids[:, :half].contiguous(),
+            "attention_mask": mask[:, :half].contiguous(),
+            "labels": ids[:, half:].contiguous(),
+        }
     raise CommandError(f"unknown objective {objective!r}; expected one of {list(HF_OBJECTIVES)}")
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import positive_int
-from ._output import Progress, slug
+from ._output import Progress, check_out_folder, slug
 
 __all__ = ["add_parser", "run"]
 
@@ -40,11 +40,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--model",
         default="builtin",
         metavar="SPEC",
-        help="builtin (default) | hf:<model_type> (small random transformers model, no "
-        "download) | path/to/file.py:factory (a function returning a torch.nn.Module)",
+        help="builtin (default) | hf:<model_type>: a small randomly initialised transformers "
+        "model (no download) trained with its family's objective: decoder-only (gpt2, "
+        "llama, ...) as a causal LM, encoder-only (bert, roberta, ...) as a masked LM (15%% "
+        "of bytes masked), encoder-decoder (t5, bart, ...) as seq2seq (first half of each "
+        "sequence in, second half out) | path/to/file.py:factory: a function of no arguments "
+        "returning a torch.nn.Module, called with the arguments its forward names among "
+        "input_ids, attention_mask, labels (else input_ids alone): (batch, seq) int64 "
+        "bytes, labels the next bytes (already shifted); it returns a scalar loss, an "
+        "output with .loss, or (batch, seq, vocab) logits, whose cross-entropy is then "
+        "computed inside the model (unit-scaled in the twin)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument("--seq-len", type=positive_int, default=128, metavar="N")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="sequences in the batch (default 8)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="bytes per sequence (default 128)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
     parser.add_argument(
         "--forward-only", action="store_true", help="track the forward pass only (no gradients)"
@@ -78,11 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from ..transforms import prune_same_scale_tensors, track_scales
     from ._models import call_model, resolve_models
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        from . import CommandError
-
-        raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    out = check_out_folder(args.out)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
@@ -152,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
             if worst:
                 lines.append(f"worst in {key.upper()}, {name}:")
                 lines += [f"  {w}" for w in worst]
+    written.append(out / "summary.txt")
     lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
     text = "\n".join(lines) + "\n"
-    (out / "summary.txt").write_text(text, encoding="utf-8")
+    written[-1].write_text(text, encoding="utf-8")
     sys.stdout.write(text)
     progress("done")
     return 0

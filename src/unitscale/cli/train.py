@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import non_negative_int, positive_float, positive_int
-from ._output import Progress, slug
+from ._output import Progress, check_out_folder, slug
 
 __all__ = ["add_parser", "run"]
 
@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "(E4M3 operands, E5M2 output gradients, no loss scaling), unit-scaled in FP32, "
             "unit-scaled with simulated FP8. Print the final training and held-out losses; "
             "write the loss curves (PNG), a CSV of losses per step and a self-contained HTML "
-            "report. Adam, linear warm-up, cosine decay to 10%%; each model family has its own "
+            "report. Adam, linear warm-up, cosine decay to 10%; each model family has its own "
             "learning rate (chosen by a sweep of the FP32 runs; see the README). With no "
             "options it finishes in a few minutes on a 2-core CPU."
         ),
@@ -209,11 +209,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ..tracking import MonitorError
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        from . import CommandError
-
-        raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    out = check_out_folder(args.out)
     config = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
