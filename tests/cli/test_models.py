@@ -157,3 +157,24 @@ def test_each_hf_family_runs_with_its_own_objective(
         assert torch.equal(torch.cat([values["input_ids"], values["labels"]], 1), batch.input_ids)
     else:
         assert torch.equal(values["labels"], batch.input_ids)
+
+
+def test_transformers_messages_are_silenced_while_the_command_works() -> None:
+    pytest.importorskip("transformers")
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from unitscale.cli._models import quiet_transformers
+
+    before = hf_logging.get_verbosity()
+    with quiet_transformers():
+        assert hf_logging.get_verbosity() == hf_logging.ERROR
+        assert not hf_logging.get_logger("transformers.modeling_utils").isEnabledFor(
+            hf_logging.WARNING
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn_explicit("noise", UserWarning, "x.py", 1, module="transformers.x")
+            warnings.warn_explicit("kept", UserWarning, "y.py", 1, module="mine")
+        assert [str(w.message) for w in caught] == ["kept"]
+    assert hf_logging.get_verbosity() == before

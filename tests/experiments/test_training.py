@@ -171,3 +171,19 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     assert "unit-scaled in simulated FP8 vs FP32: held-out" in stdout
     assert stdout == (out1 / "summary.txt").read_text(encoding="utf-8")
     assert "plain-fp32" in stderr and "4/4" in stderr  # progress bars
+
+
+def test_progress_off_a_terminal_is_a_plain_line_per_tenth(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from unitscale.training import TrainConfig, train_run
+
+    config = TrainConfig(steps=20, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1,
+                         eval_every=10, eval_batches=1)  # fmt: skip
+    train_run("plain-fp32", config, progress=True)  # pytest's stderr is not a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        f"plain-fp32: step {step}/20" for step in range(2, 21, 2)
+    ]

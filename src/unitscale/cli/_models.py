@@ -25,10 +25,12 @@ first half of each window is the encoder input, the second half the target).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,6 +52,7 @@ __all__ = [
     "hf_objective",
     "load_factory",
     "objective_batch",
+    "quiet_transformers",
     "resolve_models",
     "with_loss",
 ]
@@ -119,6 +122,29 @@ def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence ``transformers``' log messages and warnings (restored on exit).
+
+    The command's progress lines are what the user reads; messages such as ``loss_type=None
+    was set in the config but it is unrecognized`` are about transformers' internals and
+    would be interleaved with them. Errors still propagate as exceptions.
+    """
+    try:
+        from transformers.utils import logging as hf_logging
+    except ModuleNotFoundError:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def hf_objective(config: Any) -> str:

@@ -91,36 +91,19 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"unitscale analyse needs {exc.name}: pip install 'unitscale[analysis]'"
         ) from exc
-    import torch
-
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
     from ..experiments.data import example_batch
-    from ..transforms import prune_same_scale_tensors, track_scales
-    from ._models import call_model, resolve_models
+    from ..transforms import prune_same_scale_tensors
+    from ._models import quiet_transformers
 
     out = check_out_folder(args.out)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
     progress(f"building {args.model} model(s)")
-    models = resolve_models(args.model, args.seq_len, args.seed)
-
-    graphs = {}
-    tables = []
-    step = "forward" if args.forward_only else "forward and backward"
-    for entry in models:
-        progress(f"{entry.name}: tracking a {step} step")
-        tracked = track_scales(entry.model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
-            loss = call_model(entry, tracked, batch)
-            if not args.forward_only:
-                loss.backward()
-        graph = tracked.scales_graph()
-        graphs[entry.name] = graph
-        table = graph_to_dataframe(graph)
-        table.insert(0, "model", entry.name)
-        tables.append((entry, float(loss.detach()), table, graph))
+    with quiet_transformers():
+        tables = _track_models(args, batch, progress)
+    graphs = {entry.name: graph for entry, _, _, graph in tables}
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -141,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     lines = [
         f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
-        f"seed {args.seed}, {step}",
+        f"seed {args.seed}, {'forward' if args.forward_only else 'forward and backward'}",
         "",
         f"{'model':<28}{'loss':>8}{'tensors':>9}{'E4M3 under':>12}{'E4M3 over':>11}"
         f"{'E5M2 under':>12}{'E5M2 over':>11}",
@@ -175,3 +158,29 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(text)
     progress("done")
     return 0
+
+
+def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> list[Any]:
+    """Build the models and track one step of each: ``(entry, loss, table, graph)`` each."""
+    import torch
+
+    from ..analysis import graph_to_dataframe
+    from ..transforms import track_scales
+    from ._models import call_model, resolve_models
+
+    models = resolve_models(args.model, args.seq_len, args.seed)
+    tables = []
+    step = "forward" if args.forward_only else "forward and backward"
+    for entry in models:
+        progress(f"{entry.name}: tracking a {step} step")
+        tracked = track_scales(entry.model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
+            loss = call_model(entry, tracked, batch)
+            if not args.forward_only:
+                loss.backward()
+        graph = tracked.scales_graph()
+        table = graph_to_dataframe(graph)
+        table.insert(0, "model", entry.name)
+        tables.append((entry, float(loss.detach()), table, graph))
+    return tables

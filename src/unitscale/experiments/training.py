@@ -349,8 +349,6 @@ def train_run(
         >>> len(r.train_losses), abs(r.train_losses[0] - math.log(256)) < 0.1
         (2, True)
     """
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     heldout_data = _eval_batches(config, "heldout")
     train_eval_data = _eval_batches(config, "train")
@@ -374,14 +372,7 @@ def train_run(
         optimiser = torch.optim.Adam(
             model.parameters(), lr=config.lr_at(run, 0), betas=(0.9, 0.95), weight_decay=0.0
         )
-        bar = tqdm(
-            total=config.steps,
-            desc=f"{run:<16}",
-            file=sys.stderr,
-            disable=not progress,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        bar = _StepProgress(run, config.steps, enabled=progress)
         try:
             for step in range(config.steps):
                 if step % config.eval_every == 0 and step > 0:
@@ -399,8 +390,7 @@ def train_run(
                     break
                 optimiser.step()
                 optimiser.zero_grad(set_to_none=True)
-                bar.update(1)
-                bar.set_postfix_str(f"loss {value:.3f}", refresh=False)
+                bar.update(value)
         finally:
             bar.close()
         if monitor is not None:
@@ -412,6 +402,45 @@ def train_run(
             result.final_train_loss = _evaluate(model, train_eval_data)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class _StepProgress:
+    """Training progress on stderr: a tqdm bar on a terminal, else a plain line per 10%.
+
+    A bar redraws itself with ``\\r``, which floods a log file or CI output with one
+    fragment per update; when stderr is not a terminal, one line is written at every tenth of
+    the steps (and at the last) instead.
+    """
+
+    def __init__(self, run: str, steps: int, enabled: bool) -> None:
+        self.run, self.steps, self.done = run, steps, 0
+        self.bar: Any = None
+        self.plain = enabled and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        if enabled and not self.plain:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=steps, desc=f"{run:<16}", file=sys.stderr, dynamic_ncols=True, leave=True
+            )
+        self.every = max(1, math.ceil(steps / 10))
+        self.start = time.perf_counter()
+
+    def update(self, loss: float) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+        elif self.plain and (self.done % self.every == 0 or self.done == self.steps):
+            seconds = time.perf_counter() - self.start
+            print(
+                f"{self.run}: step {self.done}/{self.steps}, loss {loss:.3f}, {seconds:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def train_runs(config: TrainConfig, progress: bool = True) -> dict[str, RunResult]:
