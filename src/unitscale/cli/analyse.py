@@ -112,12 +112,15 @@ def run(args: argparse.Namespace) -> int:
         csv_path, index=False, lineterminator="\n"
     )
     written.append(csv_path)
+    figures = []
     for entry, _, _, graph in tables:
         progress(f"{entry.name}: plotting")
         figure = cast("Figure", plot(graph, title=entry.name).figure)
         png = out / f"scales_{slug(entry.name, 'model')}.png"
         figure.savefig(png, dpi=100, metadata={"Software": None})
         written.append(png)
+        figures.append(figure)
+    written.append(_side_by_side(figures, out / "scales_side_by_side.png"))
     progress("writing the HTML report")
     title = f"unitscale analyse: {args.model}"
     written.append(write_report(graphs, out / "report.html", title=title))
@@ -184,3 +187,29 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
         table.insert(0, "model", entry.name)
         tables.append((entry, float(loss.detach()), table, graph))
     return tables
+
+
+def _side_by_side(figures: list[Figure], path: Path, dpi: int = 100) -> Path:
+    """Write the models' plots next to each other, at the same scale, as one PNG.
+
+    Each figure is rendered as it is saved on its own (same pixels, no resampling) and the
+    images are placed left to right on white, top-aligned.
+    """
+    import numpy as np
+    from matplotlib.image import imsave
+
+    images = []
+    for figure in figures:
+        figure.set_dpi(dpi)
+        figure.canvas.draw()
+        images.append(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # type: ignore[attr-defined]
+    height = max(image.shape[0] for image in images)
+    gap = np.full((height, 20, 3), 255, dtype=np.uint8)
+    columns = []
+    for i, image in enumerate(images):
+        padded = np.full((height, image.shape[1], 3), 255, dtype=np.uint8)
+        padded[: image.shape[0]] = image
+        columns += [gap, padded] if i else [padded]
+    no_software: Any = {"Software": None}  # as savefig: no version stamp in the file
+    imsave(path, np.concatenate(columns, axis=1), metadata=no_software)
+    return path
