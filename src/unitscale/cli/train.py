@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
     heatmaps: list[tuple[str, Figure]] = []
     tensorboard = tensorboard_available()
+    spans = _shared_spans(results)  # one colour range per direction across the runs
     for name, result in results.items():
         monitor = result.monitor
         if monitor is None or not monitor.recorded_steps:
@@ -253,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
         written.append(monitor.to_csv(out / f"scales_{slug(name, 'run')}.csv"))
         for direction, what in (("fwd", "values"), ("bwd", "gradients")):
             try:
-                ax = monitor.heatmap("rms", direction, title=f"{name}: rms of tensor {what}")
+                ax = monitor.heatmap(
+                    "rms", direction, title=f"{name}: rms of tensor {what}", span=spans[direction]
+                )
             except MonitorError as exc:  # no records in that direction: skip the picture
                 progress(f"{name}: no {direction} heatmap ({exc})")
                 continue
@@ -279,3 +282,27 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(text)
     progress("done")
     return 0
+
+
+def _shared_spans(results: dict[str, Any]) -> dict[str, float | None]:
+    """The largest ``|log2(rms)|`` per direction over every monitored run (None: no records).
+
+    Each run's heatmap uses it, so that the same colour is the same scale in every run's map
+    (a per-run range made a healthy map look as alarming as a failing one).
+    """
+    import numpy as np
+
+    spans: dict[str, float | None] = {"fwd": None, "bwd": None}
+    for result in results.values():
+        monitor = result.monitor
+        if monitor is None or not monitor.recorded_steps:
+            continue
+        table = monitor.table()
+        for direction in spans:
+            rows = table[(table["metric"] == "rms") & (table["direction"] == direction)]
+            values = rows["value"].to_numpy(dtype=float)
+            values = values[np.isfinite(values) & (values > 0)]
+            if values.size:
+                top = max(float(np.abs(np.log2(values)).max()), 1.0)
+                spans[direction] = max(spans[direction] or 0.0, top)
+    return spans
