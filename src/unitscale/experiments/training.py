@@ -568,6 +568,21 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _settings_rows(config: TrainConfig) -> list[tuple[str, str]]:
+    """The settings as the report shows them: resolved defaults in words, never ``None``."""
+    settings = asdict(config)
+    settings["runs"] = ", ".join(config.runs)
+    if config.warmup_steps is None:
+        settings["warmup_steps"] = f"{config.warmup} (default: 5% of steps)"
+    if config.monitor_every is None:
+        settings["monitor_every"] = "off"
+    rows = []
+    for f in fields(config):
+        value = settings[f.name]
+        rows.append((f.name, "default" if value is None else str(value)))
+    return rows
+
+
 def _pct(value: float) -> str:
     return f"{value:+.2%}" if math.isfinite(value) else "n/a"
 
@@ -658,7 +673,9 @@ def write_train_report(
         "<title>unitscale train</title>",
         "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
         "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        # Narrow windows (800 px): headers wrap, a table too wide scrolls inside itself.
+        "th{white-space:normal}table{display:block;max-width:100%;overflow-x:auto}"
         "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
         "figure{margin:1.5em 0}figcaption{color:#555;font-size:0.9em}"
         "pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
@@ -670,14 +687,12 @@ def write_train_report(
     for row in summary_rows(results):
         parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     parts.append("</table>")
-    parts.append(f"<pre>{html.escape(summary_text(results, config))}</pre>")
-    settings = asdict(config)
-    settings["runs"] = ", ".join(config.runs)
+    # The notes under the printed table (the table itself is already above, as HTML).
+    notes = summary_text(results, config).split("\n\n", 2)[-1].strip().splitlines()
+    parts += [f"<p>{html.escape(line)}</p>" for line in notes if line.strip()]
     parts.append("<h2>Settings</h2><table>")
-    for f in fields(config):
-        parts.append(
-            f"<tr><td>{html.escape(f.name)}</td><td>{html.escape(str(settings[f.name]))}</td></tr>"
-        )
+    for name, value in _settings_rows(config):
+        parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(value)}</td></tr>")
     parts.append("</table>")
     parts.append(
         "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "
