@@ -49,7 +49,9 @@ svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; 
 #tooltip table { border-collapse: collapse; }
 #tooltip td { padding: 0 8px 0 0; }
 #tooltip td.num { text-align: right; font-variant-numeric: tabular-nums; }
-table.risk { border-collapse: collapse; background: #fff; }
+table.risk { border-collapse: collapse; background: #fff; display: block; max-width: 100%;
+             overflow-x: auto; }  /* a narrow window scrolls the table, not the page */
+table.risk td:first-child { overflow-wrap: anywhere; }
 table.risk th, table.risk td { border: 1px solid #ddd; padding: 3px 8px; }
 table.risk th { background: #f0f0f0; cursor: pointer; user-select: none; }
 table.risk td.num { text-align: right; font-variant-numeric: tabular-nums; }
