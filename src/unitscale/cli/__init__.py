@@ -43,8 +43,14 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
-def build_parser() -> Parser:
-    """Build the ``unitscale`` parser with every subcommand in :data:`SUBCOMMANDS`."""
+def build_parser(only: str | None = None) -> Parser:
+    """Build the ``unitscale`` parser with every subcommand in :data:`SUBCOMMANDS`.
+
+    Args:
+        only: build this subcommand's options only (the one being run); the others are
+            listed by their ``HELP`` line, so that their option defaults, which may need
+            torch (``train``'s come from ``TrainConfig``), are not imported. None: all.
+    """
     parser = Parser(
         prog="unitscale",
         description=(
@@ -57,8 +63,20 @@ def build_parser() -> Parser:
         dest="command", metavar="COMMAND", parser_class=Parser, title="commands"
     )
     for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)
+        module = importlib.import_module(f"{__name__}.{name}")
+        if only is None or name == only or not hasattr(module, "HELP"):
+            module.add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=module.HELP, add_help=False)
     return parser
+
+
+def _subcommand(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs (aliases resolved by their module), or None."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in SUBCOMMANDS:
+        return first
+    return "analyse" if first == "analyze" else None
 
 
 #: A library message's leading function name (``load_corpus: ``, ``batches(split='train'): ``).
@@ -98,7 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["analyse", "--seq-len", "0"])  # one line on stderr, no traceback
         2
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the subcommand being run is built in full; with none, no subcommand's options are
+    # (``unitscale --help`` then imports no torch).
+    parser = build_parser(only=_subcommand(argv) or "")
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # name the subcommand whose options they are not

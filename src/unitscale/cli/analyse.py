@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 from ._args import positive_int
 from ._output import Progress, check_out_folder, slug
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-report"
+#: The one-line summary ``unitscale --help`` lists.
+HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -28,7 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "analyse",
         aliases=["analyze"],
-        help="track the scales of a model and its unit-scaled twin; write plots, a report, a CSV",
+        help=HELP,
         description=(
             "Run one forward and backward step of a model on a batch of text, record the scale "
             "of every tensor and gradient, do the same for its unit-scaled twin, and write a "

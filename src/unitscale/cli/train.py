@@ -18,9 +18,14 @@ if TYPE_CHECKING:
 from ._args import non_negative_int, positive_float, positive_int
 from ._output import Progress, check_out_folder, slug
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-train"
+#: The one-line summary ``unitscale --help`` lists (no import of torch needed to show it).
+HELP = (
+    "train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
+    "write loss curves, a CSV and a report"
+)
 
 
 def _run_list(text: str) -> tuple[str, ...]:
@@ -44,8 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = TrainConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "train",
-        help="train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
-        "write loss curves, a CSV and a report",
+        help=HELP,
         description=(
             "Train the built-in GPT on the bundled text four ways, with the same initial "
             "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
