@@ -87,3 +87,35 @@ def test_no_module_reaches_into_another_packages_private_module() -> None:
                         offenders.append(f"{path.relative_to(SRC)} imports {name}")
                     break
     assert offenders == []
+
+
+def test_top_level_help_imports_no_torch() -> None:
+    """``unitscale --help`` and ``import unitscale`` stay fast: torch loads on first use."""
+    code = (
+        "import sys, contextlib, io\n"
+        "import unitscale\n"
+        "from unitscale.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules, 'train ' in out.getvalue())\n"
+        "unitscale.Linear\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
+
+
+def test_lazy_names_are_the_submodules_objects() -> None:
+    import unitscale
+    import unitscale.modules
+    import unitscale.tracking
+
+    assert unitscale.Linear is unitscale.modules.Linear
+    assert unitscale.ScaleMonitor is unitscale.tracking.ScaleMonitor
+    assert set(unitscale.__all__) <= set(dir(unitscale))
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        unitscale.Nope  # noqa: B018

@@ -136,3 +136,56 @@ def _untracked() -> Graph:
     g = Graph()
     g.output(g.placeholder("x"))
     return g
+
+
+def test_legend_explains_every_mark_and_the_title_counts_as_the_summary(
+    tracked_gpt: tuple[Graph, dict],
+) -> None:
+    from unitscale.analysis import risk_summary
+    from unitscale.transforms import prune_same_scale_tensors
+
+    graph, _ = tracked_gpt
+    ax = plotted(graph, title="gpt", show_zero_tensors=True)
+    legend = ax.get_legend()
+    texts = {t.get_text(): t for t in legend.get_texts()}
+    for label in (
+        "forward (value)",
+        "backward (grad)",
+        "weight",
+        "whisker: abs min..max",
+        "smallest subnormal",
+        "smallest normal",
+        "largest",
+        "green label: parameter",
+    ):
+        assert label in texts, sorted(texts)
+    styles = {h.get_label(): h.get_linestyle() for h in legend.legend_handles}
+    assert (styles["smallest subnormal"], styles["smallest normal"], styles["largest"]) == (
+        "--",
+        ":",
+        "-",
+    )
+    assert texts["green label: parameter"].get_color() == "darkgreen"
+    # The title counts values and gradients, the number the command's summary prints.
+    counted = risk_summary(graph_to_dataframe(prune_same_scale_tensors(graph))).tensors
+    title = ax.figure._suptitle.get_text()
+    assert f"({counted} values and gradients of " in title
+
+
+def test_zero_markers_are_explained_only_when_drawn() -> None:
+    from unitscale.tracking.metrics import Metrics
+
+    def graph(zero: bool) -> Graph:
+        g = Graph()
+        for name, value in (("x", 1.0), ("y", 0.0 if zero else 2.0)):
+            node = g.placeholder(name)
+            node.meta.update(clean_name=name, metrics=Metrics(
+                fwd=Metrics.Data(value, 0.0, value, value, value, value, 16)))  # fmt: skip
+        return g
+
+    def labels(zero: bool) -> list[str]:
+        ax = plotted(graph(zero), prune_same_scale=False, show_zero_tensors=True)
+        return [t.get_text() for t in ax.get_legend().get_texts()]
+
+    assert "mean_abs = 0 (left edge)" in labels(True)
+    assert "mean_abs = 0 (left edge)" not in labels(False)

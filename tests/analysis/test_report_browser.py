@@ -326,3 +326,38 @@ def test_filter_and_sortable_risk_table(
     assert [float(v.rstrip("%").lstrip("<")) for v in after] == sorted(
         float(v.rstrip("%").lstrip("<")) for v in after
     )
+
+
+def test_at_800_px_the_page_does_not_scroll_sideways_and_keeps_every_guide(
+    page: tuple[Browser, str],
+) -> None:
+    browser, session = page
+    browser.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 800, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        session=session,
+    )
+    try:
+        evaluate(browser, session, "window.dispatchEvent(new Event('resize')); 0")
+        widths = evaluate(
+            browser,
+            session,
+            "[document.documentElement.scrollWidth, document.documentElement.clientWidth,"
+            " document.getElementById('chart-wrap').scrollWidth,"
+            " document.getElementById('chart-wrap').clientWidth]",
+        )
+        assert widths[0] <= widths[1] and widths[2] <= widths[3], widths
+        # Every guide line (E4M3's largest value included) lies inside the chart's drawing.
+        inside = evaluate(
+            browser,
+            session,
+            "(function () { var svg = document.getElementById('chart');"
+            " var w = svg.viewBox.baseVal.width;"
+            " return Array.prototype.map.call(svg.querySelectorAll('.guides line'),"
+            " function (l) { return [l.textContent, 0 <= +l.getAttribute('x1')"
+            " && +l.getAttribute('x1') <= w]; }); })()",
+        )
+        assert inside and all(ok for _, ok in inside), inside
+        assert any(label.startswith("E4M3") and "448" in label for label, _ in inside), inside
+    finally:
+        browser.send("Emulation.clearDeviceMetricsOverride", {}, session=session)

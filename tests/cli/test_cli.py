@@ -125,11 +125,22 @@ def test_default_run_writes_every_output_and_a_summary(
         "scales.csv",
         "scales_plain.png",
         "scales_unit-scaled.png",
+        "scales_side_by_side.png",
         "report.html",
         "summary.txt",
     }
-    for png in ("scales_plain.png", "scales_unit-scaled.png"):
+    for png in ("scales_plain.png", "scales_unit-scaled.png", "scales_side_by_side.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    plain, unit, both = (
+        imread(out / f"scales_{n}.png") for n in ("plain", "unit-scaled", "side_by_side")
+    )
+    # Both plots, unchanged, left to right (20 white pixels apart), top-aligned.
+    assert both.shape[1] == plain.shape[1] + 20 + unit.shape[1]
+    assert both.shape[0] == max(plain.shape[0], unit.shape[0])
+    assert (both[: plain.shape[0], : plain.shape[1], :3] == plain[..., :3]).all()
+    assert (both[: unit.shape[0], -unit.shape[1] :, :3] == unit[..., :3]).all()
     assert 'id="unitscale-data"' in (out / "report.html").read_text()
     rows = read_csv(out / "scales.csv")
     assert {r["model"] for r in rows} == {"plain", "unit-scaled"}
@@ -181,6 +192,9 @@ def test_user_factory_forward_only(tmp_path: Path) -> None:
     assert {r["direction"] for r in rows} == {"fwd"}
     assert {"emb.weight", "head.weight", "head.bias"} <= {r["name"] for r in rows}
     assert "batch 2 x 16, seed 3, forward" in run.stdout
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert f"wrote {len(written)} files to out/: " in run.stdout and len(written) == 6
+    assert sorted(run.stdout.rsplit(": ", 1)[1].strip().split(", ")) == written
 
 
 @pytest.mark.parametrize(
@@ -208,7 +222,17 @@ def test_bad_input_fails_with_one_line(
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [
-        (["analyse", "--bogus"], 2, r"^unitscale: error: unrecognized arguments: --bogus"),
+        (
+            ["analyse", "--bogus"],
+            2,
+            r"^unitscale analyse: error: unrecognized arguments: --bogus "
+            r"\(see 'unitscale analyse --help'\)$",
+        ),
+        (
+            ["--bogus"],
+            2,
+            r"^unitscale: error: unrecognized arguments: --bogus \(see 'unitscale --he",
+        ),
         (["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
         (["analyse", "--seq-len", "x"], 2, r"'x' is not an integer"),
         (["analyse", "--model", "hf:not-a-model"], 1, r"unknown Hugging Face model type"),
@@ -244,6 +268,6 @@ def test_hf_models_are_built_small_and_offline() -> None:
     assert model.config.n_embd == 64 and model.config.n_layer == 2
     assert model.config.vocab_size == 256
     assert sum(p.numel() for p in model.parameters()) < 500_000
-    entry = NamedModel("gpt2", model, hf=True)
+    entry = NamedModel("gpt2", model, "causal-lm")
     loss = call_model(entry, model, example_batch(2, 32))
     assert loss.shape == () and 4.0 < loss.item() < 7.0  # about log(256) at random init

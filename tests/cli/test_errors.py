@@ -64,3 +64,74 @@ def test_train_does_not_turn_a_heatmap_bug_into_a_note(
     assert main([*args, "--out", str(tmp_path / "out")]) == 1
     errors = _errors(capsys.readouterr().err)
     assert errors == ["unitscale train: error: ValueError: a bug in the heatmap"]
+
+
+@pytest.mark.parametrize("command", ["analyse", "train"])
+def test_an_out_folder_that_cannot_be_created_fails_before_the_work(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
+    assert main([command, "--out", str(tmp_path / "a-file" / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"unitscale {command}: error: --out '{tmp_path / 'a-file' / 'out'}' cannot be created: "
+        "Not a directory; choose another"
+    ]  # one line, and no progress: nothing was tracked or trained
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_a_creatable_out_folder_is_checked_without_leaving_it_behind(tmp_path: Path) -> None:
+    from unitscale.cli._output import check_out_folder
+
+    assert check_out_folder(str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--text", "short.txt", "--seq-len", "64"],
+            "unitscale analyse: error: the text has 9 tokens (bytes) but --seq-len 64 needs at "
+            "least 65; use a longer text file or a shorter --seq-len",
+        ),
+        (
+            ["--text", "missing.txt"],
+            "unitscale analyse: error: text file 'missing.txt' does not exist; check the path",
+        ),
+    ],
+)
+def test_corpus_errors_use_the_command_terms(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    expected: str,
+) -> None:
+    (tmp_path / "short.txt").write_text("short text")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
+    assert main(["analyse", *args]) == 1
+    assert _errors(capsys.readouterr().err) == [expected]
+
+
+def test_help_texts_have_no_doubled_percent_and_give_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("analyse", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "%%" not in text
+        assert "--batch-size N sequences in the batch (default 8)" in text or command == "train"
+        assert "--seq-len N bytes per sequence (default" in text
+    with pytest.raises(SystemExit):
+        main(["analyse", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    # How a factory's model is called, and what it may return.
+    for phrase in ("input_ids, attention_mask, labels", "already shifted", "(batch, seq, vocab)"):
+        assert phrase in text

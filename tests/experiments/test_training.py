@@ -171,3 +171,36 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     assert "unit-scaled in simulated FP8 vs FP32: held-out" in stdout
     assert stdout == (out1 / "summary.txt").read_text(encoding="utf-8")
     assert "plain-fp32" in stderr and "4/4" in stderr  # progress bars
+
+
+def test_progress_off_a_terminal_is_a_plain_line_per_tenth(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from unitscale.training import TrainConfig, train_run
+
+    config = TrainConfig(steps=20, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1,
+                         eval_every=10, eval_batches=1)  # fmt: skip
+    train_run("plain-fp32", config, progress=True)  # pytest's stderr is not a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        f"plain-fp32: step {step}/20" for step in range(2, 21, 2)
+    ]
+
+
+def test_train_report_shows_results_once_and_no_python_none(tmp_path: Path) -> None:
+    import re
+
+    from unitscale.training import TrainConfig, train_run, write_train_report
+
+    config = TrainConfig(steps=2, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1,
+                         eval_every=1, eval_batches=1)  # fmt: skip
+    results = {"plain-fp32": train_run("plain-fp32", config, progress=False)}
+    text = write_train_report(results, config, tmp_path / "report.html").read_text()
+    visible = re.sub(r"<[^>]+>", " ", text.split("<body>", 1)[1])
+    final_loss = f"{results['plain-fp32'].final_heldout_loss:.4f}"
+    assert visible.count(final_loss) == 1  # one results table, not the table and its text copy
+    assert "None" not in visible
+    assert "warmup_steps 0 (default: 5% of steps)" in " ".join(visible.split())
+    assert "monitor_every off" in " ".join(visible.split())

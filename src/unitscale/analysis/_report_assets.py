@@ -26,6 +26,7 @@ h2 { font-size: 15px; margin: 18px 0 6px 0; }
 main { padding: 10px 20px 40px 20px; }
 #summary { margin: 6px 0 10px 0; color: #333; }
 #chart-wrap { background: #fff; border: 1px solid #ddd; overflow-x: auto; }
+#chart { display: block; width: 100%; height: auto; }  /* fits the window: no sideways scroll */
 svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; }
 .label { fill: #222; }
 .label.weight { fill: #1a7f37; }
@@ -48,7 +49,9 @@ svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; 
 #tooltip table { border-collapse: collapse; }
 #tooltip td { padding: 0 8px 0 0; }
 #tooltip td.num { text-align: right; font-variant-numeric: tabular-nums; }
-table.risk { border-collapse: collapse; background: #fff; }
+table.risk { border-collapse: collapse; background: #fff; display: block; max-width: 100%;
+             overflow-x: auto; }  /* a narrow window scrolls the table, not the page */
+table.risk td:first-child { overflow-wrap: anywhere; }
 table.risk th, table.risk td { border: 1px solid #ddd; padding: 3px 8px; }
 table.risk th { background: #f0f0f0; cursor: pointer; user-select: none; }
 table.risk td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -125,6 +128,11 @@ JS = r"""
           if (b !== null) { vals.push(b); }
         }
       });
+    });
+    // Every guide line stays inside the axis (E4M3's largest value included).
+    Object.keys(DATA.formats).forEach(function (k) {
+      var f = DATA.formats[k];
+      if (f.guide) { vals.push(log2(f.min_subnormal), log2(f.max)); }
     });
     return [Math.floor(Math.min.apply(null, vals)) - 1, Math.ceil(Math.max.apply(null, vals)) + 1];
   }

@@ -6,7 +6,7 @@ matplotlib is imported inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..tracking.monitor import MonitorError
 
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 __all__ = ["scale_heatmap"]
+
+_ROW_IN = 0.16  # row height: a 7 pt label with room to spare
+_MAX_HEIGHT_IN = 60.0
 
 
 def scale_heatmap(
@@ -25,11 +28,15 @@ def scale_heatmap(
     title: str = "",
     prune_same_scale: bool = True,
     ax: Axes | None = None,
+    span: float | None = None,
 ) -> Axes:
     """Heatmap of one metric over training: a row per tensor, a column per recorded step.
 
     Colours are ``log2(value)`` on a diverging scale centred on 0 (unit scale, white): red
-    above, blue below. Zeros and missing values are light grey; NaN and Inf are black.
+    above, blue below, from ``-span`` to ``span``. Zeros and missing values are light grey;
+    NaN and Inf are black. The colour bar marks the smallest subnormal and the largest value
+    of E4M3 and E5M2 (where they fall in the range). Every row is labelled, at a legible
+    size: the figure grows with the rows (up to 60 inches; beyond, every k-th row).
 
     Args:
         table: a long table as :meth:`ScaleMonitor.table
@@ -41,12 +48,16 @@ def scale_heatmap(
         title: the title (default: the metric and direction).
         prune_same_scale: hide tensors that always have their single input's scale (views).
         ax: draw into this Axes (default: a new figure sized to the number of rows).
+        span: half-width of the colour range in log2 units (default: this table's largest
+            ``|log2(value)|``, at least 1). Give maps that are compared the same ``span``, so
+            that equal colours mean equal scales.
 
     Returns:
         The Axes; save with ``ax.figure.savefig("heatmap.png")``.
 
     Raises:
-        MonitorError: for a direction or metric with no rows in ``table``.
+        MonitorError: for a direction or metric with no rows in ``table``, or a ``span``
+            that is not a positive number.
 
     Example:
         >>> import pandas as pd
@@ -61,6 +72,8 @@ def scale_heatmap(
 
     if direction not in ("fwd", "bwd"):
         raise MonitorError(f"scale_heatmap: direction={direction!r} must be 'fwd' or 'bwd'")
+    if span is not None and not (isinstance(span, (int, float)) and 0 < span < math.inf):
+        raise MonitorError(f"scale_heatmap: span={span!r} must be a positive number (log2 units)")
     rows = table[(table["metric"] == metric) & (table["direction"] == direction)]
     if prune_same_scale and "same_scale" in rows:
         # A tensor shown at any step is shown at every step.
@@ -96,20 +109,22 @@ def scale_heatmap(
     from matplotlib.figure import Figure
 
     n_rows, n_steps = values.shape
+    label_pt = 7.0
     if ax is None:
         longest = max((len(s) for s in labels), default=10)
-        left_in = min(0.4 + 0.055 * longest, 4.5)
-        width_in = max(7.0, left_in + 0.9 + min(0.16 * n_steps, 10.0))
-        height_in = min(max(0.15 * n_rows + 1.4, 3.0), 60.0)
+        left_in = min(0.4 + 0.06 * longest, 4.5)
+        width_in = max(7.0, left_in + 1.6 + min(0.16 * n_steps, 10.0))
+        height_in = min(max(_ROW_IN * n_rows + 1.4, 3.0), _MAX_HEIGHT_IN)
         fig = Figure(figsize=(width_in, height_in))
         FigureCanvasAgg(fig)
         fig.subplots_adjust(
-            left=left_in / width_in, right=1 - 1.1 / width_in, top=1 - 0.8 / height_in,
+            left=left_in / width_in, right=1 - 1.6 / width_in, top=1 - 0.8 / height_in,
             bottom=0.6 / height_in,
         )  # fmt: skip
         ax = fig.add_subplot()
     finite = masked.compressed()
-    span = float(max(np.abs(finite).max(), 1.0)) if finite.size else 1.0
+    if span is None:
+        span = float(max(np.abs(finite).max(), 1.0)) if finite.size else 1.0
     cmap = _colormap()
     image = ax.imshow(
         masked,
@@ -123,16 +138,41 @@ def scale_heatmap(
         ax.imshow(overlay, aspect="auto", interpolation="nearest", cmap=ListedColormap(["black"]))
     colorbar = ax.figure.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     colorbar.set_label(f"log2({metric})")
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(labels, fontsize=7 if n_rows <= 60 else 6)
-    tick_every = max(1, math.ceil(n_steps / 20))
+    _mark_formats(colorbar, span)
+    # Label every row when rows are at least as tall as the font, else every k-th.
+    figure = cast("Figure", ax.figure)
+    axes_height_pt = ax.get_position().height * figure.get_figheight() * 72
+    every = max(1, math.ceil((label_pt + 1.0) / (axes_height_pt / max(n_rows, 1))))
+    labelled = list(range(0, n_rows, every))
+    ax.set_yticks(labelled)
+    ax.set_yticklabels([labels[i] for i in labelled], fontsize=label_pt)
+    # Horizontal step labels, spaced so that they do not overlap.
+    axes_width_in = ax.get_position().width * figure.get_figwidth()
+    widest = max(len(str(int(s))) for s in steps)
+    fit = max(1, int(axes_width_in * 72 / ((widest + 2) * 7 * 0.6)))
+    tick_every = max(1, math.ceil(n_steps / min(fit, 20)))
     ticks = list(range(0, n_steps, tick_every))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([str(int(steps[i])) for i in ticks], fontsize=7, rotation=90)
+    ax.set_xticklabels([str(int(steps[i])) for i in ticks], fontsize=7, rotation=0)
     ax.set_xlabel("step")
     kind = "values (forward)" if direction == "fwd" else "gradients (backward)"
     ax.set_title(title or f"{metric} of tensor {kind} over training", fontsize=10)
     return ax
+
+
+def _mark_formats(colorbar: Any, span: float) -> None:
+    """Mark E4M3's and E5M2's smallest subnormal and largest value on the colour bar."""
+    from .plot import FORMAT_GUIDES
+
+    ticks: dict[float, str] = {0.0: "0 (unit)"}
+    for name in ("E4M3", "E5M2"):
+        smallest, _, largest, colour = FORMAT_GUIDES[name]
+        for value, what in ((smallest, "min"), (largest, "max")):
+            level = math.log2(value)
+            if -span <= level <= span:
+                colorbar.ax.axhline(level, color=colour, linewidth=1.2)
+                ticks[level] = f"{level:.3g} {name} {what}"
+    colorbar.set_ticks(sorted(ticks), labels=[ticks[t] for t in sorted(ticks)], fontsize=7)
 
 
 def _colormap() -> Any:

@@ -10,7 +10,7 @@ it emits no warnings.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.fx import Graph
 
@@ -121,7 +121,6 @@ def plot(
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -130,7 +129,7 @@ def plot(
     longest = max((len(s) for s in labels), default=10)
     width_in = 11.0
     left_in = min(0.3 + 0.055 * longest, 4.5)
-    top_in, bottom_in, right_in = 1.1, 0.6, 0.3
+    top_in, bottom_in, right_in = 1.5, 0.6, 0.3
     height_in = min(max(_ROW_HEIGHT_IN * n + top_in + bottom_in, 4.0), _MAX_HEIGHT_IN)
     fig = Figure(figsize=(width_in, height_in))
     FigureCanvasAgg(fig)
@@ -272,6 +271,39 @@ def plot(
     ax.set_axisbelow(True)
     ax.set_xlabel(f"{metric} (log2 scale)", fontsize=9)
 
+    handles = _legend_handles(metric, show_error_bars, bool(zeros), any(r.weight for r in rows))
+    legend = ax.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0 + 0.45 / max(height_in - top_in - bottom_in, 1.0)),
+        ncol=5,
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
+    for text in legend.get_texts():
+        if text.get_text() == _PARAMETER_LABEL:
+            text.set_color("darkgreen")
+    heading = f"{title}: {metric}" if title else metric
+    # Counted as the command's summary counts: one per tensor and direction.
+    records = sum((row.fwd is not None) + (row.bwd is not None) for row in rows)
+    fig.suptitle(
+        f"{heading}  ({records} values and gradients of {len(rows)} tensors)",
+        fontsize=10,
+        y=1 - 0.15 / height_in,
+        va="top",
+    )
+    return ax
+
+
+#: The legend entry whose text is green, like the labels of parameter rows.
+_PARAMETER_LABEL = "green label: parameter"
+
+
+def _legend_handles(metric: str, error_bars: bool, zeros: bool, parameters: bool) -> list[Any]:
+    """The legend: every mark, line style and colour the plot uses, as the HTML report does."""
+    from matplotlib.lines import Line2D
+
     handles = [
         Line2D([], [], marker="o", linestyle="", color=_COLOURS["fwd"], label="forward (value)"),
         Line2D([], [], marker="o", linestyle="", color=_COLOURS["bwd"], label="backward (grad)"),
@@ -285,19 +317,21 @@ def plot(
             label="weight",
         ),
     ]
+    if error_bars:
+        handles.append(Line2D([], [], color="0.4", linewidth=0.8, label="whisker: abs min..max"))
+    if zeros:
+        handles.append(
+            Line2D([], [], marker="x", linestyle="", color="0.3", label=f"{metric} = 0 (left edge)")
+        )
     handles += [
         Line2D([], [], color=c, linewidth=1.2, label=f"{name} [2^{math.log2(s):.0f}, {t:g}]")
         for name, (s, _, t, c) in FORMAT_GUIDES.items()
     ]
-    ax.legend(
-        handles=handles,
-        loc="lower left",
-        bbox_to_anchor=(0.0, 1.0 + 0.45 / max(height_in - top_in - bottom_in, 1.0)),
-        ncol=6,
-        fontsize=7,
-        frameon=False,
-        borderaxespad=0.2,
-    )
-    heading = f"{title}: {metric}" if title else metric
-    fig.suptitle(f"{heading}  ({len(rows)} tensors)", fontsize=10, y=1 - 0.15 / height_in, va="top")
-    return ax
+    handles += [
+        Line2D([], [], color="0.3", linestyle="--", linewidth=0.8, label="smallest subnormal"),
+        Line2D([], [], color="0.3", linestyle=":", linewidth=0.8, label="smallest normal"),
+        Line2D([], [], color="0.3", linestyle="-", linewidth=0.8, label="largest"),
+    ]
+    if parameters:
+        handles.append(Line2D([], [], linestyle="", label=_PARAMETER_LABEL))
+    return handles

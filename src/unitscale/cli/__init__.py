@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -42,8 +43,14 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
-def build_parser() -> Parser:
-    """Build the ``unitscale`` parser with every subcommand in :data:`SUBCOMMANDS`."""
+def build_parser(only: str | None = None) -> Parser:
+    """Build the ``unitscale`` parser with every subcommand in :data:`SUBCOMMANDS`.
+
+    Args:
+        only: build this subcommand's options only (the one being run); the others are
+            listed by their ``HELP`` line, so that their option defaults, which may need
+            torch (``train``'s come from ``TrainConfig``), are not imported. None: all.
+    """
     parser = Parser(
         prog="unitscale",
         description=(
@@ -56,14 +63,44 @@ def build_parser() -> Parser:
         dest="command", metavar="COMMAND", parser_class=Parser, title="commands"
     )
     for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(subparsers)
+        module = importlib.import_module(f"{__name__}.{name}")
+        if only is None or name == only or not hasattr(module, "HELP"):
+            module.add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=module.HELP, add_help=False)
     return parser
+
+
+def _subcommand(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs (aliases resolved by their module), or None."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in SUBCOMMANDS:
+        return first
+    return "analyse" if first == "analyze" else None
+
+
+#: A library message's leading function name (``load_corpus: ``, ``batches(split='train'): ``).
+_WHERE = re.compile(r"^[A-Za-z_][\w.]*(\([^)]*\))?: ")
+#: Library argument names in corpus errors, as the command's options.
+_OPTIONS = {"seq_len=": "--seq-len ", "batch_size=": "--batch-size ", "seq_len": "--seq-len"}
+
+
+def _in_command_terms(message: str) -> str:
+    """A corpus error in the command's terms: no function name, options instead of arguments."""
+    message = _WHERE.sub("", message)
+    for argument, option in _OPTIONS.items():
+        message = message.replace(argument, option)
+    return message
 
 
 def _one_line(error: BaseException) -> str:
     text = str(error).strip()
     first = text.splitlines()[0] if text else type(error).__name__
-    return first if isinstance(error, UnitScaleError) else f"{type(error).__name__}: {first}"
+    if not isinstance(error, UnitScaleError):
+        return f"{type(error).__name__}: {first}"
+    if type(error).__name__ == "CorpusError":  # no import: the data layer loads torch
+        return _in_command_terms(first)
+    return first
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,9 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["analyse", "--seq-len", "0"])  # one line on stderr, no traceback
         2
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the subcommand being run is built in full; with none, no subcommand's options are
+    # (``unitscale --help`` then imports no torch).
+    parser = build_parser(only=_subcommand(argv) or "")
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # name the subcommand whose options they are not
+            prog = f"unitscale {args.command}" if args.command else "unitscale"
+            raise UsageError(
+                f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see '{prog} --help')"
+            )
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2

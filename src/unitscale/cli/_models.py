@@ -2,23 +2,35 @@
 
 ``--model`` takes ``builtin`` (the plain GPT and its unit-scaled twin), ``hf:<model_type>``
 (a ``transformers`` model built from its config at a small size, random weights, no
-download) or ``path/to/file.py:factory`` (a function returning a ``torch.nn.Module``). For
-the last two the unit-scaled twin is ``unitscale.transforms.unit_scale(model)``.
+download) or ``path/to/file.py:factory`` (a function of no arguments returning a
+``torch.nn.Module``). For the last two the unit-scaled twin is
+``unitscale.transforms.unit_scale(model)``.
 
-Calling convention: a model is called with the keyword arguments of
-:class:`unitscale.data.Batch` that its ``forward`` accepts (``input_ids``, ``attention_mask``,
-``labels``; only ``input_ids``, positionally, if it accepts none by name). ``labels`` are the
-next-token targets, except for Hugging Face models, which shift internally and get
-``labels=input_ids``. The loss is the output if it is a scalar, its ``loss`` (attribute or
-key), or the cross-entropy of its logits (``(batch, seq, vocab)``) against the targets.
+Calling convention of a factory's model: it is called with the keyword arguments of
+:class:`unitscale.data.Batch` that its ``forward`` accepts by name (``input_ids``,
+``attention_mask``, ``labels``), or with ``input_ids`` alone, positionally, if it accepts
+none of them by name. ``input_ids`` is ``(batch, seq)`` int64 bytes; ``labels`` are the
+next-token targets, already shifted (``labels[:, t]`` is ``input_ids[:, t + 1]`` of the
+same text window). The loss is the output if it is a scalar, else its ``loss`` (attribute or
+key), else the mean cross-entropy of its logits (``(batch, seq, vocab)``, or the first
+element of a tuple) against ``labels``. That loss is computed *inside* the module that is
+tracked and unit-scaled (:func:`with_loss`): the plain model gets ``F.cross_entropy``, its
+twin the unit-scaled ``U.cross_entropy``, exactly as if the model returned its own loss.
+
+Hugging Face models are run with their own objective (:func:`hf_model`): decoder-only
+types as causal LMs (``labels=input_ids``; the model shifts), encoder-only types as masked
+LMs (15% of positions masked, loss on those only), encoder-decoder types as seq2seq (the
+first half of each window is the encoder input, the second half the target).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,7 +44,18 @@ from ..experiments.data import Batch
 from ..experiments.models import GPTConfig
 from . import CommandError
 
-__all__ = ["NamedModel", "call_model", "hf_model", "load_factory", "resolve_models"]
+__all__ = [
+    "HF_OBJECTIVES",
+    "NamedModel",
+    "call_model",
+    "hf_model",
+    "hf_objective",
+    "load_factory",
+    "objective_batch",
+    "quiet_transformers",
+    "resolve_models",
+    "with_loss",
+]
 
 #: Sizes given to a Hugging Face config, under every name the common configs use.
 HF_SMALL: dict[str, int] = {
@@ -56,9 +79,27 @@ HF_SMALL: dict[str, int] = {
     "d_ff": 256,
     "head_dim": 16,
     "d_kv": 16,
+    # encoder-decoder configs (T5, BART) size each side separately
+    "num_decoder_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 256,
+    "decoder_ffn_dim": 256,
 }
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
 _TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+#: Hugging Face objectives: the ``transformers`` auto class and what the batch becomes.
+HF_OBJECTIVES: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+}
+#: The fraction of positions a masked LM predicts, and the byte that replaces them (NUL,
+#: absent from text; models whose config names a mask token in the vocabulary use it).
+MASK_FRACTION = 0.15
+MASK_TOKEN = 0
 
 
 @dataclass
@@ -67,7 +108,9 @@ class NamedModel:
 
     name: str
     model: nn.Module
-    hf: bool = False  # Hugging Face convention: unshifted labels
+    #: how the batch is given: ``"batch"`` (the Batch's fields the forward accepts) or a
+    #: Hugging Face objective, one of :data:`HF_OBJECTIVES`.
+    objective: str = "batch"
     signature_of: nn.Module | None = None  # whose forward says which arguments to pass
 
     @property
@@ -81,25 +124,46 @@ def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
         return build()
 
 
-def hf_model(model_type: str, seq_len: int, seed: int) -> nn.Module:
-    """A small, randomly initialised ``transformers`` model of ``model_type`` (no download).
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence ``transformers``' log messages and warnings (restored on exit).
 
-    Raises:
-        CommandError: for an unknown model type, or one without a causal or masked LM head.
+    The command's progress lines are what the user reads; messages such as ``loss_type=None
+    was set in the config but it is unrecognized`` are about transformers' internals and
+    would be interleaved with them. Errors still propagate as exceptions.
     """
     try:
-        import transformers
-    except ModuleNotFoundError as exc:
-        raise CommandError(
-            "--model hf:... needs the transformers package: pip install 'unitscale[hf]'"
-        ) from exc
+        from transformers.utils import logging as hf_logging
+    except ModuleNotFoundError:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        config = transformers.AutoConfig.for_model(model_type)
-    except (ValueError, KeyError) as exc:
-        raise CommandError(
-            f"--model hf:{model_type}: unknown Hugging Face model type {model_type!r}; use a "
-            "model_type such as gpt2, llama or bert"
-        ) from exc
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def hf_objective(config: Any) -> str:
+    """The objective a ``transformers`` config is trained with: a key of :data:`HF_OBJECTIVES`.
+
+    Encoder-decoder configs (T5, BART, ...) are ``"seq2seq"``; types with a masked-LM head
+    (BERT, RoBERTa, ...; encoders, though many also register a causal head) ``"masked-lm"``;
+    every other type (GPT-2, Llama, ...) ``"causal-lm"``.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    if getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked-lm"
+    return "causal-lm"
+
+
+def _small_config(config: Any, seq_len: int) -> None:
     for key, value in HF_SMALL.items():
         if hasattr(config, key) and isinstance(getattr(config, key), int):
             setattr(config, key, value)
@@ -112,18 +176,50 @@ def hf_model(model_type: str, seq_len: int, seed: int) -> nn.Module:
             setattr(config, key, i)
     if hasattr(config, "use_cache"):
         config.use_cache = False
-    last: Exception | None = None
-    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM"):
-        try:
-            model = _seeded(seed, partial(getattr(transformers, auto).from_config, config))
-        except ValueError as exc:  # this head does not exist for the model type
-            last = exc
-            continue
-        return model
-    raise CommandError(
-        f"--model hf:{model_type}: no causal or masked language-model head for this model "
-        f"type ({str(last).splitlines()[0] if last else 'unknown'})"
-    )
+    if getattr(config, "is_encoder_decoder", False):
+        # Labels are shifted right into the decoder input from this token (T5: the pad).
+        start = getattr(config, "decoder_start_token_id", None)
+        if not isinstance(start, int):
+            pad = getattr(config, "pad_token_id", None)
+            config.decoder_start_token_id = pad if isinstance(pad, int) else 0
+    if hf_objective(config) == "masked-lm" and hasattr(config, "is_decoder"):
+        config.is_decoder = False  # an encoder: bidirectional attention, no decoder warnings
+
+
+def hf_model(model_type: str, seq_len: int, seed: int) -> nn.Module:
+    """A small, randomly initialised ``transformers`` model of ``model_type`` (no download).
+
+    The head is that of the family's objective (:func:`hf_objective`): a causal LM, a masked
+    LM or a seq2seq LM.
+
+    Raises:
+        CommandError: for an unknown model type, or one without a head for its objective.
+    """
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        raise CommandError(
+            "--model hf:... needs the transformers package: pip install 'unitscale[hf]'"
+        ) from exc
+    try:
+        config = transformers.AutoConfig.for_model(model_type)
+    except (ValueError, KeyError) as exc:
+        raise CommandError(
+            f"--model hf:{model_type}: unknown Hugging Face model type {model_type!r}; use a "
+            "model_type such as gpt2, llama, bert or t5"
+        ) from exc
+    _small_config(config, seq_len)
+    objective = hf_objective(config)
+    auto = getattr(transformers, HF_OBJECTIVES[objective])
+    try:
+        return _seeded(seed, partial(auto.from_config, config))
+    except ValueError as exc:  # no head of this kind for the model type
+        raise CommandError(
+            f"--model hf:{model_type}: {model_type} is a {objective} model type but has no "
+            f"{objective} head in transformers; supported: decoder-only (causal LM, e.g. gpt2, "
+            "llama), encoder-only (masked LM, e.g. bert, roberta), encoder-decoder (seq2seq, "
+            "e.g. t5, bart)"
+        ) from exc
 
 
 def load_factory(spec: str) -> tuple[str, Callable[[], Any]]:
@@ -159,7 +255,88 @@ def load_factory(spec: str) -> tuple[str, Callable[[], Any]]:
     return f"{path.stem}.{name}", factory
 
 
-def _call_factory(spec: str, factory: Callable[[], Any], seed: int) -> nn.Module:
+def _batch_arguments(forward: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The Batch fields ``forward`` takes by name; None: ``input_ids`` alone, positionally."""
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
+        return None
+    fields = ("input_ids", "attention_mask", "labels")
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return fields
+    named = tuple(f for f in fields if f in parameters)
+    return named or None
+
+
+def _loss_of(output: Any, labels: Tensor | None, name: str) -> Tensor:
+    """The scalar loss in ``output``; the cross-entropy of its logits when ``labels`` is given."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if loss is None:
+        logits = getattr(output, "logits", output)
+        if isinstance(logits, Tensor) and logits.dim() == 0:
+            loss = logits
+        elif (
+            labels is not None
+            and isinstance(logits, Tensor)
+            and logits.dim() == 3
+            and logits.shape[:2] == labels.shape
+        ):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        else:
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            expected = "a scalar loss or an output with a 'loss'"
+            if labels is not None:
+                expected += f", or logits of shape ({labels.shape[0]}, {labels.shape[1]}, vocab)"
+            raise CommandError(f"model {name!r} returned {shape}: expected {expected}")
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise CommandError(f"model {name!r}: its loss is not a scalar tensor")
+    return loss
+
+
+def with_loss(model: nn.Module, name: str) -> nn.Module:
+    """Make a factory's ``model`` return its loss, computed inside its own ``forward``.
+
+    The model's class is replaced by a subclass (same name, parameters and ``state_dict``
+    keys) whose ``forward(input_ids, attention_mask=None, labels=None)`` calls the original
+    with the arguments it accepts (the module docstring's convention) and returns the loss:
+    the output if it is one, else the cross-entropy of its logits against ``labels``.
+    Because the loss is part of the module, :func:`~unitscale.transforms.unit_scale` turns its
+    ``F.cross_entropy`` into the unit-scaled ``U.cross_entropy``, as it does for a model that
+    computes its own loss; a loss computed outside would leave every gradient of the twin a
+    factor ``~sqrt(vocab) * batch * seq`` too small. Only the command's own model (built by
+    the factory for this run) is changed.
+    """
+    original = type(model)
+    accepted = _batch_arguments(model.forward)
+
+    def forward(
+        self: nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        values = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if accepted is None:
+            output = original.forward(self, input_ids)
+        else:
+            output = original.forward(self, **{k: values[k] for k in accepted})
+        return _loss_of(output, labels, name)
+
+    namespace = {
+        "forward": forward,
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+    }
+    model.__class__ = type(original.__name__, (original,), namespace)
+    return model
+
+
+def _call_factory(spec: str, label: str, factory: Callable[[], Any], seed: int) -> nn.Module:
     try:
         model = _seeded(seed, factory)
     except Exception as exc:
@@ -171,7 +348,7 @@ def _call_factory(spec: str, factory: Callable[[], Any], seed: int) -> nn.Module
         raise CommandError(
             f"--model {spec!r}: the factory returned {type(model).__name__}, not a torch.nn.Module"
         )
-    return model
+    return with_loss(model, label)
 
 
 def _twin(base: NamedModel, seed: int) -> NamedModel:
@@ -184,7 +361,7 @@ def _twin(base: NamedModel, seed: int) -> NamedModel:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CommandError(f"unit_scale({base.name}) failed: {message}") from exc
     # The twin's forward takes (*args, **kwargs): pass what the original accepts.
-    return NamedModel(f"unit_scale({base.name})", twin, base.hf, base.model)
+    return NamedModel(f"unit_scale({base.name})", twin, base.objective, base.model)
 
 
 def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
@@ -211,56 +388,66 @@ def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
         model_type = spec[3:]
         if not model_type:
             raise CommandError("--model hf:<model_type>: give a model type, e.g. hf:gpt2")
-        base = NamedModel(model_type, hf_model(model_type, seq_len, seed), hf=True)
+        model = hf_model(model_type, seq_len, seed)
+        base = NamedModel(model_type, model, hf_objective(model.config))
     else:
         label, factory = load_factory(spec)
-        base = NamedModel(label, _call_factory(spec, factory, seed))
+        base = NamedModel(label, _call_factory(spec, label, factory, seed))
     return [base, _twin(base, seed)]
 
 
-def _forward_arguments(model: nn.Module, batch: Batch, hf: bool) -> tuple[tuple, dict]:
-    values: dict[str, Tensor] = dict(batch)
-    if hf:
-        values["labels"] = batch.input_ids
-    target = model.forward
-    try:
-        parameters = inspect.signature(target).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
-        return (batch.input_ids,), {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return (), values
-    kwargs = {k: v for k, v in values.items() if k in parameters}
-    if not kwargs:
-        return (batch.input_ids,), {}
-    return (), kwargs
+def objective_batch(objective: str, batch: Batch, config: Any = None) -> dict[str, Tensor]:
+    """The keyword arguments a Hugging Face ``objective`` gets from ``batch``.
+
+    ``causal-lm``: the batch with ``labels=input_ids`` (the model shifts). ``masked-lm``:
+    :data:`MASK_FRACTION` of the positions (a fixed draw) replaced by the mask token, the
+    labels those positions' bytes and -100 elsewhere. ``seq2seq``: the window's first half
+    as the encoder input, its second half as the labels (the model builds the decoder input
+    by shifting them right).
+
+    Raises:
+        CommandError: when the batch is too short for the objective.
+    """
+    ids, mask = batch.input_ids, batch.attention_mask
+    if objective == "causal-lm":
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    if objective == "masked-lm":
+        generator = torch.Generator().manual_seed(0)
+        masked = torch.rand(ids.shape, generator=generator) < MASK_FRACTION
+        masked[:, 0] |= ~masked.any(dim=1)  # at least one prediction per sequence
+        token = getattr(config, "mask_token_id", None)
+        if not isinstance(token, int) or not 0 <= token < HF_SMALL["vocab_size"]:
+            token = MASK_TOKEN
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        return {"input_ids": ids.masked_fill(masked, token), "attention_mask": mask,
+                "labels": labels}  # fmt: skip
+    if objective == "seq2seq":
+        half = ids.shape[1] // 2
+        if half < 1:
+            raise CommandError("--seq-len must be at least 2 for an encoder-decoder model")
+        return {
+            "input_ids": ids[:, :half].contiguous(),
+            "attention_mask": mask[:, :half].contiguous(),
+            "labels": ids[:, half:].contiguous(),
+        }
+    raise CommandError(f"unknown objective {objective!r}; expected one of {list(HF_OBJECTIVES)}")
 
 
 def call_model(entry: NamedModel, model: nn.Module, batch: Batch) -> Tensor:
     """Call ``model`` (``entry.model`` or a tracked copy) on ``batch`` and return a scalar loss.
 
     Raises:
-        CommandError: when the output is neither a loss nor ``(batch, seq, vocab)`` logits.
+        CommandError: when the output is not a loss (a factory's model: nor logits of
+            shape ``(batch, seq, vocab)``).
     """
-    args, kwargs = _forward_arguments(entry.forward_owner, batch, entry.hf)
-    output = model(*args, **kwargs)
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if loss is None:
-        logits = getattr(output, "logits", output)
-        if isinstance(logits, Tensor) and logits.dim() == 0:
-            loss = logits
-        elif isinstance(logits, Tensor) and logits.shape[:2] == batch.labels.shape:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten())
-        else:
-            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise CommandError(
-                f"model {entry.name!r} returned {shape}: expected a scalar loss, an output with "
-                f"a 'loss', or logits of shape ({batch.labels.shape[0]}, "
-                f"{batch.labels.shape[1]}, vocab)"
-            )
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise CommandError(f"model {entry.name!r}: its loss is not a scalar tensor")
-    return loss
+    owner = entry.forward_owner
+    if entry.objective == "batch":
+        values: dict[str, Tensor] = dict(batch)
+    else:
+        values = objective_batch(entry.objective, batch, getattr(owner, "config", None))
+    accepted = _batch_arguments(owner.forward)
+    if accepted is None:
+        output = model(values["input_ids"])
+    else:
+        output = model(**{k: v for k, v in values.items() if k in accepted})
+    return _loss_of(output, None, entry.name)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["Progress", "slug"]
+__all__ = ["Progress", "check_out_folder", "slug"]
 
 
 class Progress:
@@ -22,3 +24,38 @@ class Progress:
 def slug(name: str, default: str) -> str:
     """``name`` as a file-name part (``"gpt2 (HF)"`` -> ``"gpt2_HF"``), ``default`` if empty."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or default
+
+
+def check_out_folder(text: str, option: str = "--out") -> Path:
+    """The output folder ``text``, checked before any work starts.
+
+    A folder that does not exist yet is created and removed again (with any parents this
+    created), so that a path the command cannot create fails now, not after the work.
+
+    Raises:
+        CommandError: when the folder exists as a file, is not writable, or cannot be created.
+
+    Example:
+        >>> check_out_folder("report").name
+        'report'
+    """
+    from . import CommandError
+
+    out = Path(text)
+    if out.exists():
+        if not out.is_dir():
+            raise CommandError(f"{option} {text!r} exists and is not a folder; choose another")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise CommandError(f"{option} {text!r}: the folder is not writable; choose another")
+        return out
+    missing = [out, *(p for p in out.absolute().parents if not p.exists())]
+    try:
+        out.mkdir(parents=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CommandError(
+            f"{option} {text!r} cannot be created: {reason}; choose another"
+        ) from exc
+    for folder in missing:  # deepest first: remove only what this check created
+        folder.rmdir()
+    return out

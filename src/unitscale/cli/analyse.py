@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import positive_int
-from ._output import Progress, slug
+from ._output import Progress, check_out_folder, slug
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-report"
+#: The one-line summary ``unitscale --help`` lists.
+HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -28,7 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "analyse",
         aliases=["analyze"],
-        help="track the scales of a model and its unit-scaled twin; write plots, a report, a CSV",
+        help=HELP,
         description=(
             "Run one forward and backward step of a model on a batch of text, record the scale "
             "of every tensor and gradient, do the same for its unit-scaled twin, and write a "
@@ -40,11 +42,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--model",
         default="builtin",
         metavar="SPEC",
-        help="builtin (default) | hf:<model_type> (small random transformers model, no "
-        "download) | path/to/file.py:factory (a function returning a torch.nn.Module)",
+        help="builtin (default) | hf:<model_type>: a small randomly initialised transformers "
+        "model (no download) trained with its family's objective: decoder-only (gpt2, "
+        "llama, ...) as a causal LM, encoder-only (bert, roberta, ...) as a masked LM (15%% "
+        "of bytes masked), encoder-decoder (t5, bart, ...) as seq2seq (first half of each "
+        "sequence in, second half out) | path/to/file.py:factory: a function of no arguments "
+        "returning a torch.nn.Module, called with the arguments its forward names among "
+        "input_ids, attention_mask, labels (else input_ids alone): (batch, seq) int64 "
+        "bytes, labels the next bytes (already shifted); it returns a scalar loss, an "
+        "output with .loss, or (batch, seq, vocab) logits, whose cross-entropy is then "
+        "computed inside the model (unit-scaled in the twin)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument("--seq-len", type=positive_int, default=128, metavar="N")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="sequences in the batch (default 8)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="bytes per sequence (default 128)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
     parser.add_argument(
         "--forward-only", action="store_true", help="track the forward pass only (no gradients)"
@@ -71,40 +93,19 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"unitscale analyse needs {exc.name}: pip install 'unitscale[analysis]'"
         ) from exc
-    import torch
-
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
     from ..experiments.data import example_batch
-    from ..transforms import prune_same_scale_tensors, track_scales
-    from ._models import call_model, resolve_models
+    from ..transforms import prune_same_scale_tensors
+    from ._models import quiet_transformers
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        from . import CommandError
-
-        raise CommandError(f"--out {args.out!r} exists and is not a folder")
+    out = check_out_folder(args.out)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
     progress(f"building {args.model} model(s)")
-    models = resolve_models(args.model, args.seq_len, args.seed)
-
-    graphs = {}
-    tables = []
-    step = "forward" if args.forward_only else "forward and backward"
-    for entry in models:
-        progress(f"{entry.name}: tracking a {step} step")
-        tracked = track_scales(entry.model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
-            loss = call_model(entry, tracked, batch)
-            if not args.forward_only:
-                loss.backward()
-        graph = tracked.scales_graph()
-        graphs[entry.name] = graph
-        table = graph_to_dataframe(graph)
-        table.insert(0, "model", entry.name)
-        tables.append((entry, float(loss.detach()), table, graph))
+    with quiet_transformers():
+        tables = _track_models(args, batch, progress)
+    graphs = {entry.name: graph for entry, _, _, graph in tables}
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -113,19 +114,22 @@ def run(args: argparse.Namespace) -> int:
         csv_path, index=False, lineterminator="\n"
     )
     written.append(csv_path)
+    figures = []
     for entry, _, _, graph in tables:
         progress(f"{entry.name}: plotting")
         figure = cast("Figure", plot(graph, title=entry.name).figure)
         png = out / f"scales_{slug(entry.name, 'model')}.png"
         figure.savefig(png, dpi=100, metadata={"Software": None})
         written.append(png)
+        figures.append(figure)
+    written.append(_side_by_side(figures, out / "scales_side_by_side.png"))
     progress("writing the HTML report")
     title = f"unitscale analyse: {args.model}"
     written.append(write_report(graphs, out / "report.html", title=title))
 
     lines = [
         f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
-        f"seed {args.seed}, {step}",
+        f"seed {args.seed}, {'forward' if args.forward_only else 'forward and backward'}",
         "",
         f"{'model':<28}{'loss':>8}{'tensors':>9}{'E4M3 under':>12}{'E4M3 over':>11}"
         f"{'E5M2 under':>12}{'E5M2 over':>11}",
@@ -152,9 +156,62 @@ def run(args: argparse.Namespace) -> int:
             if worst:
                 lines.append(f"worst in {key.upper()}, {name}:")
                 lines += [f"  {w}" for w in worst]
+    written.append(out / "summary.txt")
     lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
     text = "\n".join(lines) + "\n"
-    (out / "summary.txt").write_text(text, encoding="utf-8")
+    written[-1].write_text(text, encoding="utf-8")
     sys.stdout.write(text)
     progress("done")
     return 0
+
+
+def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> list[Any]:
+    """Build the models and track one step of each: ``(entry, loss, table, graph)`` each."""
+    import torch
+
+    from ..analysis import graph_to_dataframe
+    from ..transforms import track_scales
+    from ._models import call_model, resolve_models
+
+    models = resolve_models(args.model, args.seq_len, args.seed)
+    tables = []
+    step = "forward" if args.forward_only else "forward and backward"
+    for entry in models:
+        progress(f"{entry.name}: tracking a {step} step")
+        tracked = track_scales(entry.model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
+            loss = call_model(entry, tracked, batch)
+            if not args.forward_only:
+                loss.backward()
+        graph = tracked.scales_graph()
+        table = graph_to_dataframe(graph)
+        table.insert(0, "model", entry.name)
+        tables.append((entry, float(loss.detach()), table, graph))
+    return tables
+
+
+def _side_by_side(figures: list[Figure], path: Path, dpi: int = 100) -> Path:
+    """Write the models' plots next to each other, at the same scale, as one PNG.
+
+    Each figure is rendered as it is saved on its own (same pixels, no resampling) and the
+    images are placed left to right on white, top-aligned.
+    """
+    import numpy as np
+    from matplotlib.image import imsave
+
+    images = []
+    for figure in figures:
+        figure.set_dpi(dpi)
+        figure.canvas.draw()
+        images.append(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # type: ignore[attr-defined]
+    height = max(image.shape[0] for image in images)
+    gap = np.full((height, 20, 3), 255, dtype=np.uint8)
+    columns = []
+    for i, image in enumerate(images):
+        padded = np.full((height, image.shape[1], 3), 255, dtype=np.uint8)
+        padded[: image.shape[0]] = image
+        columns += [gap, padded] if i else [padded]
+    no_software: Any = {"Software": None}  # as savefig: no version stamp in the file
+    imsave(path, np.concatenate(columns, axis=1), metadata=no_software)
+    return path

@@ -17,11 +17,16 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import non_negative_int, positive_float, positive_int
-from ._output import Progress, slug
+from ._output import Progress, check_out_folder, slug
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
 
 DEFAULT_OUT = "unitscale-train"
+#: The one-line summary ``unitscale --help`` lists (no import of torch needed to show it).
+HELP = (
+    "train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
+    "write loss curves, a CSV and a report"
+)
 
 
 def _run_list(text: str) -> tuple[str, ...]:
@@ -45,15 +50,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = TrainConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "train",
-        help="train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
-        "write loss curves, a CSV and a report",
+        help=HELP,
         description=(
             "Train the built-in GPT on the bundled text four ways, with the same initial "
             "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
             "(E4M3 operands, E5M2 output gradients, no loss scaling), unit-scaled in FP32, "
             "unit-scaled with simulated FP8. Print the final training and held-out losses; "
             "write the loss curves (PNG), a CSV of losses per step and a self-contained HTML "
-            "report. Adam, linear warm-up, cosine decay to 10%%; each model family has its own "
+            "report. Adam, linear warm-up, cosine decay to 10%; each model family has its own "
             "learning rate (chosen by a sweep of the FP32 runs; see the README). With no "
             "options it finishes in a few minutes on a 2-core CPU."
         ),
@@ -219,16 +223,15 @@ def run(args: argparse.Namespace) -> int:
     from ..tracking import MonitorError
     from ._launch import init_from_environment, is_rank_zero, launch
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        from . import CommandError
-
-        raise CommandError(f"--out {args.out!r} exists and is not a folder")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        check_out_folder(args.out)
         launch(run, args.nproc, argparse.Namespace(**vars(args)))
         return 0
     if init_from_environment() and not is_rank_zero():
         args.no_progress = True  # rank 0 alone shows progress and writes the outputs
+        out = Path(args.out)  # checked by rank 0 (ranks checking at once would race)
+    else:
+        out = check_out_folder(args.out)
     config = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -267,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
     heatmaps: list[tuple[str, Figure]] = []
     tensorboard = tensorboard_available()
+    spans = _shared_spans(results)  # one colour range per direction across the runs
     for name, result in results.items():
         monitor = result.monitor
         if monitor is None or not monitor.recorded_steps:
@@ -274,7 +278,9 @@ def run(args: argparse.Namespace) -> int:
         written.append(monitor.to_csv(out / f"scales_{slug(name, 'run')}.csv"))
         for direction, what in (("fwd", "values"), ("bwd", "gradients")):
             try:
-                ax = monitor.heatmap("rms", direction, title=f"{name}: rms of tensor {what}")
+                ax = monitor.heatmap(
+                    "rms", direction, title=f"{name}: rms of tensor {what}", span=spans[direction]
+                )
             except MonitorError as exc:  # no records in that direction: skip the picture
                 progress(f"{name}: no {direction} heatmap ({exc})")
                 continue
@@ -300,3 +306,27 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(text)
     progress("done")
     return 0
+
+
+def _shared_spans(results: dict[str, Any]) -> dict[str, float | None]:
+    """The largest ``|log2(rms)|`` per direction over every monitored run (None: no records).
+
+    Each run's heatmap uses it, so that the same colour is the same scale in every run's map
+    (a per-run range made a healthy map look as alarming as a failing one).
+    """
+    import numpy as np
+
+    spans: dict[str, float | None] = {"fwd": None, "bwd": None}
+    for result in results.values():
+        monitor = result.monitor
+        if monitor is None or not monitor.recorded_steps:
+            continue
+        table = monitor.table()
+        for direction in spans:
+            rows = table[(table["metric"] == "rms") & (table["direction"] == direction)]
+            values = rows["value"].to_numpy(dtype=float)
+            values = values[np.isfinite(values) & (values > 0)]
+            if values.size:
+                top = max(float(np.abs(np.log2(values)).max()), 1.0)
+                spans[direction] = max(spans[direction] or 0.0, top)
+    return spans

@@ -15,7 +15,13 @@ from typing import Any
 from ._args import positive_int
 from ._output import Progress
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run"]
+
+#: The one-line help that ``unitscale --help`` lists (without building this parser).
+HELP = (
+    "sweep the learning rate across widths (or depths) for the standard parametrisation and "
+    "u-muP; show whether the best learning rate transfers"
+)
 
 DEFAULT_OUT = "unitscale-transfer"
 
@@ -45,8 +51,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "transfer",
-        help="sweep the learning rate across widths (or depths) for the standard "
-        "parametrisation and u-muP; show whether the best learning rate transfers",
+        help=HELP,
         description=(
             "Train the same decoder at several widths (or depths), at every learning rate of "
             "a 2x grid, in two parametrisations: standard (plain PyTorch, GPT-2 init, "

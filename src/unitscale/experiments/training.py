@@ -384,8 +384,6 @@ def train_run(
         >>> len(r.train_losses), abs(r.train_losses[0] - math.log(256)) < 0.1
         (2, True)
     """
-    from tqdm.auto import tqdm
-
     rank, world = _data_parallel()
     if config.batch_size % world:
         raise TrainConfigError(
@@ -419,14 +417,7 @@ def train_run(
         optimiser = torch.optim.Adam(
             model.parameters(), lr=config.lr_at(run, 0), betas=(0.9, 0.95), weight_decay=0.0
         )
-        bar = tqdm(
-            total=config.steps,
-            desc=f"{run:<16}",
-            file=sys.stderr,
-            disable=not progress,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        bar = _StepProgress(run, config.steps, enabled=progress)
         try:
             for step in range(config.steps):
                 if step % config.eval_every == 0 and step > 0:
@@ -444,8 +435,7 @@ def train_run(
                     break
                 optimiser.step()
                 optimiser.zero_grad(set_to_none=True)
-                bar.update(1)
-                bar.set_postfix_str(f"loss {value:.3f}", refresh=False)
+                bar.update(value)
         finally:
             bar.close()
         if monitor is not None:
@@ -457,6 +447,45 @@ def train_run(
             result.final_train_loss = _evaluate(model, train_eval_data)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class _StepProgress:
+    """Training progress on stderr: a tqdm bar on a terminal, else a plain line per 10%.
+
+    A bar redraws itself with ``\\r``, which floods a log file or CI output with one
+    fragment per update; when stderr is not a terminal, one line is written at every tenth of
+    the steps (and at the last) instead.
+    """
+
+    def __init__(self, run: str, steps: int, enabled: bool) -> None:
+        self.run, self.steps, self.done = run, steps, 0
+        self.bar: Any = None
+        self.plain = enabled and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        if enabled and not self.plain:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=steps, desc=f"{run:<16}", file=sys.stderr, dynamic_ncols=True, leave=True
+            )
+        self.every = max(1, math.ceil(steps / 10))
+        self.start = time.perf_counter()
+
+    def update(self, loss: float) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+        elif self.plain and (self.done % self.every == 0 or self.done == self.steps):
+            seconds = time.perf_counter() - self.start
+            print(
+                f"{self.run}: step {self.done}/{self.steps}, loss {loss:.3f}, {seconds:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def train_runs(config: TrainConfig, progress: bool = True) -> dict[str, RunResult]:
@@ -584,6 +613,21 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _settings_rows(config: TrainConfig) -> list[tuple[str, str]]:
+    """The settings as the report shows them: resolved defaults in words, never ``None``."""
+    settings = asdict(config)
+    settings["runs"] = ", ".join(config.runs)
+    if config.warmup_steps is None:
+        settings["warmup_steps"] = f"{config.warmup} (default: 5% of steps)"
+    if config.monitor_every is None:
+        settings["monitor_every"] = "off"
+    rows = []
+    for f in fields(config):
+        value = settings[f.name]
+        rows.append((f.name, "default" if value is None else str(value)))
+    return rows
+
+
 def _pct(value: float) -> str:
     return f"{value:+.2%}" if math.isfinite(value) else "n/a"
 
@@ -674,7 +718,9 @@ def write_train_report(
         "<title>unitscale train</title>",
         "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
         "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        # Narrow windows (800 px): headers wrap, a table too wide scrolls inside itself.
+        "th{white-space:normal}table{display:block;max-width:100%;overflow-x:auto}"
         "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
         "figure{margin:1.5em 0}figcaption{color:#555;font-size:0.9em}"
         "pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
@@ -686,14 +732,12 @@ def write_train_report(
     for row in summary_rows(results):
         parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     parts.append("</table>")
-    parts.append(f"<pre>{html.escape(summary_text(results, config))}</pre>")
-    settings = asdict(config)
-    settings["runs"] = ", ".join(config.runs)
+    # The notes under the printed table (the table itself is already above, as HTML).
+    notes = summary_text(results, config).split("\n\n", 2)[-1].strip().splitlines()
+    parts += [f"<p>{html.escape(line)}</p>" for line in notes if line.strip()]
     parts.append("<h2>Settings</h2><table>")
-    for f in fields(config):
-        parts.append(
-            f"<tr><td>{html.escape(f.name)}</td><td>{html.escape(str(settings[f.name]))}</td></tr>"
-        )
+    for name, value in _settings_rows(config):
+        parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(value)}</td></tr>")
     parts.append("</table>")
     parts.append(
         "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "

@@ -634,10 +634,12 @@ class ScaleMonitor:
         title: str = "",
         prune_same_scale: bool = True,
         ax: Axes | None = None,
+        span: float | None = None,
     ) -> Axes:
         """Plot ``metric`` of every tensor (rows) at every recorded step (columns).
 
-        See :func:`unitscale.analysis.scale_heatmap`.
+        See :func:`unitscale.analysis.scale_heatmap` (``span``: the same colour range for
+        maps that are compared).
         """
         if metric not in self.metrics:
             raise MonitorError(
@@ -653,6 +655,7 @@ class ScaleMonitor:
             title=title,
             prune_same_scale=prune_same_scale,
             ax=ax,
+            span=span,
         )
 
     def write_tensorboard(
