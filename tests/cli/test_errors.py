@@ -135,3 +135,20 @@ def test_help_texts_have_no_doubled_percent_and_give_defaults(
     # How a factory's model is called, and what it may return.
     for phrase in ("input_ids, attention_mask, labels", "already shifted", "(batch, seq, vocab)"):
         assert phrase in text
+
+
+@pytest.mark.parametrize("command", ["analyse", "train", "transfer"])
+def test_missing_plotting_extra_is_named_before_any_work(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` now fails
+    out = tmp_path / "out"
+    assert main([command, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"unitscale {command} needs pandas: pip install 'unitscale[analysis]'" in err
+    assert not out.exists()

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "check_out_folder", "slug"]
+__all__ = ["Progress", "check_out_folder", "require_analysis_extra", "slug"]
 
 
 class Progress:
@@ -24,6 +24,24 @@ class Progress:
 def slug(name: str, default: str) -> str:
     """``name`` as a file-name part (``"gpt2 (HF)"`` -> ``"gpt2_HF"``), ``default`` if empty."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or default
+
+
+def require_analysis_extra(command: str) -> None:
+    """Check that the plotting and table libraries a subcommand writes its outputs with are
+    installed, before any work starts.
+
+    Raises:
+        CommandError: matplotlib or pandas is missing; the message names the extra to install.
+    """
+    try:
+        import matplotlib  # noqa: F401
+        import pandas  # noqa: F401
+    except ModuleNotFoundError as exc:
+        from . import CommandError
+
+        raise CommandError(
+            f"unitscale {command} needs {exc.name}: pip install 'unitscale[analysis]'"
+        ) from exc
 
 
 def check_out_folder(text: str, option: str = "--out") -> Path:

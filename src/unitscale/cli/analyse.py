@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import positive_int
-from ._output import Progress, check_out_folder, slug
+from ._output import Progress, check_out_folder, require_analysis_extra, slug
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -84,15 +84,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale analyse`` with parsed options; return the exit status."""
     progress = Progress()
-    try:
-        import matplotlib  # noqa: F401
-        import pandas as pd
-    except ModuleNotFoundError as exc:
-        from . import CommandError
+    require_analysis_extra("analyse")
+    import pandas as pd
 
-        raise CommandError(
-            f"unitscale analyse needs {exc.name}: pip install 'unitscale[analysis]'"
-        ) from exc
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
     from ..experiments.data import example_batch
     from ..transforms import prune_same_scale_tensors

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import non_negative_int, positive_float, positive_int
-from ._output import Progress, check_out_folder, slug
+from ._output import Progress, check_out_folder, require_analysis_extra, slug
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -202,15 +202,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
     progress = Progress()
-    try:
-        import matplotlib  # noqa: F401
-        import pandas  # noqa: F401
-    except ModuleNotFoundError as exc:
-        from . import CommandError
-
-        raise CommandError(
-            f"unitscale train needs {exc.name}: pip install 'unitscale[analysis]'"
-        ) from exc
+    require_analysis_extra("train")
     from ..analysis.tensorboard import tensorboard_available
     from ..experiments.training import (
         TrainConfig,

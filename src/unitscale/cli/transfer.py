@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from ._args import positive_int
-from ._output import Progress
+from ._output import Progress, check_out_folder, require_analysis_extra
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -118,29 +117,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _check_out(out: Path) -> None:
-    from . import CommandError
-
-    if out.exists() and not out.is_dir():
-        raise CommandError(f"--out {str(out)!r} exists and is not a folder; choose another")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CommandError(f"--out {str(out)!r} cannot be created: {exc.strerror}") from exc
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale transfer`` with parsed options; return the exit status."""
     progress = Progress()
-    try:
-        import matplotlib  # noqa: F401
-        import pandas  # noqa: F401
-    except ModuleNotFoundError as exc:
-        from . import CommandError
-
-        raise CommandError(
-            f"unitscale transfer needs {exc.name}: pip install 'unitscale[analysis]'"
-        ) from exc
+    require_analysis_extra("transfer")
     from ..experiments.transfer import (
         default_config,
         final_frame,
@@ -163,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         fp8=False if args.no_fp8 else None,
     )
-    out = Path(args.out)
-    _check_out(out)
+    out = check_out_folder(args.out)
     runs = len(config.sizes) * len(config.lr_steps) * 2 + (len(config.sizes) if config.fp8 else 0)
     progress(
         f"{runs} runs of {config.steps} steps across {config.vary} "
@@ -172,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "on the bundled CPython documentation text"
     )
     result = run_transfer(config, progress=None if args.no_progress else progress)
+    out.mkdir(parents=True, exist_ok=True)
 
     written = [write_transfer_csv(result, out / "transfer.csv")]
     written.append(write_transfer_json(result, out / "transfer.json"))
