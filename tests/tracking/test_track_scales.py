@@ -495,3 +495,51 @@ def test_a_tensor_seen_twice_has_the_same_exact_statistics() -> None:
         metrics = nodes[name].meta["metrics"]
         assert metrics.fwd.mean_abs == pytest.approx(h.abs().mean().item(), rel=1e-6)
         assert metrics.bwd.mean_abs == pytest.approx(h.grad.abs().mean().item(), rel=1e-6)
+
+
+class BreakingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.up(x))
+        torch._dynamo.graph_break()  # this layer's frame is compiled once, run for both
+        return x + self.down(h)
+
+
+class TwoBreakingLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = BreakingLayer()
+        self.second = BreakingLayer()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x))
+
+
+def test_a_piece_reused_for_another_layer_is_named_after_that_layer() -> None:
+    model = TwoBreakingLayers()
+    tracked = track_scales(model)
+    x = torch.randn(4, 8)
+    out = tracked(x)
+    assert torch.equal(out, model(x))
+    out.square().mean().backward()
+    graph = tracked.scales_graph()
+    params = {
+        n.meta["clean_name"]
+        for n in graph.nodes
+        if n.op == "placeholder" and n.meta["requires_grad"]
+    }
+    assert params == {name for name, _ in model.named_parameters()}
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.meta["requires_grad"]:
+            assert node.meta["metrics"].bwd is not None, node.meta["clean_name"]
+    linears = [n for n in graph.nodes if n.target is torch._C._nn.linear]
+    assert [n.meta["module_path"] for n in linears] == [
+        "first.up", "first.down", "second.up", "second.down"
+    ]  # fmt: skip
+    weights = [n.args[1].meta["clean_name"] for n in linears]
+    assert weights == ["first.up.weight", "first.down.weight", "second.up.weight",
+                       "second.down.weight"]  # fmt: skip

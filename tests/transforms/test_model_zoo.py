@@ -98,6 +98,24 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, torch.Ten
 }
 
 
+# Measured on torch 2.8.0 (transformers 5.20, Python 3.10), fine on 2.13 and 2.14: older
+# Dynamo breaks these graphs where newer releases do not, and some ops then run between the
+# captured pieces, outside tracking. Strict: a case that starts passing must be unmarked.
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+KNOWN_ON_TORCH_BEFORE_2_13 = {
+    ("tracking", "llama"): "the embedding's gradient differs from the untracked model's",
+    ("tracking", "mixtral"): "the embedding's gradient differs from the untracked model's",
+    ("tracking", "bart"): "layernorm_embedding runs between captured pieces (not in the graph)",
+    ("fp8", "vit"): "simulated FP8 moves the loss by 7% (2.39 vs 2.58)",
+}
+
+
+def _known_failure(request: pytest.FixtureRequest, test: str, name: str) -> None:
+    reason = KNOWN_ON_TORCH_BEFORE_2_13.get((test, name))
+    if reason is not None and _TORCH < (2, 13):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"torch < 2.13: {reason}"))
+
+
 def _loss_and_grads(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, dict]:
     torch.manual_seed(1)  # dropout, where a config has it, draws the same masks
     loss = model(**inputs).loss
@@ -114,8 +132,11 @@ def case(request: pytest.FixtureRequest) -> tuple[str, nn.Module, dict[str, torc
     return request.param, model, make_inputs()
 
 
-def test_tracking_is_whole_and_bit_identical(case: tuple[str, nn.Module, dict]) -> None:
+def test_tracking_is_whole_and_bit_identical(
+    case: tuple[str, nn.Module, dict], request: pytest.FixtureRequest
+) -> None:
     name, model, inputs = case
+    _known_failure(request, "tracking", name)
     tracked = track_scales(model)
     loss, grads = _loss_and_grads(tracked, inputs)
     expected_loss, expected_grads = _loss_and_grads(model, inputs)
@@ -139,8 +160,11 @@ def test_tracking_is_whole_and_bit_identical(case: tuple[str, nn.Module, dict]) 
     assert all(n.meta["metrics"].fwd is not None for n in float_nodes), name
 
 
-def test_unit_scale_and_fp8_simulation(case: tuple[str, nn.Module, dict]) -> None:
+def test_unit_scale_and_fp8_simulation(
+    case: tuple[str, nn.Module, dict], request: pytest.FixtureRequest
+) -> None:
     name, model, inputs = case
+    _known_failure(request, "fp8", name)
     scaled = unit_scale(model)
     loss, grads = _loss_and_grads(scaled, inputs)
     assert torch.isfinite(loss), name

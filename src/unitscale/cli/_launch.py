@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["init_from_environment", "is_rank_zero", "launch"]
@@ -24,7 +27,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, nproc: int, port: int, target: Callable[..., Any], args: Any) -> None:
+def _rank_main(
+    rank: int, nproc: int, port: int, errors: str, target: Callable[..., Any], args: Any
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -37,8 +42,27 @@ def _rank_main(rank: int, nproc: int, port: int, target: Callable[..., Any], arg
     dist.init_process_group("gloo", rank=rank, world_size=nproc)
     try:
         target(*args)
+    except BaseException as exc:
+        # Noted before this rank's connections close: the ranks waiting for it then fail
+        # too ("connection reset"), later, and the launcher reports the first failure.
+        line = str(exc).strip().splitlines()
+        note = f"{time.time():.6f} {type(exc).__name__}: {line[0] if line else ''}"
+        (Path(errors) / f"rank{rank}").write_text(note, encoding="utf-8")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _first_failure(errors: str) -> tuple[int, str] | None:
+    """The rank that failed first and its error, from the notes of the failed ranks."""
+    notes = []
+    for path in Path(errors).glob("rank*"):
+        stamp, _, message = path.read_text(encoding="utf-8").partition(" ")
+        notes.append((float(stamp), int(path.name[4:]), message))
+    if not notes:
+        return None
+    _, rank, message = min(notes)
+    return rank, message
 
 
 def launch(target: Callable[..., Any], nproc: int, *args: Any) -> None:
@@ -51,18 +75,23 @@ def launch(target: Callable[..., Any], nproc: int, *args: Any) -> None:
 
     from . import CommandError
 
-    try:
-        mp.spawn(_rank_main, args=(nproc, _free_port(), target, args), nprocs=nproc, join=True)
-    except mp.ProcessRaisedException as exc:
-        message = str(exc).strip().splitlines()
-        rank = getattr(exc, "error_index", "?")
-        raise CommandError(
-            f"rank {rank} of {nproc} failed: {message[-1] if message else exc}"
-        ) from None
-    except mp.ProcessExitedException as exc:
-        raise CommandError(
-            f"rank {exc.error_index} of {nproc} exited with {exc.exit_code}"
-        ) from None
+    with tempfile.TemporaryDirectory(prefix="unitscale-ranks-") as errors:
+        spawn_args = (nproc, _free_port(), errors, target, args)
+        try:
+            mp.spawn(_rank_main, args=spawn_args, nprocs=nproc, join=True)
+        except mp.ProcessRaisedException as exc:
+            first = _first_failure(errors)
+            if first is None:
+                message = str(exc).strip().splitlines()
+                first = (exc.error_index, message[-1] if message else str(exc))
+            raise CommandError(f"rank {first[0]} of {nproc} failed: {first[1]}") from None
+        except mp.ProcessExitedException as exc:
+            first = _first_failure(errors)
+            if first is not None:
+                raise CommandError(f"rank {first[0]} of {nproc} failed: {first[1]}") from None
+            raise CommandError(
+                f"rank {exc.error_index} of {nproc} exited with {exc.exit_code}"
+            ) from None
 
 
 def init_from_environment() -> bool:

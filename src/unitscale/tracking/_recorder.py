@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -509,6 +509,13 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     module_names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     named_params = dict(inner.named_parameters(remove_duplicate=False))
     trainable = {n for n, p in named_params.items() if p.requires_grad}
+    # A piece is compiled once per code object and may run for several modules (a graph
+    # break inside a repeated layer: Dynamo reuses the layer's graph for every layer, its
+    # parameters being inputs), so names come from the tensors each invocation received.
+    state_names: dict[int, str] = {}
+    for state in (inner.named_parameters(remove_duplicate=False), inner.named_buffers()):
+        for state_name, tensor in state:
+            state_names.setdefault(id(tensor), state_name)
     distributed, group = _distributed.active_group()
     replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
     reduced_grads = (
@@ -548,9 +555,9 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 bwd[slot] = bwd[source]
         env: dict[fx.Node, Any] = {}  # a node, or an int standing for a symbolic size
         lookup = env.__getitem__
-        inputs = iter(
-            zip(piece.placeholders, invocation.input_ids, invocation.sources, strict=True)
-        )
+        kinds = _invocation_kinds(piece.placeholders, invocation.input_ids, state_names)
+        relocate = _module_relocation(piece.placeholders, kinds)
+        inputs = iter(zip(kinds, invocation.input_ids, invocation.sources, strict=True))
         for node in piece.data.get("tracked_graph", piece.graph).nodes:
             if node.op == "placeholder":
                 (kind, name), input_id, source = next(inputs)
@@ -602,7 +609,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 last_outputs = fx.node.map_arg(outs, lookup)
             else:
                 new = graph.node_copy(node, lookup)
-                _set_meta(new, node, k, module_path_of(node, module_names))
+                _set_meta(new, node, k, relocate(module_path_of(node, module_names)))
                 new.meta["clean_name"] = new.name
                 new.meta["requires_grad"] = False
                 env[node] = new
@@ -620,6 +627,51 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
     _read_stats(pending, (group, replicated) if distributed else None)
     return graph
+
+
+def _invocation_kinds(
+    compiled: Sequence[tuple[str, str]], input_ids: Sequence[int], state_names: dict[int, str]
+) -> list[tuple[str, str]]:
+    """The placeholder kinds of one invocation: a parameter or buffer is named after the
+    tensor the invocation received (``layers.1.fc.weight``), not the one the piece was
+    compiled with (``layers.0.fc.weight``)."""
+    kinds = []
+    for (kind, name), input_id in zip(compiled, input_ids, strict=True):
+        if kind in ("param", "buffer"):
+            name = state_names.get(input_id, name)
+        kinds.append((kind, name))
+    return kinds
+
+
+def _module_relocation(
+    compiled: Sequence[tuple[str, str]], actual: Sequence[tuple[str, str]]
+) -> Callable[[str], str]:
+    """Map the module paths of a piece compiled for one module onto the module it ran for.
+
+    From the first parameter whose name differs, the differing prefixes are found by
+    stripping the common dotted suffix (``layers.0.fc.weight`` vs ``layers.1.fc.weight``:
+    ``layers.0`` -> ``layers.1``); paths under the compiled prefix are moved under the
+    actual one. Paths are unchanged when the piece ran for the module it was compiled for.
+    """
+    prefixes = None
+    for (_, before), (_, after) in zip(compiled, actual, strict=True):
+        if before != after:
+            old, new = before.split("."), after.split(".")
+            while old and new and old[-1] == new[-1]:
+                old.pop()
+                new.pop()
+            prefixes = (".".join(old), ".".join(new))
+            break
+    if prefixes is None:
+        return lambda path: path
+    old_prefix, new_prefix = prefixes
+
+    def relocate(path: str) -> str:
+        if path == old_prefix or path.startswith(old_prefix + "."):
+            return new_prefix + path[len(old_prefix) :]
+        return path
+
+    return relocate
 
 
 def _new_placeholder(
