@@ -69,11 +69,20 @@ def check_out_folder(text: str, option: str = "--out") -> Path:
     missing = [out, *(p for p in out.absolute().parents if not p.exists())]
     try:
         out.mkdir(parents=True)
+    except FileExistsError:
+        if out.is_dir():  # created meanwhile (another rank of a torchrun job): usable
+            return out
+        raise CommandError(
+            f"{option} {text!r} exists and is not a folder; choose another"
+        ) from None
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise CommandError(
             f"{option} {text!r} cannot be created: {reason}; choose another"
         ) from exc
     for folder in missing:  # deepest first: remove only what this check created
-        folder.rmdir()
+        try:
+            folder.rmdir()
+        except OSError:  # written into meanwhile (another rank): it stays
+            break
     return out

@@ -242,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
         compile_fp8=args.compile,
         fp8_recipe=args.fp8_recipe,
     )
-    out.mkdir(parents=True, exist_ok=True)
+    if is_rank_zero():
+        out.mkdir(parents=True, exist_ok=True)
     progress(
         f"training {len(config.runs)} run(s) of {config.steps} steps "
         f"({', '.join(config.runs)}) on the bundled CPython documentation text",
