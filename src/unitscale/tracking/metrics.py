@@ -27,6 +27,9 @@ from torch import Tensor
 
 from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
+from ._cpu_stats import compile_errors as _compile_errors
+from ._cpu_stats import cpu_stats
+from ._cpu_stats import is_out_of_memory as _is_out_of_memory
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
 
@@ -85,24 +88,9 @@ def _stats_kernel(x: Tensor) -> Tensor:
     return torch.stack(parts)
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What ``torch.compile`` raises when it cannot compile the kernel (no C++ compiler, an
-    unsupported tensor type or op): only these fall back to the eager kernel."""
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    names = ("CppCompileError", "InvalidCxxCompiler", "OperatorIssue", "InductorError")
-    inductor = tuple(getattr(torch._inductor.exc, name, None) for name in names)
-    found = (torch._dynamo.exc.TorchDynamoException, *inductor)
-    return tuple(error for error in found if isinstance(error, type))
-
-
-def _is_out_of_memory(error: BaseException | None) -> bool:
-    while error is not None:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+def _mode() -> str:
+    """``UNITSCALE_STATS``: "auto" (the default), "compiled" or "eager" (see :class:`_Kernel`)."""
+    return os.environ.get("UNITSCALE_STATS", "auto")
 
 
 class _Kernel:
@@ -127,7 +115,7 @@ class _Kernel:
 
     def __call__(self, x: Tensor) -> Tensor:
         kind = (x.device.type, x.dtype, x.dim())
-        if kind in self.failed_kinds or os.environ.get("UNITSCALE_STATS", "compiled") == "eager":
+        if kind in self.failed_kinds or _mode() == "eager":
             return _stats_kernel(x)
         try:
             if self.compiled is None:
@@ -167,7 +155,11 @@ def tensor_stats(x: Tensor) -> Tensor:
     """
     if x.numel() == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
-    return _kernel(x.detach())
+    x = x.detach()
+    if x.device.type == "cpu" and type(x) is Tensor and _mode() != "compiled":
+        values = cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE, compiled=_mode() == "auto")
+        return torch.tensor(values, dtype=torch.float64)
+    return _kernel(x)
 
 
 @dataclass(frozen=True)
