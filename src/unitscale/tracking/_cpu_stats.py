@@ -27,6 +27,7 @@ which the tests check value for value.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Any
 
@@ -96,9 +97,10 @@ class _Accumulator:
         self.over = [0] * n_over
 
 
-def _count_le(bits: Tensor, threshold: int) -> int:
-    """How many of the non-negative bit patterns ``bits`` are ``<= threshold``."""
-    return int(torch.rsub(bits, threshold + 1).clamp_(0, 1).sum().item())
+def _count_le(bits: Tensor, threshold: int) -> Tensor:
+    """How many of the non-negative bit patterns ``bits`` are ``<= threshold`` (a 0-d int
+    tensor; ``bits`` has at most :data:`PIECE` elements, so int32 cannot wrap)."""
+    return torch.rsub(bits, threshold + 1).clamp_(0, 1).sum(dtype=torch.int32)
 
 
 def _nonfinite_piece(
@@ -108,17 +110,25 @@ def _nonfinite_piece(
     and counts by comparison (NaN counts as neither underflow nor overflow)."""
     c64 = c.double()
     a64 = c64.abs()
-    acc.sum_abs += a64.sum().item()
-    acc.sum += c64.sum().item()
-    acc.sum_sq += c64.square().sum().item()
-    acc.nan += int(torch.isnan(c).sum().item())
-    acc.inf += int(torch.isinf(c).sum().item())
-    for k, bound in enumerate(under):
-        acc.under[k] += int(((a64 <= bound) & (a64 > 0)).sum().item())
-    for k, bound in enumerate(over):
-        acc.over[k] += int((a64 > bound).sum().item())
+    nan = int(torch.isnan(c).sum().item())
+    parts = [a64.sum(), c64.sum(), c64.square().sum(), torch.isinf(c).sum()]
+    parts += [((a64 <= bound) & (a64 > 0)).sum() for bound in under]
+    parts += [(a64 > bound).sum() for bound in over]
+    if not nan:
+        parts += torch.aminmax(a64)
+    values = torch.stack([p.double() for p in parts]).tolist()
+    acc.sum_abs += values[0]
+    acc.sum += values[1]
+    acc.sum_sq += values[2]
+    acc.nan += nan
+    acc.inf += int(values[3])
+    n_under = len(under)
+    for k in range(n_under):
+        acc.under[k] += int(values[4 + k])
+    for k in range(len(over)):
+        acc.over[k] += int(values[4 + n_under + k])
     # NaN propagates into the extremes as in the device kernel; an Inf is the maximum.
-    lo, hi = torch.stack(torch.aminmax(a64)).tolist() if not acc.nan else (math.nan, math.nan)
+    lo, hi = (math.nan, math.nan) if nan else values[-2:]
     _extremes(acc, lo, hi)
 
 
@@ -136,6 +146,8 @@ def _read_piece(
     if c.dtype != torch.float64:
         c = c.float()  # float16/bfloat16 convert exactly; float32 stays itself
     a = c.abs()
+    # (torch.linalg.vector_norm would save the square's temporary, but it does not sum by
+    # cascade: its relative error reaches 1e-4 where these sums stay near 1e-7.)
     lo, hi, sum_abs, total, sum_sq = torch.stack(
         (*torch.aminmax(a), a.sum(), c.sum(), c.square().sum())
     ).tolist()
@@ -147,23 +159,28 @@ def _read_piece(
         # piece, around a power of two near its maximum, so that squares stay finite).
         scale = 2.0 ** -math.frexp(hi)[1] if c.dtype == torch.float64 else 1.0
         c64 = c.double() * scale if scale != 1.0 else c.double()
-        sum_abs = c64.abs().sum().item() / scale
-        total = c64.sum().item() / scale
-        sum_sq = c64.square().sum().item() / (scale * scale)
+        sums = torch.stack((c64.abs().sum(), c64.sum(), c64.square().sum())).tolist()
+        sum_abs, total, sum_sq = sums[0] / scale, sums[1] / scale, sums[2] / (scale * scale)
     _extremes(acc, lo, hi)
     acc.sum_abs += sum_abs
     acc.sum += total
     acc.sum_sq += sum_sq
+    # Counts only for the thresholds this piece straddles, read in one transfer.
+    wanted_under = [k for k, bound in enumerate(under) if lo <= bound]
+    wanted_over = [k for k, bound in enumerate(over) if hi > bound]
+    if not (wanted_under or wanted_over):
+        return
     bits = a.view(_bits_dtype(c.dtype))
-    zeros: int | None = None
-    for k, bound in enumerate(under):
-        if lo <= bound:  # some values may be at or below the bound: count them exactly
-            if zeros is None:
-                zeros = _count_le(bits, 0) if lo == 0 else 0
-            acc.under[k] += _count_le(bits, _bits_of(bound, c.dtype)) - zeros
-    for k, bound in enumerate(over):
-        if hi > bound:
-            acc.over[k] += c.numel() - _count_le(bits, _bits_of(bound, c.dtype))
+    counts = [_count_le(bits, _bits_of(under[k], c.dtype)) for k in wanted_under]
+    counts += [_count_le(bits, _bits_of(over[k], c.dtype)) for k in wanted_over]
+    if wanted_under and lo == 0:
+        counts.append(_count_le(bits, 0))
+    found = torch.stack(counts).tolist()
+    zeros = found[-1] if wanted_under and lo == 0 else 0
+    for k, count in zip(wanted_under, found, strict=False):
+        acc.under[k] += count - zeros
+    for k, count in zip(wanted_over, found[len(wanted_under) :], strict=False):
+        acc.over[k] += c.numel() - count
 
 
 def _centred_sum_sq(pieces: list[Tensor], mean: float) -> tuple[float, float]:
@@ -196,38 +213,47 @@ def is_out_of_memory(error: BaseException | None) -> bool:
     return False
 
 
-def _moments_kernel(x: Tensor, shift: Tensor) -> Tensor:
-    """``sum|x|, sum(x - shift), sum((x - shift)**2), max|x|, min|x|`` in float64, one pass.
-    The shift (an element of ``x``) keeps the variance clear of cancellation."""
-    x = x.float()
-    a = x.abs()
-    d = (x - shift).double()
-    return torch.stack(
-        (a.sum(dtype=torch.float64), d.sum(), (d * d).sum(), a.amax().double(), a.amin().double())
-    )
+def _fused_kernel(under: tuple[float, ...], over: tuple[float, ...]) -> Any:
+    """One pass over a flat float tensor for every statistic, the thresholds constants:
+    ``sum|x|, sum(x - shift), sum((x - shift)**2)`` in float64 (the shift, an element of
+    ``x``, keeps the variance clear of cancellation), ``max|x|, min|x|``, the number of
+    zeros and the counts of ``|x| <= under[k]`` and ``|x| > over[k]`` (int32: ``x`` has
+    fewer than 2**31 elements)."""
 
+    def kernel(x: Tensor, shift: Tensor) -> Tensor:
+        x = x.float()
+        a = x.abs()
+        d = (x - shift).double()
+        parts = [a.double().sum(), d.sum(), (d * d).sum(), a.amax().double(), a.amin().double()]
+        parts.append((a == 0).sum(dtype=torch.int32).double())
+        parts += [(a <= bound).sum(dtype=torch.int32).double() for bound in under]
+        parts += [(a > bound).sum(dtype=torch.int32).double() for bound in over]
+        return torch.stack(parts)
 
-def _counts_kernel(x: Tensor, t0: Tensor, t1: Tensor, t2: Tensor) -> Tensor:
-    """How many ``|x| <= t`` for three thresholds, one pass (int32: ``x`` has < 2**31
-    elements)."""
-    a = x.float().abs()
-    return torch.stack([(a <= t).sum(dtype=torch.int32) for t in (t0, t1, t2)])
+    return kernel
 
 
 class _LargeKernels:
-    """The compiled kernels for large tensors, compiled at first use; after a compilation
-    failure (see :func:`compile_errors`) large tensors are read in pieces, with a warning."""
+    """The compiled kernel for large tensors, compiled when it pays: once reading large
+    tensors in pieces has cost :attr:`compile_after` seconds in this process (about what a
+    compile costs), so that short runs (``unitscale analyse``, a first tracked call) never
+    wait for a compiler and long ones (``ScaleMonitor``) soon read large tensors in one
+    fused pass. After a compilation failure (see :func:`compile_errors`) large tensors are
+    read in pieces, with a warning."""
 
-    def __init__(self) -> None:
-        self.moments: Any = None
-        self.counts: Any = None
+    def __init__(self, compile_after: float = 1.0) -> None:
+        self.compile_after = compile_after
+        self.pieces_seconds = 0.0
+        self.kernels: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
         self.failed = False
+
+    def due(self) -> bool:
+        """Whether large tensors are read by the compiled kernel now."""
+        return not self.failed and self.pieces_seconds >= self.compile_after
 
     def __call__(self, x: Tensor, under: tuple[float, ...], over: tuple[float, ...]) -> Any:
         """The statistics of ``x`` (see :func:`cpu_stats`), or None where ``x`` is not
         finite (the caller reads it in pieces) or compilation failed."""
-        if self.failed:
-            return None
         try:
             return self._run(x, under, over)
         except compile_errors() as error:
@@ -245,29 +271,22 @@ class _LargeKernels:
             return None
 
     def _run(self, x: Tensor, under: tuple[float, ...], over: tuple[float, ...]) -> Any:
-        if self.moments is None:
-            self.moments = torch.compile(_moments_kernel, dynamic=True, fullgraph=True)
-            self.counts = torch.compile(_counts_kernel, dynamic=True, fullgraph=True)
+        kernel = self.kernels.get((under, over))
+        if kernel is None:
+            kernel = torch.compile(_fused_kernel(under, over), dynamic=True, fullgraph=True)
+            self.kernels[(under, over)] = kernel
         flat = x.view(-1)
         n = flat.numel()
-        sum_abs, shifted, squares, hi, lo = self.moments(flat, flat[0]).tolist()
+        shift = flat[0]
+        values = kernel(flat, shift).tolist()
+        sum_abs, shifted, squares, hi, lo, zeros = values[:6]
         if not (math.isfinite(sum_abs) and math.isfinite(squares) and math.isfinite(shifted)):
             return None  # NaN or Inf: counted exactly, piece by piece
-        mean = flat[0].item() + shifted / n
+        mean = float(shift.item()) + shifted / n
         var = squares / n - (shifted / n) ** 2
-        wanted: list[float] = [0.0] if lo == 0 else []
-        wanted += [bound for bound in under if lo <= bound]
-        wanted += [bound for bound in over if hi > bound]
-        found: dict[float, int] = {0.0: 0}
-        for start in range(0, len(wanted), 3):
-            group = (wanted[start : start + 3] * 3)[:3]
-            thresholds = [torch.tensor(t, dtype=torch.float32) for t in group]
-            for t, count in zip(group, self.counts(flat, *thresholds).tolist(), strict=True):
-                found[t] = count
-        zeros = found[0.0]
-        under_counts = [found[b] - zeros if lo <= b else 0 for b in under]
-        over_counts = [n - found[b] if hi > b else 0 for b in over]
-        return [sum_abs, mean, var, hi, lo, 0.0, 0.0, *under_counts, *over_counts]
+        n_under = len(under)
+        under_counts = [count - zeros for count in values[6 : 6 + n_under]]
+        return [sum_abs, mean, var, hi, lo, 0.0, 0.0, *under_counts, *values[6 + n_under :]]
 
 
 _large = _LargeKernels()
@@ -290,14 +309,19 @@ def cpu_stats(
     ``0 < |x| <= under[k]`` and of ``|x| > over[k]``. With ``compiled``, large tensors
     (see :data:`LARGE`) are read by compiled kernels."""
     n = x.numel()
-    if compiled and _large_applies(x):
+    large = compiled and _large_applies(x)
+    if large and _large.due():
         values = _large(x, under, over)
         if values is not None:
             return [float(v) for v in values]
+        large = False  # not finite: read in pieces, which count NaN and Inf
+    start = time.perf_counter() if large else 0.0
     acc = _Accumulator(len(under), len(over))
     pieces = _pieces(x)
     for c in pieces:
         _read_piece(c, acc, under, over)
+    if large:
+        _large.pieces_seconds += time.perf_counter() - start
     mean = acc.sum / n
     mean_sq = acc.sum_sq / n
     var = mean_sq - mean * mean
@@ -322,3 +346,132 @@ def _result(acc: _Accumulator, mean: float, var: float) -> list[float]:
         *map(float, acc.under),
         *map(float, acc.over),
     ]
+
+
+#: CPU float32/float16/bfloat16 tensors of at most this many elements are batched (see
+#: :class:`SmallBatch`): for them a torch op's fixed cost (microseconds) outweighs its work.
+SMALL = 1 << 13
+#: A batch is read once its snapshots hold this many elements (1 MiB of float32), which
+#: bounds the memory it holds.
+FLUSH_ELEMENTS = 1 << 18
+
+
+class Pending:
+    """The statistics of one batched tensor: :meth:`values` reads the batch if needed."""
+
+    __slots__ = ("_batch", "_values")
+
+    def __init__(self, batch: SmallBatch) -> None:
+        self._batch = batch
+        self._values: list[float] | None = None
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            self._batch.flush()
+        if self._values is None:  # pragma: no cover - flush fills every pending entry
+            raise RuntimeError("unitscale: batched statistics were lost")
+        return self._values
+
+
+class SmallBatch:
+    """Statistics of small tensors, read many at a time.
+
+    :meth:`add` copies the tensor (flat, as float32: float16/bfloat16 convert exactly), so
+    that later in-place changes of the tensor cannot change its statistics, and returns a
+    :class:`Pending`. :meth:`flush` stacks the copies of each size into a matrix and reads
+    all rows with one set of row-wise reductions, so the ops' fixed costs are paid once per
+    size rather than once per tensor. Semantics are those of :func:`cpu_stats`: rows that
+    hold NaN or Inf, whose magnitudes fall outside float32's safe range for squares, are
+    read by it one by one; rows whose mean dominates their spread get their variance from a
+    second, centred float64 pass (for all such rows at once).
+    """
+
+    def __init__(self, under: tuple[float, ...], over: tuple[float, ...]) -> None:
+        self.under = under
+        self.over = over
+        self.groups: dict[int, list[tuple[Tensor, Pending]]] = {}
+        self.elements = 0
+
+    def add(self, x: Tensor) -> Pending:
+        """Queue the detached CPU tensor ``x`` (float32/16/bf16, at most :data:`SMALL`
+        elements)."""
+        if x.dtype == torch.float32 and x.is_contiguous():
+            copy = x.view(-1).clone()
+        else:
+            copy = x.reshape(-1).float()
+            if copy.data_ptr() == x.data_ptr():  # pragma: no cover - reshape copied already
+                copy = copy.clone()
+        pending = Pending(self)
+        n = copy.numel()
+        group = self.groups.get(n)
+        if group is None:
+            group = self.groups[n] = []
+        group.append((copy, pending))
+        self.elements += n
+        if self.elements >= FLUSH_ELEMENTS:
+            self.flush()
+        return pending
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Compute the statistics of every queued tensor and release the copies."""
+        groups, self.groups, self.elements = self.groups, {}, 0
+        for n, items in groups.items():
+            rows = torch.stack([copy for copy, _ in items]) if len(items) > 1 else None
+            if rows is None:
+                rows = items[0][0].view(1, n)
+            for (_, pending), values in zip(items, self._rows(rows), strict=True):
+                pending._values = values
+
+    def _rows(self, rows: Tensor) -> list[list[float]]:
+        r, n = rows.shape
+        under, over = self.under, self.over
+        a = rows.abs()
+        lo_t, hi_t = torch.aminmax(a, dim=1)
+        head = torch.stack((lo_t, hi_t, a.sum(1), rows.sum(1), rows.square().sum(1)))
+        lo, hi, sum_abs, total, sum_sq = head.tolist()
+        # Counts for the thresholds some row straddles, all rows at once.
+        lowest, highest = min(lo), max(hi)
+        wanted_under = [k for k, bound in enumerate(under) if lowest <= bound]
+        wanted_over = [k for k, bound in enumerate(over) if highest > bound]
+        thresholds = [_bits_of(under[k], torch.float32) for k in wanted_under]
+        thresholds += [_bits_of(over[k], torch.float32) for k in wanted_over]
+        if wanted_under and lowest == 0:
+            thresholds.append(0)
+        found: list[list[int]] = []
+        if thresholds:
+            bits = a.view(torch.int32)
+            found = torch.stack(
+                [torch.rsub(bits, t + 1).clamp_(0, 1).sum(1, dtype=torch.int32) for t in thresholds]
+            ).tolist()
+        zeros = found[-1] if wanted_under and lowest == 0 else [0] * r
+        n_under = len(wanted_under)
+        out: list[list[float]] = []
+        centred: list[int] = []
+        for i in range(r):
+            if not (
+                math.isfinite(sum_abs[i]) and math.isfinite(sum_sq[i]) and math.isfinite(total[i])
+            ) or (hi[i] > 0 and not (_F32_SAFE[0] < hi[i] < _F32_SAFE[1])):
+                out.append(cpu_stats(rows[i], under, over, compiled=False))
+                continue
+            mean = total[i] / n
+            mean_sq = sum_sq[i] / n
+            var = mean_sq - mean * mean
+            if var <= _CANCELLATION * mean_sq and mean_sq > 0:
+                centred.append(i)
+            under_counts = [0.0] * len(under)
+            for j, k in enumerate(wanted_under):
+                under_counts[k] = float(found[j][i] - zeros[i])
+            over_counts = [0.0] * len(over)
+            for j, k in enumerate(wanted_over):
+                over_counts[k] = float(n - found[n_under + j][i])
+            out.append([sum_abs[i], mean, var, hi[i], lo[i], 0.0, 0.0, *under_counts, *over_counts])
+        if centred:
+            index = torch.tensor(centred)
+            chosen = rows.index_select(0, index).double()
+            means = torch.tensor([out[i][1] for i in centred], dtype=torch.float64)
+            d = chosen - means.unsqueeze(1)
+            sums, squares = torch.stack((d.sum(1), d.square().sum(1))).tolist()
+            for j, i in enumerate(centred):
+                out[i][2] = squares[j] / n - (sums[j] / n) ** 2
+        return out

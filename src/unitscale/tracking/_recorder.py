@@ -3,7 +3,8 @@
 :class:`TrackScalesPass` is a :class:`~unitscale.capture.GraphPass`. For every piece Dynamo
 captures it inserts, after each node whose value is a floating-point tensor, one call to
 :meth:`TrackScalesPass.record` with the node's slot number. At run time ``record`` computes the
-tensor's statistics on its device (:func:`~unitscale.tracking.metrics.tensor_stats`) and, when a
+tensor's statistics (:func:`~unitscale.tracking.metrics.deferred_stats`: on an accelerator, on its
+device and asynchronously; on the CPU, small tensors batched) and, when a
 gradient will flow, registers a tensor hook that does the same for the gradient. Nothing is
 copied to the host until :func:`build_scales_graph` reads the whole call at once.
 
@@ -43,12 +44,12 @@ from ..capture import (
     warn_user,
 )
 from . import _distributed
-from .metrics import Metrics, stats_to_data, tensor_stats
+from .metrics import Metrics, Stats, deferred_stats, host_stats, stats_to_data
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
-_Stats = tuple[int, Tensor]  # (numel, statistics vector on the tensor's device)
+_Stats = tuple[int, Stats]  # (numel, statistics: see metrics.deferred_stats)
 
 
 def _static_shape(value: Tensor) -> bool:
@@ -285,7 +286,7 @@ class TrackScalesPass(GraphPass):
             while _functorch.is_functorch_wrapped_tensor(x):
                 x = _functorch.get_unwrapped(x)
             if forward:
-                invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
+                invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
             return
         # The same tensor object, unmodified, seen again in this call (``x.float()`` on a
         # float32 tensor returns ``x``; a tensor crossing a graph break enters the next piece):
@@ -300,7 +301,7 @@ class TrackScalesPass(GraphPass):
         if version is not None:
             self._seen[id(x)] = (weakref.ref(x), version, invocation, slot)
         if forward:
-            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), tensor_stats(x))
+            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -323,7 +324,7 @@ class TrackScalesPass(GraphPass):
 
     def _grad_hook(self, invocation: Invocation, slot: int, keep: bool = False) -> Any:
         def hook(grad: Tensor) -> None:
-            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), tensor_stats(grad))
+            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), deferred_stats(grad))
             if keep:
                 # Equal values on every rank, partial gradients: averaged when read.
                 invocation.data.setdefault("replicated_grads", {})[slot] = grad
@@ -332,7 +333,7 @@ class TrackScalesPass(GraphPass):
 
     def _leaf_hook(self, key: int) -> Any:
         def hook(grad: Tensor) -> None:
-            self._param_grads[key] = (grad.numel(), tensor_stats(grad))
+            self._param_grads[key] = (grad.numel(), deferred_stats(grad))
 
         return hook
 
@@ -677,29 +678,40 @@ def _module_relocation(
 def _new_placeholder(
     graph: fx.Graph, name: str, clean_name: str, original: fx.Node, k: int
 ) -> fx.Node:
-    # Placeholders are inserted before the first non-placeholder node.
-    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
-    if first is None:
+    # Placeholders go before the first non-placeholder node: after the last placeholder
+    # (remembered on the graph, so that this does not scan the graph), or first.
+    last = graph.__dict__.get("_unitscale_last_placeholder")
+    first = next(iter(graph.nodes), None)
+    if last is None and first is None:
         new = graph.placeholder(name)
-    else:
+    elif last is None:
         with graph.inserting_before(first):
             new = graph.placeholder(name)
+    else:
+        with graph.inserting_after(last):
+            new = graph.placeholder(name)
+    graph.__dict__["_unitscale_last_placeholder"] = new
     _set_meta(new, original, k, "")
     new.meta["clean_name"] = clean_name
     return new
 
 
 def _set_meta(new: fx.Node, original: fx.Node, k: int, module_path: str) -> None:
-    new.meta = {key: original.meta[key] for key in _KEPT_META if key in original.meta}
+    meta = new.meta  # filled in place: assigning Node attributes goes through fx's __setattr__
+    meta.clear()
+    source = original.meta
+    for key in _KEPT_META:
+        if key in source:
+            meta[key] = source[key]
     value = example_value(original)
-    new.meta["outputs_float_tensor"] = is_float_node(original)
+    meta["outputs_float_tensor"] = is_float_node(original)
     if isinstance(value, Tensor):
         # A symbolic size (a graph captured with dynamic sizes) is replaced by the call's own
         # size when the slot was recorded; its hint stands in otherwise.
-        new.meta["shape"] = tuple(_hint(size) for size in value.shape)
-        new.meta["dtype"] = value.dtype
-    new.meta["module_path"] = module_path
-    new.meta["subgraph"] = k
+        meta["shape"] = tuple(_hint(size) for size in value.shape)
+        meta["dtype"] = value.dtype
+    meta["module_path"] = module_path
+    meta["subgraph"] = k
 
 
 def _queue(
@@ -717,29 +729,42 @@ def _queue(
 def _read_stats(
     pending: Sequence[tuple[fx.Node, str, _Stats]], reduce: tuple[Any, set[int]] | None = None
 ) -> None:
-    """Copy every statistics vector to the host in one transfer per device; with ``reduce``
-    (``(group, ids of replicated statistics)``), reduce them over the ranks first."""
+    """Read every statistics vector: those on the host as they are, those on a device in one
+    transfer per device; with ``reduce`` (``(group, ids of replicated statistics)``), reduce
+    them over the ranks first."""
+    rows: list[list[float] | None] = [None] * len(pending)
+    pending_tensors: dict[int, Tensor] = {}
+    numels = [numel for _, _, (numel, _) in pending]
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, _, (_, stats)) in enumerate(pending):
-        by_device.setdefault(stats.device, []).append(i)
+        values = host_stats(stats)
+        if values is not None and reduce is None:
+            rows[i] = values
+            continue
+        tensor = torch.tensor(values, dtype=torch.float64) if values is not None else stats
+        if not isinstance(tensor, Tensor):  # pragma: no cover - host_stats read the rest
+            raise TypeError(f"unitscale: unexpected statistics {type(stats).__name__}")
+        by_device.setdefault(tensor.device, []).append(i)
+        pending_tensors[i] = tensor
     if reduce is not None and len(by_device) > 1:
         # The ranks must issue the same collectives: one device's worth, in one order.
         device = next(iter(by_device))
         by_device = {device: list(range(len(pending)))}
     for device, indices in by_device.items():
-        stacked = torch.stack([pending[i][2][1].to(device) for i in indices])
-        numels = [pending[i][2][0] for i in indices]
+        stacked = torch.stack([pending_tensors[i].to(device) for i in indices])
+        counts = [numels[i] for i in indices]
         if reduce is not None:
             group, replicated = reduce
             same = [id(pending[i][2]) in replicated for i in indices]
-            stacked, numels = _distributed.reduce_stats(stacked, numels, same, group)
-        rows = stacked.tolist()
-        for i, row, numel in zip(indices, rows, numels, strict=True):
-            node, direction, _ = pending[i]
-            metrics = node.meta.get("metrics")
-            if metrics is None:
-                continue
-            setattr(metrics, direction, stats_to_data(row, numel))
+            stacked, counts = _distributed.reduce_stats(stacked, counts, same, group)
+        for i, row, numel in zip(indices, stacked.tolist(), counts, strict=True):
+            rows[i] = row
+            numels[i] = numel
+    for (node, direction, _), row, numel in zip(pending, rows, numels, strict=True):
+        metrics = node.meta.get("metrics")
+        if metrics is None or row is None:
+            continue
+        setattr(metrics, direction, stats_to_data(row, numel))
 
 
 class _Snapshot:

@@ -20,15 +20,15 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 import torch
 from torch import Tensor
 
 from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
+from ._cpu_stats import SMALL, Pending, SmallBatch, cpu_stats
 from ._cpu_stats import compile_errors as _compile_errors
-from ._cpu_stats import cpu_stats
 from ._cpu_stats import is_out_of_memory as _is_out_of_memory
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
@@ -145,21 +145,58 @@ _kernel = _Kernel()
 def tensor_stats(x: Tensor) -> Tensor:
     """Compute the raw statistics of ``x`` as one float64 vector on ``x``'s device.
 
-    No host synchronisation happens here; convert the result with :func:`stats_to_data`
-    (ideally for many tensors at once, after ``torch.stack``).
+    On an accelerator no host synchronisation happens here; convert the result with
+    :func:`stats_to_data` (ideally for many tensors at once, after ``torch.stack``).
 
     Example:
         >>> x = torch.tensor([1.0, -3.0])
         >>> stats_to_data(tensor_stats(x).tolist(), x.numel()).mean_abs
         2.0
     """
-    if x.numel() == 0:
+    stats = deferred_stats(x)
+    if isinstance(stats, Pending):
+        stats = stats.values()
+    if isinstance(stats, list):
+        return torch.tensor(stats, dtype=torch.float64)
+    return stats
+
+
+#: Where tracking records statistics: a Tensor on the tensor's device, a list of floats
+#: (computed on the host), or a :class:`Pending` entry of the small-tensor batch.
+Stats = Union[Tensor, list[float], Pending]  # noqa: UP007 (a runtime alias)
+
+_batch = SmallBatch(_UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
+_BATCHED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def deferred_stats(x: Tensor) -> Stats:
+    """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
+
+    On the CPU (unless ``UNITSCALE_STATS=compiled``) small tensors are batched and read
+    together when a value is first needed (:class:`~._cpu_stats.SmallBatch`), others are
+    read at once (:func:`~._cpu_stats.cpu_stats`); on other devices the compiled kernel
+    runs asynchronously. Same values whichever path runs.
+    """
+    n = x.numel()
+    if n == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
     x = x.detach()
-    if x.device.type == "cpu" and type(x) is Tensor and _mode() != "compiled":
-        values = cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE, compiled=_mode() == "auto")
-        return torch.tensor(values, dtype=torch.float64)
+    if x.device.type == "cpu" and type(x) is Tensor:
+        mode = _mode()
+        if mode != "compiled":
+            if n <= SMALL and x.dtype in _BATCHED:
+                return _batch.add(x)
+            return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE, compiled=mode == "auto")
     return _kernel(x)
+
+
+def host_stats(stats: Stats) -> list[float] | None:
+    """The values of ``stats`` if they are on the host (None for a device tensor)."""
+    if isinstance(stats, Pending):
+        return stats.values()
+    if isinstance(stats, list):
+        return stats
+    return None
 
 
 @dataclass(frozen=True)
@@ -206,30 +243,45 @@ class _Data:
         return out
 
 
+_N_FIELDS = len(_FIELDS)
+_N_KEYS = len(FORMAT_KEYS)
+
+
 def stats_to_data(values: list[float], numel: int) -> _Data:
     """Turn one vector from :func:`tensor_stats` (as a list of floats) into a record."""
     if numel == 0:
         zeros = dict.fromkeys(FORMAT_KEYS, 0.0)
         return _Data(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, dict(zeros), dict(zeros))
-    raw = dict(zip(_FIELDS, values[: len(_FIELDS)], strict=True))
-    n_keys = len(FORMAT_KEYS)
-    under = values[len(_FIELDS) : len(_FIELDS) + n_keys]
-    over = values[len(_FIELDS) + n_keys :]
-    mean, var = raw["mean"], raw["var"]
-    var = max(var, 0.0) if not math.isnan(var) else var
-    return _Data(
-        mean_abs=raw["sum_abs"] / numel,
+    if len(values) != _N_STATS:
+        raise ValueError(
+            f"stats_to_data: expected {_N_STATS} values (see tensor_stats), got {len(values)}"
+        )
+    sum_abs, mean, var, abs_max, abs_min, nan_count, inf_count = values[:_N_FIELDS]
+    if math.isnan(var):
+        std = rms = var
+    else:
+        var = max(var, 0.0)
+        std = math.sqrt(var)
+        rms = math.sqrt(var + mean * mean)
+    # Built without the frozen dataclass's __init__ (one object.__setattr__ per field): this
+    # runs for every tracked tensor at every read.
+    data = object.__new__(_Data)
+    data.__dict__.update(
+        mean_abs=sum_abs / numel,
         abs_mean=abs(mean),
-        std=math.sqrt(var) if not math.isnan(var) else var,
-        abs_max=raw["abs_max"],
-        abs_min=raw["abs_min"],
-        rms=math.sqrt(var + mean * mean) if not math.isnan(var) else var,
+        std=std,
+        abs_max=abs_max,
+        abs_min=abs_min,
+        rms=rms,
         numel=numel,
-        underflow={k: c / numel for k, c in zip(FORMAT_KEYS, under, strict=True)},
-        overflow={k: c / numel for k, c in zip(FORMAT_KEYS, over, strict=True)},
-        nan_count=int(raw["nan_count"]),
-        inf_count=int(raw["inf_count"]),
+        underflow={k: c / numel for k, c in zip(FORMAT_KEYS, values[_N_FIELDS:], strict=False)},
+        overflow={
+            k: c / numel for k, c in zip(FORMAT_KEYS, values[_N_FIELDS + _N_KEYS :], strict=True)
+        },
+        nan_count=int(nan_count),
+        inf_count=int(inf_count),
     )
+    return data
 
 
 @dataclass
