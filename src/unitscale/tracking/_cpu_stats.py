@@ -1,48 +1,49 @@
-"""Scale statistics of a CPU tensor, computed with decisions taken on the host.
+"""Scale statistics of CPU tensors: the native kernel's wrapper, and the PyTorch path.
 
-On a CPU there is no device to synchronise with, so reading a partial result (a tensor's
-largest magnitude, say) costs a microsecond, and the rest of the work can depend on it. This
-path uses that to do, for typical tensors, a small fraction of the work a device-side kernel
-must do for every tensor:
+On the CPU, tracking reads statistics by one of two paths, with the same semantics as the
+device kernel (:func:`unitscale.tracking.metrics._stats_kernel`), which the tests check
+value for value:
 
-- the tensor is read in pieces of at most :data:`PIECE` elements (views, never copies, for
-  contiguous tensors), so every temporary stays in cache and no temporary of the tensor's
-  size is allocated;
-- per piece: ``|x|``, its minimum and maximum (one ``aminmax``), and three sums (``|x|``,
-  ``x``, ``x**2``) accumulated in float32 by torch's cascade summation and combined on the
-  host in float64; pieces whose magnitudes would overflow or underflow float32 squares are
-  summed in float64 instead (exact conversion);
-- the variance is ``E[x**2] - E[x]**2`` unless the mean dominates (cancellation), when a
-  second pass sums ``(x - mean)**2`` in float64;
-- under/overflow counts are computed only for the thresholds that the piece's minimum and
-  maximum straddle (a piece whose largest value is 3 cannot overflow E4M3), exactly, on the
-  integer bit patterns of ``|x|`` (monotonic in the value for non-negative floats), without
-  a boolean temporary: ``clamp(T + 1 - bits, 0, 1).sum()`` counts ``bits <= T``;
-- NaN and Inf are counted only when a piece's sums say they are present.
+- :func:`native_stats`, the default: one pass of a small C kernel (:mod:`._native`) over
+  each contiguous float32/bfloat16 tensor (float16 and strided tensors are copied piece by
+  piece), a few microseconds of fixed cost;
+- the PyTorch path, where no C compiler is found (or ``UNITSCALE_STATS=eager``): small
+  tensors are copied and read many at a time (:class:`SmallBatch`, one set of row-wise
+  reductions per size), others by :func:`cpu_stats`, which uses the host's cheap reads of
+  partial results to skip most of the work a device-side kernel does for every tensor:
 
-Semantics are those of the device kernel (:func:`unitscale.tracking.metrics._stats_kernel`),
-which the tests check value for value.
+  - the tensor is read in pieces of at most :data:`PIECE` elements (views, never copies,
+    for contiguous tensors), so every temporary stays in cache and no temporary of the
+    tensor's size is allocated;
+  - per piece: ``|x|``, its minimum and maximum (one ``aminmax``), and three sums (``|x|``,
+    ``x``, ``x**2``) accumulated in float32 by torch's cascade summation and combined on
+    the host in float64; pieces whose magnitudes would overflow or underflow float32
+    squares are summed in float64 instead (exact conversion);
+  - the variance is ``E[x**2] - E[x]**2`` unless the mean dominates (cancellation), when a
+    second pass sums ``(x - mean)**2`` in float64;
+  - under/overflow counts are computed only for the thresholds that the piece's minimum and
+    maximum straddle (a piece whose largest value is 3 cannot overflow E4M3), exactly, on
+    the integer bit patterns of ``|x|`` (monotonic in the value for non-negative floats),
+    without a boolean temporary: ``clamp(T + 1 - bits, 0, 1).sum()`` counts ``bits <= T``;
+  - NaN and Inf are counted only when a piece's sums say they are present.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-import time
-import warnings
+import struct
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["LARGE", "PIECE", "compile_errors", "cpu_stats", "is_out_of_memory"]
+from ._native import THRESHOLDS, native
+
+__all__ = ["PIECE", "SMALL", "Pending", "SmallBatch", "cpu_stats", "native_stats"]
 
 #: Elements per piece: 256 KiB of float32, so a piece's temporaries stay in L2 cache.
 PIECE = 1 << 16
-#: From this many elements, a contiguous float32/16 tensor is read by compiled kernels (one
-#: fused pass for the sums and extremes, one for the counts it needs) rather than in pieces:
-#: there a pass costs more than a compiled call's fixed cost (about 0.1 ms). Below it no
-#: kernel is compiled, so small models never wait for a compiler.
-LARGE = 1 << 19
 
 # float32 squares stay normal and finite (and sums of PIECE of them finite) for magnitudes in
 # (2**-60, 2**60); outside it the piece is summed in float64.
@@ -51,6 +52,9 @@ _F32_SAFE = (2.0**-60, 2.0**60)
 # spread), E[x**2] - E[x]**2 loses digits to cancellation: the variance is summed around the
 # mean instead, so its relative error stays that of a float32 sum (about 1e-7).
 _CANCELLATION = 0.5
+# The native kernel sums around an element of the tensor in float64: only where the variance
+# is below 1e-4 of the second moment about that element do its float64 digits run short.
+_NATIVE_CANCELLATION = 1e-4
 
 
 def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,135 +197,95 @@ def _centred_sum_sq(pieces: list[Tensor], mean: float) -> tuple[float, float]:
     return total, squares
 
 
-def compile_errors() -> tuple[type[BaseException], ...]:
-    """What ``torch.compile`` raises when it cannot compile a kernel (no C++ compiler, an
-    unsupported tensor type or op): only these fall back to eager statistics."""
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    names = ("CppCompileError", "InvalidCxxCompiler", "OperatorIssue", "InductorError")
-    inductor = tuple(getattr(torch._inductor.exc, name, None) for name in names)
-    found = (torch._dynamo.exc.TorchDynamoException, *inductor)
-    return tuple(error for error in found if isinstance(error, type))
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def is_out_of_memory(error: BaseException | None) -> bool:
-    while error is not None:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+def _float_of_bits(bits: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
-def _fused_kernel(under: tuple[float, ...], over: tuple[float, ...]) -> Any:
-    """One pass over a flat float tensor for every statistic, the thresholds constants:
-    ``sum|x|, sum(x - shift), sum((x - shift)**2)`` in float64 (the shift, an element of
-    ``x``, keeps the variance clear of cancellation), ``max|x|, min|x|``, the number of
-    zeros and the counts of ``|x| <= under[k]`` and ``|x| > over[k]`` (int32: ``x`` has
-    fewer than 2**31 elements)."""
-
-    def kernel(x: Tensor, shift: Tensor) -> Tensor:
-        x = x.float()
-        a = x.abs()
-        d = (x - shift).double()
-        parts = [a.double().sum(), d.sum(), (d * d).sum(), a.amax().double(), a.amin().double()]
-        parts.append((a == 0).sum(dtype=torch.int32).double())
-        parts += [(a <= bound).sum(dtype=torch.int32).double() for bound in under]
-        parts += [(a > bound).sum(dtype=torch.int32).double() for bound in over]
-        return torch.stack(parts)
-
-    return kernel
+def _readable(piece: Tensor) -> Tensor:
+    """``piece`` as the kernel reads it: contiguous float32 or bfloat16."""
+    if piece.dtype == torch.float16:
+        return piece.float()  # contiguous, whatever the piece's strides
+    return piece if piece.is_contiguous() else piece.contiguous()
 
 
-class _LargeKernels:
-    """The compiled kernel for large tensors, compiled when it pays: once reading large
-    tensors in pieces has cost :attr:`compile_after` seconds in this process (about what a
-    compile costs), so that short runs (``unitscale analyse``, a first tracked call) never
-    wait for a compiler and long ones (``ScaleMonitor``) soon read large tensors in one
-    fused pass. After a compilation failure (see :func:`compile_errors`) large tensors are
-    read in pieces, with a warning."""
+_THRESHOLD_BITS: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
 
-    def __init__(self, compile_after: float = 1.0) -> None:
-        self.compile_after = compile_after
-        self.pieces_seconds = 0.0
-        self.kernels: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
-        self.failed = False
 
-    def due(self) -> bool:
-        """Whether large tensors are read by the compiled kernel now."""
-        return not self.failed and self.pieces_seconds >= self.compile_after
+def _first_value(x: Tensor) -> float:
+    """``x``'s first element in memory order (read from its address: no torch op)."""
+    address = x.data_ptr()
+    if x.dtype == torch.float32:
+        return float(ctypes.c_float.from_address(address).value)
+    if x.dtype == torch.bfloat16:
+        return _float_of_bits(ctypes.c_uint16.from_address(address).value << 16)
+    return float(x[(0,) * x.dim()].item())
 
-    def __call__(self, x: Tensor, under: tuple[float, ...], over: tuple[float, ...]) -> Any:
-        """The statistics of ``x`` (see :func:`cpu_stats`), or None where ``x`` is not
-        finite (the caller reads it in pieces) or compilation failed."""
-        try:
-            return self._run(x, under, over)
-        except compile_errors() as error:
-            if is_out_of_memory(error):
-                raise
-            self.failed = True
-            first_line = str(error).splitlines()[0] if str(error) else ""
-            warnings.warn(
-                "unitscale: compiled scale statistics are unavailable on this machine "
-                f"({type(error).__name__}: {first_line}); large CPU tensors are read in "
-                "pieces instead, which is slower but gives the same statistics",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+
+def native_stats(
+    x: Tensor, under: tuple[float, ...], over: tuple[float, ...]
+) -> list[float] | None:
+    """The statistics of the non-empty CPU tensor ``x`` by the native kernel (see
+    :mod:`._native`), or None where it does not apply (no kernel, float64, too many
+    thresholds) or ``x`` holds NaN or Inf (whose IEEE semantics the PyTorch path keeps)."""
+    if x.dtype not in _NATIVE_DTYPES or not native.available():
+        return None
+    bits = _THRESHOLD_BITS.get((under, over))
+    if bits is None:
+        if len(under) > THRESHOLDS or len(over) > THRESHOLDS:
             return None
-
-    def _run(self, x: Tensor, under: tuple[float, ...], over: tuple[float, ...]) -> Any:
-        kernel = self.kernels.get((under, over))
-        if kernel is None:
-            kernel = torch.compile(_fused_kernel(under, over), dynamic=True, fullgraph=True)
-            self.kernels[(under, over)] = kernel
-        flat = x.view(-1)
-        n = flat.numel()
-        shift = flat[0]
-        values = kernel(flat, shift).tolist()
-        sum_abs, shifted, squares, hi, lo, zeros = values[:6]
-        if not (math.isfinite(sum_abs) and math.isfinite(squares) and math.isfinite(shifted)):
-            return None  # NaN or Inf: counted exactly, piece by piece
-        mean = float(shift.item()) + shifted / n
-        var = squares / n - (shifted / n) ** 2
-        n_under = len(under)
-        under_counts = [count - zeros for count in values[6 : 6 + n_under]]
-        return [sum_abs, mean, var, hi, lo, 0.0, 0.0, *under_counts, *values[6 + n_under :]]
-
-
-_large = _LargeKernels()
-
-
-def _large_applies(x: Tensor) -> bool:
-    return (
-        LARGE <= x.numel() < 2**31
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and x.is_contiguous()
-    )
+        bits = _THRESHOLD_BITS[(under, over)] = (
+            tuple(_bits_of(bound, torch.float32) for bound in under),
+            tuple(_bits_of(bound, torch.float32) for bound in over),
+        )
+    n = x.numel()
+    if x.dtype != torch.float16 and x.is_contiguous():
+        shift = _first_value(x)
+        pieces = [x]
+        result = native.stats(x, shift, *bits)
+        if result is None:
+            return None
+        sums, (hi, lo), counts = result
+    else:
+        # Others (and float16, which the kernel does not read) are copied piece by piece,
+        # so that no copy of the whole tensor is made.
+        shift = float(x[(0,) * x.dim()].item())
+        pieces = _pieces(x)
+        sums, hi, lo, counts = [0.0, 0.0, 0.0], 0, 0x7FFFFFFF, [0] * (len(under) + len(over))
+        for piece in pieces:
+            result = native.stats(_readable(piece), shift, *bits)
+            if result is None:
+                return None
+            part_sums, (part_hi, part_lo), part_counts = result
+            sums = [a + b for a, b in zip(sums, part_sums, strict=True)]
+            hi, lo = max(hi, part_hi), min(lo, part_lo)
+            counts = [a + b for a, b in zip(counts, part_counts, strict=True)]
+    sum_abs, shifted, squares = sums
+    mean = shift + shifted / n
+    var = squares / n - (shifted / n) ** 2
+    if var <= _NATIVE_CANCELLATION * squares / n and squares > 0:
+        # The shift lies far from the mean against the spread: sum around the mean.
+        centred = squares = 0.0
+        for piece in pieces:
+            part, part_sq = native.centred(_readable(piece), mean)
+            centred += part
+            squares += part_sq
+        var = squares / n - (centred / n) ** 2
+    return [sum_abs, mean, var, _float_of_bits(hi), _float_of_bits(lo), 0.0, 0.0, *counts]
 
 
 @torch.no_grad()
-def cpu_stats(
-    x: Tensor, under: tuple[float, ...], over: tuple[float, ...], compiled: bool = True
-) -> list[float]:
-    """Statistics of the non-empty CPU tensor ``x`` in the layout of the device kernel:
-    ``sum_abs, mean, var, abs_max, abs_min, nan_count, inf_count`` then the counts of
-    ``0 < |x| <= under[k]`` and of ``|x| > over[k]``. With ``compiled``, large tensors
-    (see :data:`LARGE`) are read by compiled kernels."""
+def cpu_stats(x: Tensor, under: tuple[float, ...], over: tuple[float, ...]) -> list[float]:
+    """Statistics of the non-empty CPU tensor ``x`` by PyTorch ops, in the layout of the
+    device kernel: ``sum_abs, mean, var, abs_max, abs_min, nan_count, inf_count`` then the
+    counts of ``0 < |x| <= under[k]`` and of ``|x| > over[k]``."""
     n = x.numel()
-    large = compiled and _large_applies(x)
-    if large and _large.due():
-        values = _large(x, under, over)
-        if values is not None:
-            return [float(v) for v in values]
-        large = False  # not finite: read in pieces, which count NaN and Inf
-    start = time.perf_counter() if large else 0.0
     acc = _Accumulator(len(under), len(over))
     pieces = _pieces(x)
     for c in pieces:
         _read_piece(c, acc, under, over)
-    if large:
-        _large.pieces_seconds += time.perf_counter() - start
     mean = acc.sum / n
     mean_sq = acc.sum_sq / n
     var = mean_sq - mean * mean
@@ -452,7 +416,7 @@ class SmallBatch:
             if not (
                 math.isfinite(sum_abs[i]) and math.isfinite(sum_sq[i]) and math.isfinite(total[i])
             ) or (hi[i] > 0 and not (_F32_SAFE[0] < hi[i] < _F32_SAFE[1])):
-                out.append(cpu_stats(rows[i], under, over, compiled=False))
+                out.append(cpu_stats(rows[i], under, over))
                 continue
             mean = total[i] / n
             mean_sq = sum_sq[i] / n

@@ -2,16 +2,27 @@
 
 Design constraints (this is the hot path of tracking):
 
-- statistics are computed on the tensor's own device, under ``no_grad``, into one small
-  float64 vector per tensor (:func:`tensor_stats`), by one kernel compiled with
-  ``torch.compile`` that reads the tensor twice (its largest magnitude first, which scales
-  the sums so that they stay finite) and allocates nothing of its size; counts are int64;
-  nothing is copied to the host until the whole graph is read, so tracking costs no
-  host-device synchronisation per op;
-- the input is never cloned or modified, so tracking cannot change the numerics;
+- statistics come as one small float64 vector per tensor (:func:`tensor_stats`), computed
+  under ``no_grad`` by a path chosen for the device (:func:`deferred_stats`):
+
+  - on an accelerator, by one kernel compiled with ``torch.compile`` on the tensor's own
+    device, which reads the tensor twice (its largest magnitude first, which scales the
+    sums so that they stay finite) and allocates nothing of its size; counts are int64;
+    nothing is copied to the host until the whole graph is read, so tracking costs no
+    host-device synchronisation per op;
+  - on the CPU, where a host read costs nothing, by a native one-pass kernel or, without
+    a C compiler, by PyTorch ops that batch small tensors (:mod:`._cpu_stats`); nothing
+    waits for a compiler;
+
+- the input is never modified, so tracking cannot change the numerics (the CPU batch reads
+  a copy of each small tensor, so that a later in-place change cannot alter its record);
 - empty tensors, NaN and Inf give well-defined values, never an exception: statistics follow
   IEEE arithmetic over all elements (a NaN makes ``std`` NaN, an Inf makes ``abs_max`` Inf),
   an empty tensor gives zeros, and ``nan_count``/``inf_count`` say what happened.
+
+``UNITSCALE_STATS`` selects the paths: ``auto`` (the default, as above), ``eager`` (nothing
+compiled: PyTorch ops on the CPU, the device kernel uncompiled elsewhere) or ``compiled``
+(the compiled device kernel on every device, the CPU included).
 """
 
 from __future__ import annotations
@@ -27,9 +38,7 @@ from torch import Tensor
 
 from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
-from ._cpu_stats import SMALL, Pending, SmallBatch, cpu_stats
-from ._cpu_stats import compile_errors as _compile_errors
-from ._cpu_stats import is_out_of_memory as _is_out_of_memory
+from ._cpu_stats import SMALL, Pending, SmallBatch, cpu_stats, native_stats
 
 __all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
 
@@ -88,8 +97,28 @@ def _stats_kernel(x: Tensor) -> Tensor:
     return torch.stack(parts)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile`` raises when it cannot compile the kernel (no C++ compiler, an
+    unsupported tensor type or op): only these fall back to the eager kernel."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    names = ("CppCompileError", "InvalidCxxCompiler", "OperatorIssue", "InductorError")
+    inductor = tuple(getattr(torch._inductor.exc, name, None) for name in names)
+    found = (torch._dynamo.exc.TorchDynamoException, *inductor)
+    return tuple(error for error in found if isinstance(error, type))
+
+
+def _is_out_of_memory(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _mode() -> str:
-    """``UNITSCALE_STATS``: "auto" (the default), "compiled" or "eager" (see :class:`_Kernel`)."""
+    """``UNITSCALE_STATS``: "auto" (the default), "compiled" or "eager" (see the module)."""
     return os.environ.get("UNITSCALE_STATS", "auto")
 
 
@@ -97,7 +126,7 @@ class _Kernel:
     """Runs :func:`_stats_kernel` compiled (one fused pass), or eagerly where that fails.
 
     ``UNITSCALE_STATS=eager`` in the environment selects the eager path (same statistics,
-    more memory traffic; useful where compile time matters more than run time, as in tests).
+    more memory traffic; useful where compile time matters more than run time).
     Only a compilation failure (see :func:`_compile_errors`) falls back, and only for that
     call and later tensors of the same kind (device type, dtype, number of dimensions): other
     kinds still use the compiled kernel. Any other error, an out-of-memory error included,
@@ -172,10 +201,10 @@ _BATCHED = (torch.float32, torch.float16, torch.bfloat16)
 def deferred_stats(x: Tensor) -> Stats:
     """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
 
-    On the CPU (unless ``UNITSCALE_STATS=compiled``) small tensors are batched and read
-    together when a value is first needed (:class:`~._cpu_stats.SmallBatch`), others are
-    read at once (:func:`~._cpu_stats.cpu_stats`); on other devices the compiled kernel
-    runs asynchronously. Same values whichever path runs.
+    On the CPU (unless ``UNITSCALE_STATS=compiled``): by the native kernel where it is
+    available (and not ``UNITSCALE_STATS=eager``); else small tensors are batched and read
+    together when a value is first needed, others read at once by PyTorch ops. On other
+    devices the compiled kernel runs asynchronously. Same values whichever path runs.
     """
     n = x.numel()
     if n == 0:
@@ -183,10 +212,14 @@ def deferred_stats(x: Tensor) -> Stats:
     x = x.detach()
     if x.device.type == "cpu" and type(x) is Tensor:
         mode = _mode()
+        if mode == "auto":
+            values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
+            if values is not None:
+                return values
         if mode != "compiled":
             if n <= SMALL and x.dtype in _BATCHED:
                 return _batch.add(x)
-            return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE, compiled=mode == "auto")
+            return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
     return _kernel(x)
 
 

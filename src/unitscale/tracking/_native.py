@@ -1,0 +1,373 @@
+"""A native (C) kernel for the scale statistics of CPU tensors: one pass, a few microseconds
+of fixed cost.
+
+PyTorch's CPU ops cost microseconds each however small the tensor, and the statistics need
+about a dozen of them (sums, extremes, threshold counts); a compiled Inductor kernel costs
+tens of microseconds per call and seconds to compile. This module compiles (once per
+machine, about a second, cached on disk) a small C file with no dependencies, and calls it
+through :mod:`ctypes`, which releases the GIL: large tensors are split over threads.
+
+The C code reads float32 or bfloat16 values and computes, in one pass, everything the
+device kernel (:func:`unitscale.tracking.metrics._stats_kernel`) does:
+
+- ``sum |x|``, ``sum (x - s)`` and ``sum (x - s)**2`` in float64, ``s`` an element of the
+  tensor (its first), which keeps the variance clear of cancellation; float32 products are
+  exact in float64, so the only rounding is that of the float64 sums;
+- the largest and smallest magnitudes, on the integer bit patterns of ``|x|`` (ordered as the
+  values are, NaN above Inf), and the NaN and Inf counts;
+- the under/overflow counts exactly, as integer comparisons of the bit patterns with the
+  thresholds' bit patterns: ``0 < |x| <= t`` and ``t < |x| <= Inf`` (NaN is neither).
+
+Nothing here is required: where no C compiler is found or compilation fails, the PyTorch
+path of :mod:`unitscale.tracking._cpu_stats` runs instead (same statistics), and
+``UNITSCALE_STATS=eager`` selects that path explicitly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["NativeStats", "native"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+/* us_stats: sums[0..2] = sum|x|, sum(x - s), sum((x - s)^2); ext[0..1] = bit patterns of
+   max|x| and min|x|; counts[0] = zeros; counts[1 + k] = how many |x| <= under[k] (zeros
+   included). The bit patterns of magnitudes are non-negative int32 ordered as the values
+   (NaN above Inf), so each count is one signed comparison. NaN and Inf are not counted:
+   they make the sums non-finite, and the caller reads such tensors otherwise. Exactly
+   US_NT thresholds (unused ones are -1: they never count), so that the loop over them
+   unrolls and the loop over elements vectorises.
+   us_over: counts[k] = how many |x| > over[k] (unused: INT32_MAX), read only where the
+   largest magnitude exceeds a threshold. */
+#define US_BLOCK 1024
+#define US_NT 4
+/* From this many elements, the loops run on OpenMP's threads (the runtime PyTorch loaded,
+   so its thread count): below it a fork and join costs more than it saves. */
+#ifndef US_PARALLEL
+#define US_PARALLEL 65536
+#endif
+
+static inline uint32_t us_bits(const void* p, int64_t i, int bf16) {
+    if (bf16) {
+        uint16_t h;
+        memcpy(&h, (const char*)p + 2 * i, 2);
+        return ((uint32_t)h) << 16;
+    }
+    uint32_t b;
+    memcpy(&b, (const char*)p + 4 * i, 4);
+    return b;
+}
+
+static inline void us_stats(const void* x, int64_t n, double shift, const int32_t* under_in,
+                            double* sums, uint32_t* ext, int64_t* counts, int bf16) {
+    int32_t under[US_NT];
+    for (int k = 0; k < US_NT; ++k) under[k] = under_in[k];
+    double s_abs = 0.0, s_d = 0.0, s_d2 = 0.0;
+    int32_t hi = 0, lo = INT32_MAX;
+    int64_t zeros = 0, cu[US_NT] = {0};
+    int64_t blocks = (n + US_BLOCK - 1) / US_BLOCK;
+#pragma omp parallel for if (n >= US_PARALLEL) schedule(static) \
+    reduction(+ : s_abs, s_d, s_d2, zeros, cu[:US_NT]) reduction(max : hi) reduction(min : lo)
+    for (int64_t block = 0; block < blocks; ++block) {
+        int64_t start = block * US_BLOCK;
+        int64_t stop = start + US_BLOCK < n ? start + US_BLOCK : n;
+        double b_abs = 0.0, b_d = 0.0, b_d2 = 0.0;
+        int32_t b_hi = 0, b_lo = INT32_MAX, b_zeros = 0, bu[US_NT] = {0};
+        for (int64_t i = start; i < stop; ++i) {
+            uint32_t bits = us_bits(x, i, bf16);
+            int32_t m = (int32_t)(bits & 0x7FFFFFFFu);
+            float v;
+            memcpy(&v, &bits, 4);
+            double dv = (double)v;
+            double d = dv - shift;
+            b_abs += dv < 0 ? -dv : dv;
+            b_d += d;
+            b_d2 += d * d;
+            b_hi = m > b_hi ? m : b_hi;
+            b_lo = m < b_lo ? m : b_lo;
+            b_zeros += m == 0;
+            for (int k = 0; k < US_NT; ++k) bu[k] += m <= under[k];
+        }
+        s_abs += b_abs;
+        s_d += b_d;
+        s_d2 += b_d2;
+        hi = b_hi > hi ? b_hi : hi;
+        lo = b_lo < lo ? b_lo : lo;
+        zeros += b_zeros;
+        for (int k = 0; k < US_NT; ++k) cu[k] += bu[k];
+    }
+    sums[0] = s_abs;
+    sums[1] = s_d;
+    sums[2] = s_d2;
+    ext[0] = (uint32_t)hi;
+    ext[1] = (uint32_t)lo;
+    counts[0] = zeros;
+    for (int k = 0; k < US_NT; ++k) counts[1 + k] = cu[k];
+}
+
+static inline void us_over(const void* x, int64_t n, const int32_t* over_in, int64_t* counts,
+                           int bf16) {
+    int32_t over[US_NT];
+    for (int k = 0; k < US_NT; ++k) over[k] = over_in[k];
+    int64_t co[US_NT] = {0};
+    int64_t blocks = (n + US_BLOCK - 1) / US_BLOCK;
+#pragma omp parallel for if (n >= US_PARALLEL) schedule(static) reduction(+ : co[:US_NT])
+    for (int64_t block = 0; block < blocks; ++block) {
+        int64_t start = block * US_BLOCK;
+        int64_t stop = start + US_BLOCK < n ? start + US_BLOCK : n;
+        int32_t bo[US_NT] = {0};
+        for (int64_t i = start; i < stop; ++i) {
+            int32_t m = (int32_t)(us_bits(x, i, bf16) & 0x7FFFFFFFu);
+            for (int k = 0; k < US_NT; ++k) bo[k] += m > over[k];
+        }
+        for (int k = 0; k < US_NT; ++k) co[k] += bo[k];
+    }
+    for (int k = 0; k < US_NT; ++k) counts[k] = co[k];
+}
+
+/* sum(x - mean) and sum((x - mean)^2) in float64: the variance where the shift was far from
+   the mean. */
+static inline void us_centred(const void* x, int64_t n, double mean, double* out, int bf16) {
+    double s = 0.0, s2 = 0.0;
+#pragma omp parallel for if (n >= US_PARALLEL) schedule(static) reduction(+ : s, s2)
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits = us_bits(x, i, bf16);
+        float v;
+        memcpy(&v, &bits, 4);
+        double d = (double)v - mean;
+        s += d;
+        s2 += d * d;
+    }
+    out[0] = s;
+    out[1] = s2;
+}
+
+void us_stats_f32(const void* x, int64_t n, double shift, const int32_t* under, double* sums,
+                  uint32_t* ext, int64_t* counts) {
+    us_stats(x, n, shift, under, sums, ext, counts, 0);
+}
+void us_stats_bf16(const void* x, int64_t n, double shift, const int32_t* under, double* sums,
+                   uint32_t* ext, int64_t* counts) {
+    us_stats(x, n, shift, under, sums, ext, counts, 1);
+}
+void us_over_f32(const void* x, int64_t n, const int32_t* over, int64_t* counts) {
+    us_over(x, n, over, counts, 0);
+}
+void us_over_bf16(const void* x, int64_t n, const int32_t* over, int64_t* counts) {
+    us_over(x, n, over, counts, 1);
+}
+void us_centred_f32(const void* x, int64_t n, double mean, double* out) {
+    us_centred(x, n, mean, out, 0);
+}
+void us_centred_bf16(const void* x, int64_t n, double mean, double* out) {
+    us_centred(x, n, mean, out, 1);
+}
+"""
+
+# Reassociating the float64 sums lets the compiler vectorise them (which only changes their
+# rounding, not their IEEE semantics: no finite-math or flush-to-zero assumptions).
+_FLAGS = [
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+]
+# Tried in order: OpenMP (PyTorch's own runtime, already loaded: same threads) and the host's
+# vector instructions where the compiler has them.
+_OPTIONAL_FLAGS: tuple[list[str], ...] = (
+    ["-fopenmp", "-march=native"],
+    ["-fopenmp"],
+    ["-march=native"],
+    [],
+)
+#: Thresholds of each kind the kernel takes (the C source's US_NT).
+THRESHOLDS = 4
+_INT32_MAX = 2**31 - 1
+_Out3 = ctypes.c_double * 3
+_Out2 = ctypes.c_uint32 * 2
+_OutCounts = ctypes.c_int64 * (1 + THRESHOLDS)
+
+
+def _cache_dir() -> Path:
+    """``UNITSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/unitscale`` or ``~/.cache/unitscale``."""
+    explicit = os.environ.get("UNITSCALE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    root = os.environ.get("XDG_CACHE_HOME")
+    return (Path(root) if root else Path.home() / ".cache") / "unitscale"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile the kernel into ``target`` (atomically: concurrent processes may race)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        source = Path(work) / "unitscale_stats.c"
+        source.write_text(_SOURCE)
+        out = Path(work) / target.name
+        errors = ""
+        for extra in _OPTIONAL_FLAGS:
+            command = [compiler, *_FLAGS, *extra, str(source), "-o", str(out)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                os.replace(out, target)
+                return
+            errors = result.stderr.strip()
+        raise OSError(f"{compiler} failed: {errors[:300]}")
+
+
+class NativeStats:
+    """The compiled kernel, built and loaded at first use (:meth:`available`)."""
+
+    def __init__(self) -> None:
+        self._lib: Any = None
+        self._failed = ""
+        self._lock = threading.Lock()
+        self._thresholds: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+
+    def available(self) -> bool:
+        """Whether the kernel is loaded (building it on the first call)."""
+        if self._lib is not None:
+            return True
+        if self._failed:
+            return False
+        with self._lock:
+            if self._lib is None and not self._failed:
+                try:
+                    self._lib = self._load()
+                except (OSError, subprocess.SubprocessError) as error:
+                    self._failed = str(error) or type(error).__name__
+                    warnings.warn(
+                        "unitscale: the native statistics kernel is unavailable "
+                        f"({self._failed}); CPU scale statistics use PyTorch ops instead, "
+                        "which give the same statistics more slowly",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+        return self._lib is not None
+
+    def _load(self) -> Any:
+        if sys.platform == "win32":
+            raise OSError("not built on Windows")
+        compiler = _compiler()
+        if compiler is None:
+            raise OSError("no C compiler found (set CC)")
+        key = hashlib.sha256(
+            "\0".join(
+                [_SOURCE, compiler, *_FLAGS, *map(str, _OPTIONAL_FLAGS), platform.machine()]
+            ).encode()
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"stats-{key}.so"
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+        signatures = {
+            "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 4],
+            "us_over": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+            "us_centred": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p],
+        }
+        for stem, argtypes in signatures.items():
+            for suffix in ("f32", "bf16"):
+                function = getattr(lib, f"{stem}_{suffix}")
+                function.argtypes = argtypes
+                function.restype = None
+        return lib
+
+    def _parallel(self, x: Tensor, call: Any) -> list[Any]:
+        """``call(address, length)`` on ``x`` whole (the C code shares large tensors out
+        over OpenMP threads itself)."""
+        return [call(x.data_ptr(), x.numel())]
+
+    def stats(
+        self, x: Tensor, shift: float, under: tuple[int, ...], over: tuple[int, ...]
+    ) -> tuple[list[float], list[int], list[int]] | None:
+        """``(sums, [max bits, min bits], counts)`` of the contiguous CPU float32/bfloat16
+        tensor ``x``, the sums of ``x - shift``: ``counts`` are those of ``0 < |x| <= t`` for
+        the float32 bit patterns ``t`` in ``under``, then of ``|x| > t`` for those in
+        ``over`` (at most :data:`THRESHOLDS` of each). None where ``x`` holds NaN or Inf."""
+        nu, no = len(under), len(over)
+        if nu > THRESHOLDS or no > THRESHOLDS:
+            raise ValueError(f"at most {THRESHOLDS} thresholds of each kind")
+        arrays = self._thresholds.get((under, over))
+        if arrays is None:
+            arrays = self._thresholds[(under, over)] = (
+                (ctypes.c_int32 * THRESHOLDS)(*under, *[-1] * (THRESHOLDS - nu)),
+                (ctypes.c_int32 * THRESHOLDS)(*over, *[_INT32_MAX] * (THRESHOLDS - no)),
+            )
+        lib = self._lib
+        bf16 = x.dtype == torch.bfloat16
+        fn = lib.us_stats_bf16 if bf16 else lib.us_stats_f32
+
+        def call(address: int, length: int) -> tuple[list[float], list[int], list[int]]:
+            sums, ext, counts = _Out3(), _Out2(), _OutCounts()
+            fn(address, length, shift, arrays[0], sums, ext, counts)
+            return sums[:], ext[:], counts[:]
+
+        parts = self._parallel(x, call)
+        if len(parts) == 1:
+            sums, ext, counts = parts[0]
+        else:
+            sums = [sum(p[0][k] for p in parts) for k in range(3)]
+            ext = [max(p[1][0] for p in parts), min(p[1][1] for p in parts)]
+            counts = [sum(p[2][k] for p in parts) for k in range(1 + THRESHOLDS)]
+        if not all(math.isfinite(v) for v in sums):
+            return None
+        zeros = counts[0]
+        found = [c - zeros for c in counts[1 : 1 + nu]]
+        hi = ext[0]
+        if any(hi > t for t in over):  # some magnitude exceeds a threshold: count them
+            over_fn = lib.us_over_bf16 if bf16 else lib.us_over_f32
+
+            def count_over(address: int, length: int) -> list[int]:
+                out = (ctypes.c_int64 * THRESHOLDS)()
+                over_fn(address, length, arrays[1], out)
+                return out[:]
+
+            over_parts = self._parallel(x, count_over)
+            found += [sum(p[k] for p in over_parts) for k in range(no)]
+        else:
+            found += [0] * no
+        return sums, ext, found
+
+    def centred(self, x: Tensor, mean: float) -> tuple[float, float]:
+        """``sum(x - mean)`` and ``sum((x - mean)**2)`` of ``x`` (as for :meth:`stats`)."""
+        lib = self._lib
+        fn = lib.us_centred_bf16 if x.dtype == torch.bfloat16 else lib.us_centred_f32
+
+        def call(address: int, length: int) -> tuple[float, float]:
+            out = (ctypes.c_double * 2)()
+            fn(address, length, mean, out)
+            return out[0], out[1]
+
+        parts = self._parallel(x, call)
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+native = NativeStats()
