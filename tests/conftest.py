@@ -1,9 +1,10 @@
 """Shared test fixtures: every test starts from a fixed random seed.
 
-Scale tracking computes its statistics with a kernel compiled by ``torch.compile``; the
-suite uses the eager version of the same kernel (``UNITSCALE_STATS=eager``) to avoid paying
-compile time in every process. ``tests/tracking/test_metrics.py`` checks that the compiled
-kernel gives the same statistics and runs a tracked model with it.
+Scale tracking computes CPU statistics with a small native kernel (built once per machine,
+in about a second) or, with ``UNITSCALE_STATS=eager`` or without a C compiler, with PyTorch
+ops; the suite runs on the default and ``tests/tracking/test_metrics*.py`` and
+``test_cpu_stats.py`` check every path, the compiled device kernel included, against float64
+arithmetic and against each other.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 import sys
 from collections.abc import Iterator
 from typing import Any
-
-os.environ.setdefault("UNITSCALE_STATS", "eager")
 
 import pytest
 import torch

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from unitscale.tracking.metrics import FORMAT_RANGES, Metrics, stats_to_data, tensor_stats
+from unitscale.tracking.metrics import (
+    FORMAT_RANGES,
+    Metrics,
+    _stats_kernel,
+    stats_to_data,
+    tensor_stats,
+)
 
 CASTS = {
     "e4m3": torch.float8_e4m3fn,
@@ -17,6 +23,14 @@ CASTS = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+
+
+@pytest.fixture(autouse=True, params=["auto", "eager"])
+def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both CPU paths: the native kernel (the default) and PyTorch
+    ops (``UNITSCALE_STATS=eager``, also what runs without a C compiler)."""
+    monkeypatch.setenv("UNITSCALE_STATS", request.param)
+    return str(request.param)
 
 
 def data_of(x: torch.Tensor) -> Metrics.Data:
@@ -161,9 +175,14 @@ def test_no_host_reads_is_able_to_fail() -> None:
         torch.randn(8, 8).half().t(),
     ],
 )
-def test_statistics_do_not_modify_or_sync(x: torch.Tensor) -> None:
+def test_statistics_do_not_modify_and_the_device_kernel_does_not_sync(x: torch.Tensor) -> None:
+    """On an accelerator, statistics are computed on the device and read once per graph: the
+    device kernel must not read the host. (The CPU paths read partial results on purpose:
+    there a read costs nothing.)"""
     before = x.detach().clone()
-    with _NoHostReads():
-        v = tensor_stats(x)
+    v = tensor_stats(x)
     assert not v.requires_grad and v.dtype == torch.float64
+    if x.numel():
+        with _NoHostReads():
+            _stats_kernel(x.detach())
     torch.testing.assert_close(x.detach(), before, rtol=0, atol=0, equal_nan=True)

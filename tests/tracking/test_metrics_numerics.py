@@ -14,6 +14,14 @@ from unitscale.tracking import metrics
 from unitscale.tracking.metrics import Metrics, _stats_kernel, stats_to_data, tensor_stats
 
 
+@pytest.fixture(autouse=True, params=["auto", "eager"])
+def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both CPU paths: the native kernel (the default) and PyTorch
+    ops (``UNITSCALE_STATS=eager``, also what runs without a C compiler)."""
+    monkeypatch.setenv("UNITSCALE_STATS", request.param)
+    return str(request.param)
+
+
 def data_of(x: torch.Tensor) -> Metrics.Data:
     return stats_to_data(tensor_stats(x).tolist(), x.numel())
 

@@ -6,6 +6,7 @@ import copy
 import math
 import pickle
 import warnings
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,23 +31,17 @@ from unitscale.transforms import simulate_fp8, track_scales
 CONFIG = GPTConfig(hidden_size=16, depth=1, heads=2, seq_len=16)
 
 
-@pytest.fixture(autouse=True)
-def eager_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Same statistics, without compiling the fused kernel (compile time dominates tiny tests).
-    monkeypatch.setenv("UNITSCALE_STATS", "eager")
-
-
 @pytest.fixture
 def stats_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the tensor statistics the tracking pass computes (one list entry per call)."""
     calls: list[int] = []
-    original = recorder.tensor_stats
+    original = recorder.deferred_stats
 
-    def counting(x: torch.Tensor) -> torch.Tensor:
+    def counting(x: torch.Tensor) -> Any:
         calls.append(x.numel())
         return original(x)
 
-    monkeypatch.setattr(recorder, "tensor_stats", counting)
+    monkeypatch.setattr(recorder, "deferred_stats", counting)
     return calls
 
 

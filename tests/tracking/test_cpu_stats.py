@@ -1,0 +1,247 @@
+"""The CPU statistics paths (native kernel, PyTorch pieces, small-tensor batch) against float64
+arithmetic and against each other: same statistics, whichever path runs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from unitscale.tracking import _cpu_stats, _native, metrics
+from unitscale.tracking._cpu_stats import PIECE, SmallBatch, cpu_stats, native_stats
+from unitscale.tracking.metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, _stats_kernel
+
+UNDER, OVER = _UNDERFLOW_BELOW, _OVERFLOW_ABOVE
+needs_native = pytest.mark.skipif(
+    not _native.native.available(), reason="no C compiler: the native kernel is not built"
+)
+
+
+def truth(x: torch.Tensor) -> list[float]:
+    """The statistics in float64 arithmetic, in the kernels' layout."""
+    d = x.detach().double().reshape(-1)
+    a = d.abs()
+    finite = bool(torch.isfinite(d).all())
+    head = [a.sum().item(), d.mean().item(), d.var(correction=0).item()]
+    if finite:
+        head += [a.max().item(), a.min().item()]
+    else:
+        head += [math.nan, math.nan] if bool(torch.isnan(d).any()) else [math.inf, a.min().item()]
+    head += [float(torch.isnan(d).sum()), float(torch.isinf(d).sum())]
+    # Counts by comparison with the thresholds as the tensor's dtype rounds them (as torch
+    # compares a tensor with a Python number).
+    x32 = x.detach().float().reshape(-1).abs()
+    under = [float(((x32 <= b) & (x32 > 0)).sum()) for b in UNDER]
+    over = [float((x32 > b).sum()) for b in OVER]
+    return head + under + over
+
+
+def assert_agrees(got: list[float], want: list[float], rel: float = 1e-6) -> None:
+    """Sums to ``rel`` (the variance also to ``rel`` of the second moment), extremes and
+    counts exactly; NaN where the reference is NaN."""
+    assert len(got) == len(want)
+    mean_sq = want[2] + want[1] ** 2
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        if math.isnan(w):
+            assert math.isnan(g), (k, got, want)
+        elif math.isinf(w):
+            assert g == w, (k, got, want)
+        elif k == 2 and math.isfinite(w):
+            assert abs(g - w) <= rel * max(abs(w), 1e-12 * mean_sq) + 1e-300, (k, got, want)
+        elif k in (0, 1):
+            scale = abs(w) if k == 0 else math.sqrt(max(mean_sq, 0.0))
+            assert abs(g - w) <= rel * scale + 1e-300, (k, got, want)
+        else:
+            assert g == w, (k, got, want)
+
+
+def cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    ties = torch.tensor([2.0**-10, 2.0**-10 * (1 + 2**-23), 448.0, 448.0 * (1 + 2**-23)])
+    return {
+        "vector": randn(1000),
+        "one element": torch.tensor([-2.5]),
+        "0-d": torch.tensor(3.0),
+        "several pieces": randn(3 * PIECE + 17) * 0.01,
+        "transposed": randn(700, 300).t(),
+        "strided slice": randn(64, 2 * PIECE)[:, ::3],
+        "float16": (randn(100_000) * 1e-3).half(),
+        "float16 transposed": randn(300, 200).half().t(),
+        "bfloat16": randn(200_000).bfloat16(),
+        "bfloat16 transposed": randn(300, 200).bfloat16().t(),
+        "relu (zeros)": randn(200_000).relu(),
+        "all zeros": torch.zeros(5000),
+        "ones": torch.ones(5000),
+        "huge": randn(100_000) * 1e37,
+        "tiny": randn(100_000) * 1e-30,
+        "mean far above spread": randn(100_000) * 1e-3 + 1000.0,
+        "outlier first": torch.cat([torch.tensor([1e6]), randn(5000) * 1e-3 + 5.0]),
+        # The native kernel sums about the first element: here (x - x[0])**2 ~ 1e6 where the
+        # variance is 0.24, and only its second, centred pass keeps 1e-9.
+        "outlier first, 4M elements": torch.cat([torch.tensor([1e3]), randn(1 << 22) * 1e-3]),
+        "subnormals and ties": torch.cat(
+            [ties.repeat(1000), torch.tensor([2.0**-134, 2.0**-140, 2.0**-149])]
+        ),
+        "beyond every format": torch.cat([randn(1000), torch.tensor([1e5, -7e4, 3e38])]),
+        "1M elements": randn(1 << 20) * 0.05,
+    }
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pytorch_path_matches_float64(name: str) -> None:
+    x = CASES[name]
+    assert_agrees(cpu_stats(x, UNDER, OVER), truth(x))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(CASES))
+def test_native_kernel_matches_float64(name: str) -> None:
+    x = CASES[name]
+    got = native_stats(x, UNDER, OVER)
+    assert got is not None
+    assert_agrees(got, truth(x), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", [n for n, x in CASES.items() if x.numel() <= _cpu_stats.SMALL])
+def test_small_batch_matches_float64(name: str) -> None:
+    batch = SmallBatch(UNDER, OVER)
+    x = CASES[name]
+    pending = [batch.add(x), batch.add(torch.randn(x.shape)), batch.add(x.detach().clone())]
+    assert_agrees(pending[0].values(), truth(x))
+    assert pending[2].values() == pending[0].values()  # same size, same values: same row
+    assert batch.elements == 0 and not batch.groups  # read, copies released
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.tensor([1.0, float("nan"), 2.0]),
+        torch.tensor([1.0, float("inf"), -3.0]),
+        torch.tensor([float("-inf"), float("inf")]),
+        torch.cat([torch.randn(3 * PIECE), torch.tensor([float("nan")])]),
+        torch.cat([torch.randn(2 * PIECE), torch.tensor([float("inf")])]),
+    ],
+    ids=["nan", "inf", "both infs", "nan in one piece", "inf in one piece"],
+)
+def test_nan_and_inf_follow_the_device_kernel(x: torch.Tensor) -> None:
+    """IEEE semantics: the device kernel's values, NaN where it has NaN (the native kernel
+    hands such tensors to the PyTorch path)."""
+    want = _stats_kernel(x).tolist()
+    assert_agrees(cpu_stats(x, UNDER, OVER), want)
+    assert native_stats(x, UNDER, OVER) is None
+    batch = SmallBatch(UNDER, OVER)
+    if x.numel() <= _cpu_stats.SMALL:
+        assert_agrees(batch.add(x).values(), want)
+
+
+def test_the_batch_reads_a_copy() -> None:
+    """A tensor changed in place after it was recorded keeps the statistics it had."""
+    batch = SmallBatch(UNDER, OVER)
+    x = torch.randn(100)
+    want = truth(x)
+    pending = batch.add(x)
+    x.mul_(1000)
+    assert_agrees(pending.values(), want)
+
+
+def test_the_batch_is_read_when_it_holds_enough() -> None:
+    batch = SmallBatch(UNDER, OVER)
+    size = _cpu_stats.SMALL
+    first = [batch.add(torch.randn(size)) for _ in range(_cpu_stats.FLUSH_ELEMENTS // size - 1)]
+    assert batch.elements > 0 and all(p._values is None for p in first)
+    batch.add(torch.randn(size))
+    assert batch.elements == 0 and all(p._values is not None for p in first)
+
+
+@needs_native
+def test_native_kernel_gives_the_same_result_on_any_number_of_threads() -> None:
+    x = torch.randn(1 << 22) * 0.01
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_stats(x, UNDER, OVER)
+        torch.set_num_threads(2)
+        two = native_stats(x, UNDER, OVER)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and two is not None
+    assert one[3:] == two[3:]  # extremes and counts exactly
+    assert_agrees(two, one, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_tracked_statistics_are_the_same_on_every_path(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracked model's statistics, read by the native kernel or by PyTorch ops (small
+    tensors batched), agree with float64 arithmetic on the values the model computed."""
+    from unitscale.transforms import track_scales
+
+    monkeypatch.setenv("UNITSCALE_STATS", mode)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    x = torch.randn(8, 16)
+    tracked = track_scales(model)
+    tracked(x).square().mean().backward()
+    graph = tracked.scales_graph()
+    hidden = model[1](model[0](x)).detach()
+    gelu = next(n for n in graph.nodes if n.target is torch.nn.functional.gelu)
+    fwd = gelu.meta["metrics"].fwd
+    assert fwd.mean_abs == pytest.approx(hidden.double().abs().mean().item(), rel=1e-6)
+    assert fwd.std == pytest.approx(hidden.double().std(correction=0).item(), rel=1e-6)
+    assert fwd.abs_max == hidden.abs().max().item()
+    assert gelu.meta["metrics"].bwd is not None
+
+
+def test_without_a_compiler_the_pytorch_path_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UNITSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    kernel = _native.NativeStats()
+    with pytest.warns(RuntimeWarning, match="native statistics kernel is unavailable"):
+        assert not kernel.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernel.available()  # once: no second warning, no second attempt
+    monkeypatch.setattr(_cpu_stats, "native", kernel)
+    x = torch.randn(1000)
+    assert native_stats(x, UNDER, OVER) is None
+    assert_agrees(metrics.tensor_stats(x).tolist(), truth(x))
+    assert not list(tmp_path.iterdir())
+
+
+@needs_native
+def test_the_kernel_is_built_once_per_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UNITSCALE_CACHE_DIR", str(tmp_path))
+    first = _native.NativeStats()
+    assert first.available()
+    (built,) = tmp_path.glob("stats-*.so")
+    stamp = built.stat().st_mtime_ns
+    second = _native.NativeStats()
+    assert second.available()
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary left behind
+    assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_statistics_do_not_modify_their_input() -> None:
+    for mode in ("auto", "eager"):
+        for x in (torch.randn(100, requires_grad=True), torch.randn(64, 64).half().t()):
+            before = x.detach().clone()
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("UNITSCALE_STATS", mode)
+                v = metrics.tensor_stats(x)
+            assert not v.requires_grad and v.dtype == torch.float64
+            assert torch.equal(x.detach(), before)
