@@ -17,6 +17,11 @@ Models are built from ``transformers`` configs with random weights (no download)
 - ``tiny``: 2-layer BERT, hidden 64, vocab 2000, batch 2 x 16;
 - ``gpt2``: 4-layer GPT-2, hidden 256, vocab 50257, batch 16 x 128 (causal LM).
 
+Also reported (``statistics_vs_read``): the cost of one tensor's statistics against one read
+of it (``x.abs().sum()``), interleaved, for float32 tensors of 2**11 to 2**22 elements, on
+each CPU path: the native kernel (the default) and PyTorch ops (``UNITSCALE_STATS=eager``,
+what runs without a C compiler); the target is 3x.
+
 Each run is appended to ``benchmarks/results/tracking.json`` with the date and load.
 
 Run: ``python benchmarks/bench_tracking.py [--models bert4,bert2,tiny,gpt2] [--rounds N]
@@ -153,6 +158,37 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
     }
 
 
+def statistics_vs_read(rounds: int) -> dict[str, Any]:
+    """Median over rounds of (statistics time / ``x.abs().sum()`` time) per size and path."""
+    import os
+
+    from unitscale.tracking import metrics
+
+    out: dict[str, Any] = {"target": 3.0, "sizes": {}}
+    for exponent in (11, 15, 19, 22):
+        x = torch.randn(2**exponent)
+        repeat = max(3, 2 ** (20 - exponent))
+        ratios: dict[str, list[float]] = {"native": [], "pytorch": []}
+        for _ in range(rounds):
+            for path, mode in (("native", "auto"), ("pytorch", "eager")):
+                os.environ["UNITSCALE_STATS"] = mode
+                metrics.tensor_stats(x)  # warm
+                start = time.perf_counter()
+                for _ in range(repeat):
+                    metrics.tensor_stats(x)
+                stats = time.perf_counter() - start
+                start = time.perf_counter()
+                for _ in range(repeat):
+                    x.abs().sum()
+                read = time.perf_counter() - start
+                ratios[path].append(stats / read)
+        os.environ.pop("UNITSCALE_STATS", None)
+        out["sizes"][str(2**exponent)] = {
+            path: round(statistics.median(values), 3) for path, values in ratios.items()
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bert4,bert2,tiny,gpt2")
@@ -173,6 +209,9 @@ def main() -> None:
     for name in args.models.split(","):
         run["models"][name] = result = run_model(name, args.rounds, args.device)
         print(name, result, flush=True)
+    if args.device == "cpu":
+        run["statistics_vs_read"] = statistics_vs_read(args.rounds)
+        print("statistics vs one read", run["statistics_vs_read"], flush=True)
     append_run(args.out, run)
 
 

@@ -135,6 +135,18 @@ def tracking_rows() -> list[str]:
             f"| time {ratio:.2f}x, peak memory {memory:.2f}x, {first_text} "
             f"| {_met(ratio, target)} | {_when(run, path)} |"
         )
+    reads = run.get("statistics_vs_read")
+    if reads:
+        for key, label in (("native", "native kernel"), ("pytorch", "PyTorch ops")):
+            cells = ", ".join(
+                f"{int(size):,}: {ratios[key]:.2f}x" for size, ratios in reads["sizes"].items()
+            )
+            worst = max(ratios[key] for ratios in reads["sizes"].values())
+            rows.append(
+                f"| one tensor's tracking statistics vs one read (`x.abs().sum()`), float32, "
+                f"CPU, {label} (`bench_tracking.py`) | {cells} | "
+                f"{_met(worst, reads['target'])} | {_when(run, path)} |"
+            )
     return rows
 
 
