@@ -125,13 +125,18 @@ def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
 
 
 @contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
+def quiet_transformers(enabled: bool = True) -> Iterator[None]:
     """Silence ``transformers``' log messages and warnings (restored on exit).
 
     The command's progress lines are what the user reads; messages such as ``loss_type=None
     was set in the config but it is unrecognized`` are about transformers' internals and
-    would be interleaved with them. Errors still propagate as exceptions.
+    would be interleaved with them. Errors still propagate as exceptions. With ``enabled``
+    False (a run that uses no transformers model) this does nothing, and in particular does
+    not import transformers (about a second).
     """
+    if not enabled:
+        yield
+        return
     try:
         from transformers.utils import logging as hf_logging
     except ModuleNotFoundError:

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
     progress(f"building {args.model} model(s)")
-    with quiet_transformers():
+    with quiet_transformers(enabled=args.model != "builtin"):
         tables = _track_models(args, batch, progress)
     graphs = {entry.name: graph for entry, _, _, graph in tables}
 
@@ -108,15 +108,15 @@ def run(args: argparse.Namespace) -> int:
         csv_path, index=False, lineterminator="\n"
     )
     written.append(csv_path)
-    figures = []
+    images = []
     for entry, _, _, graph in tables:
         progress(f"{entry.name}: plotting")
         figure = cast("Figure", plot(graph, title=entry.name).figure)
         png = out / f"scales_{slug(entry.name, 'model')}.png"
-        figure.savefig(png, dpi=100, metadata={"Software": None})
+        # Rendered once: the same pixels go to this file and to the side-by-side image.
+        images.append(_render(figure, png))
         written.append(png)
-        figures.append(figure)
-    written.append(_side_by_side(figures, out / "scales_side_by_side.png"))
+    written.append(_side_by_side(images, out / "scales_side_by_side.png"))
     progress("writing the HTML report")
     title = f"unitscale analyse: {args.model}"
     written.append(write_report(graphs, out / "report.html", title=title))
@@ -185,24 +185,31 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
     return tables
 
 
-def _side_by_side(figures: list[Figure], path: Path, dpi: int = 100) -> Path:
-    """Write the models' plots next to each other, at the same scale, as one PNG.
-
-    Each figure is rendered as it is saved on its own (same pixels, no resampling) and the
-    images are placed left to right on white, top-aligned.
-    """
+def _render(figure: Figure, path: Path, dpi: int = 100) -> Any:
+    """Draw ``figure`` at ``dpi``, write it to ``path`` as a PNG (as ``savefig`` would, with
+    no version stamp) and return its RGBA pixels."""
     import numpy as np
     from matplotlib.image import imsave
 
-    images = []
-    for figure in figures:
-        figure.set_dpi(dpi)
-        figure.canvas.draw()
-        images.append(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # type: ignore[attr-defined]
-    height = max(image.shape[0] for image in images)
+    figure.set_dpi(dpi)
+    figure.canvas.draw()
+    pixels = np.array(figure.canvas.buffer_rgba())  # type: ignore[attr-defined]
+    no_software: Any = {"Software": None}
+    imsave(path, pixels, metadata=no_software)
+    return pixels
+
+
+def _side_by_side(images: list[Any], path: Path) -> Path:
+    """Write the models' rendered plots (RGBA pixels, see :func:`_render`) next to each
+    other, at the same scale, as one PNG: left to right on white, top-aligned, unchanged."""
+    import numpy as np
+    from matplotlib.image import imsave
+
+    rgb = [image[..., :3] for image in images]
+    height = max(image.shape[0] for image in rgb)
     gap = np.full((height, 20, 3), 255, dtype=np.uint8)
     columns = []
-    for i, image in enumerate(images):
+    for i, image in enumerate(rgb):
         padded = np.full((height, image.shape[1], 3), 255, dtype=np.uint8)
         padded[: image.shape[0]] = image
         columns += [gap, padded] if i else [padded]
