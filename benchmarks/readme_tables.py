@@ -58,6 +58,10 @@ def _when(run: dict[str, Any], path: Path) -> str:
     return f"`{path.name}` {date}, {threads} thread{'' if threads == 1 else 's'}, {_load(run)}"
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
+
+
 def _met(value: float, target: float | None) -> str:
     if target is None:
         return ""
@@ -117,9 +121,8 @@ def tracking_rows() -> list[str]:
         if "step_s" in result and isinstance(result["step_s"], dict):  # interleaved format
             ratio, memory = result["time_ratio"], result["peak_memory_ratio"]
             first = result["first_call_s"]
-            first_text = (
-                f"first call {first['tracked']:.1f} s (untracked {first['untracked']:.1f} s)"
-            )
+            tracked, untracked = _seconds(first["tracked"]), _seconds(first["untracked"])
+            first_text = f"first call {tracked} (untracked {untracked})"
             how = "interleaved, median of per-round ratios"
             target = result.get("target")
         else:  # older format: separate processes, ru_maxrss

@@ -245,3 +245,18 @@ def test_statistics_do_not_modify_their_input() -> None:
                 v = metrics.tensor_stats(x)
             assert not v.requires_grad and v.dtype == torch.float64
             assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_parameters_take_the_cpu_path(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter (a Tensor subclass) is read like a tensor, never by the compiled device
+    kernel (whose compilation takes seconds on a CPU)."""
+
+    def device_kernel(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the device kernel ran for a CPU parameter")
+
+    monkeypatch.setenv("UNITSCALE_STATS", mode)
+    monkeypatch.setattr(metrics, "_kernel", device_kernel)
+    weight = torch.nn.Parameter(torch.randn(300, 70))
+    assert_agrees(metrics.tensor_stats(weight).tolist(), truth(weight))
+    assert_agrees(metrics.tensor_stats(weight.t()).tolist(), truth(weight.t()))

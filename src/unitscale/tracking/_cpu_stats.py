@@ -244,25 +244,23 @@ def native_stats(
     if x.dtype != torch.float16 and x.is_contiguous():
         shift = _first_value(x)
         pieces = [x]
-        result = native.stats(x, shift, *bits)
-        if result is None:
+        values = native.stats(x, shift, *bits)
+        if values is None:
             return None
-        sums, (hi, lo), counts = result
     else:
         # Others (and float16, which the kernel does not read) are copied piece by piece,
         # so that no copy of the whole tensor is made.
+        x = x.detach()
         shift = float(x[(0,) * x.dim()].item())
         pieces = _pieces(x)
-        sums, hi, lo, counts = [0.0, 0.0, 0.0], 0, 0x7FFFFFFF, [0] * (len(under) + len(over))
-        for piece in pieces:
-            result = native.stats(_readable(piece), shift, *bits)
-            if result is None:
-                return None
-            part_sums, (part_hi, part_lo), part_counts = result
-            sums = [a + b for a, b in zip(sums, part_sums, strict=True)]
-            hi, lo = max(hi, part_hi), min(lo, part_lo)
-            counts = [a + b for a, b in zip(counts, part_counts, strict=True)]
-    sum_abs, shifted, squares = sums
+        parts = [native.stats(_readable(piece), shift, *bits) for piece in pieces]
+        if any(part is None for part in parts):
+            return None
+        found = [part for part in parts if part is not None]
+        values = [sum(part[k] for part in found) for k in range(len(found[0]))]
+        values[3] = max(part[3] for part in found)
+        values[4] = min(part[4] for part in found)
+    sum_abs, shifted, squares = values[0], values[1], values[2]
     mean = shift + shifted / n
     var = squares / n - (shifted / n) ** 2
     if var <= _NATIVE_CANCELLATION * squares / n and squares > 0:
@@ -273,7 +271,7 @@ def native_stats(
             centred += part
             squares += part_sq
         var = squares / n - (centred / n) ** 2
-    return [sum_abs, mean, var, _float_of_bits(hi), _float_of_bits(lo), 0.0, 0.0, *counts]
+    return [sum_abs, mean, var, values[3], values[4], 0.0, 0.0, *values[5:]]
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -48,10 +49,11 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* us_stats: sums[0..2] = sum|x|, sum(x - s), sum((x - s)^2); ext[0..1] = bit patterns of
-   max|x| and min|x|; counts[0] = zeros; counts[1 + k] = how many |x| <= under[k] (zeros
-   included). The bit patterns of magnitudes are non-negative int32 ordered as the values
-   (NaN above Inf), so each count is one signed comparison. NaN and Inf are not counted:
+/* us_stats writes out[0..2] = sum|x|, sum(x - s), sum((x - s)^2) (float64), out[3..4] =
+   max|x| and min|x|, out[5] = how many zeros, out[6 + k] = how many |x| <= under[k] (zeros
+   included), every value a double (counts are exact to 2**53). The bit patterns of
+   magnitudes are non-negative int32 ordered as the values (NaN above Inf), so each count
+   is one signed comparison. NaN and Inf are not counted:
    they make the sums non-finite, and the caller reads such tensors otherwise. Exactly
    US_NT thresholds (unused ones are -1: they never count), so that the loop over them
    unrolls and the loop over elements vectorises.
@@ -77,7 +79,7 @@ static inline uint32_t us_bits(const void* p, int64_t i, int bf16) {
 }
 
 static inline void us_stats(const void* x, int64_t n, double shift, const int32_t* under_in,
-                            double* sums, uint32_t* ext, int64_t* counts, int bf16) {
+                            double* out, int bf16) {
     int32_t under[US_NT];
     for (int k = 0; k < US_NT; ++k) under[k] = under_in[k];
     double s_abs = 0.0, s_d = 0.0, s_d2 = 0.0;
@@ -114,13 +116,17 @@ static inline void us_stats(const void* x, int64_t n, double shift, const int32_
         zeros += b_zeros;
         for (int k = 0; k < US_NT; ++k) cu[k] += bu[k];
     }
-    sums[0] = s_abs;
-    sums[1] = s_d;
-    sums[2] = s_d2;
-    ext[0] = (uint32_t)hi;
-    ext[1] = (uint32_t)lo;
-    counts[0] = zeros;
-    for (int k = 0; k < US_NT; ++k) counts[1 + k] = cu[k];
+    uint32_t hi_bits = (uint32_t)hi, lo_bits = (uint32_t)lo;
+    float hi_value, lo_value;
+    memcpy(&hi_value, &hi_bits, 4);
+    memcpy(&lo_value, &lo_bits, 4);
+    out[0] = s_abs;
+    out[1] = s_d;
+    out[2] = s_d2;
+    out[3] = (double)hi_value;
+    out[4] = (double)lo_value;
+    out[5] = (double)zeros;
+    for (int k = 0; k < US_NT; ++k) out[6 + k] = (double)cu[k];
 }
 
 static inline void us_over(const void* x, int64_t n, const int32_t* over_in, int64_t* counts,
@@ -160,13 +166,11 @@ static inline void us_centred(const void* x, int64_t n, double mean, double* out
     out[1] = s2;
 }
 
-void us_stats_f32(const void* x, int64_t n, double shift, const int32_t* under, double* sums,
-                  uint32_t* ext, int64_t* counts) {
-    us_stats(x, n, shift, under, sums, ext, counts, 0);
+void us_stats_f32(const void* x, int64_t n, double shift, const int32_t* under, double* out) {
+    us_stats(x, n, shift, under, out, 0);
 }
-void us_stats_bf16(const void* x, int64_t n, double shift, const int32_t* under, double* sums,
-                   uint32_t* ext, int64_t* counts) {
-    us_stats(x, n, shift, under, sums, ext, counts, 1);
+void us_stats_bf16(const void* x, int64_t n, double shift, const int32_t* under, double* out) {
+    us_stats(x, n, shift, under, out, 1);
 }
 void us_over_f32(const void* x, int64_t n, const int32_t* over, int64_t* counts) {
     us_over(x, n, over, counts, 0);
@@ -204,9 +208,8 @@ _OPTIONAL_FLAGS: tuple[list[str], ...] = (
 #: Thresholds of each kind the kernel takes (the C source's US_NT).
 THRESHOLDS = 4
 _INT32_MAX = 2**31 - 1
-_Out3 = ctypes.c_double * 3
-_Out2 = ctypes.c_uint32 * 2
-_OutCounts = ctypes.c_int64 * (1 + THRESHOLDS)
+_Out = ctypes.c_double * (6 + THRESHOLDS)
+_isfinite = math.isfinite
 
 
 def _cache_dir() -> Path:
@@ -251,6 +254,8 @@ class NativeStats:
         self._failed = ""
         self._lock = threading.Lock()
         self._thresholds: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        self._stats_f32: Any = None
+        self._stats_bf16: Any = None
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call)."""
@@ -289,7 +294,7 @@ class NativeStats:
             _build(compiler, target)
         lib = ctypes.CDLL(str(target))
         signatures = {
-            "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 4],
+            "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 2],
             "us_over": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
             "us_centred": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p],
         }
@@ -298,76 +303,62 @@ class NativeStats:
                 function = getattr(lib, f"{stem}_{suffix}")
                 function.argtypes = argtypes
                 function.restype = None
+        self._stats_f32, self._stats_bf16 = lib.us_stats_f32, lib.us_stats_bf16
         return lib
-
-    def _parallel(self, x: Tensor, call: Any) -> list[Any]:
-        """``call(address, length)`` on ``x`` whole (the C code shares large tensors out
-        over OpenMP threads itself)."""
-        return [call(x.data_ptr(), x.numel())]
 
     def stats(
         self, x: Tensor, shift: float, under: tuple[int, ...], over: tuple[int, ...]
-    ) -> tuple[list[float], list[int], list[int]] | None:
-        """``(sums, [max bits, min bits], counts)`` of the contiguous CPU float32/bfloat16
-        tensor ``x``, the sums of ``x - shift``: ``counts`` are those of ``0 < |x| <= t`` for
-        the float32 bit patterns ``t`` in ``under``, then of ``|x| > t`` for those in
-        ``over`` (at most :data:`THRESHOLDS` of each). None where ``x`` holds NaN or Inf."""
+    ) -> list[float] | None:
+        """Statistics of the contiguous CPU float32/bfloat16 tensor ``x``: ``sum|x|``,
+        ``sum(x - shift)``, ``sum((x - shift)**2)``, ``max|x|``, ``min|x|``, then the counts
+        of ``0 < |x| <= t`` for the float32 bit patterns ``t`` in ``under`` and of ``|x| > t``
+        for those in ``over`` (at most :data:`THRESHOLDS` of each). None where ``x`` holds
+        NaN or Inf."""
+        arrays = self._thresholds.get((under, over))
+        if arrays is None:
+            arrays = self._arrays(under, over)
+        bf16 = x.dtype == torch.bfloat16
+        out = _Out()
+        (self._stats_bf16 if bf16 else self._stats_f32)(
+            x.data_ptr(), x.numel(), shift, arrays[0], out
+        )
+        values = out[:]
+        if not (_isfinite(values[0]) and _isfinite(values[1]) and _isfinite(values[2])):
+            return None
+        zeros = values[5]
+        result = values[:5] + [c - zeros for c in values[6 : 6 + len(under)]]
+        if over and values[3] > arrays[2]:  # some magnitude exceeds a threshold: count them
+            counts = (ctypes.c_int64 * THRESHOLDS)()
+            (self._lib.us_over_bf16 if bf16 else self._lib.us_over_f32)(
+                x.data_ptr(), x.numel(), arrays[1], counts
+            )
+            result += [float(c) for c in counts[: len(over)]]
+        else:
+            result += [0.0] * len(over)
+        return result
+
+    def _arrays(self, under: tuple[int, ...], over: tuple[int, ...]) -> Any:
         nu, no = len(under), len(over)
         if nu > THRESHOLDS or no > THRESHOLDS:
             raise ValueError(f"at most {THRESHOLDS} thresholds of each kind")
-        arrays = self._thresholds.get((under, over))
-        if arrays is None:
-            arrays = self._thresholds[(under, over)] = (
-                (ctypes.c_int32 * THRESHOLDS)(*under, *[-1] * (THRESHOLDS - nu)),
-                (ctypes.c_int32 * THRESHOLDS)(*over, *[_INT32_MAX] * (THRESHOLDS - no)),
-            )
-        lib = self._lib
-        bf16 = x.dtype == torch.bfloat16
-        fn = lib.us_stats_bf16 if bf16 else lib.us_stats_f32
-
-        def call(address: int, length: int) -> tuple[list[float], list[int], list[int]]:
-            sums, ext, counts = _Out3(), _Out2(), _OutCounts()
-            fn(address, length, shift, arrays[0], sums, ext, counts)
-            return sums[:], ext[:], counts[:]
-
-        parts = self._parallel(x, call)
-        if len(parts) == 1:
-            sums, ext, counts = parts[0]
-        else:
-            sums = [sum(p[0][k] for p in parts) for k in range(3)]
-            ext = [max(p[1][0] for p in parts), min(p[1][1] for p in parts)]
-            counts = [sum(p[2][k] for p in parts) for k in range(1 + THRESHOLDS)]
-        if not all(math.isfinite(v) for v in sums):
-            return None
-        zeros = counts[0]
-        found = [c - zeros for c in counts[1 : 1 + nu]]
-        hi = ext[0]
-        if any(hi > t for t in over):  # some magnitude exceeds a threshold: count them
-            over_fn = lib.us_over_bf16 if bf16 else lib.us_over_f32
-
-            def count_over(address: int, length: int) -> list[int]:
-                out = (ctypes.c_int64 * THRESHOLDS)()
-                over_fn(address, length, arrays[1], out)
-                return out[:]
-
-            over_parts = self._parallel(x, count_over)
-            found += [sum(p[k] for p in over_parts) for k in range(no)]
-        else:
-            found += [0] * no
-        return sums, ext, found
+        lowest_over = min(
+            (struct.unpack("<f", struct.pack("<I", t))[0] for t in over), default=math.inf
+        )
+        arrays = self._thresholds[(under, over)] = (
+            (ctypes.c_int32 * THRESHOLDS)(*under, *[-1] * (THRESHOLDS - nu)),
+            (ctypes.c_int32 * THRESHOLDS)(*over, *[_INT32_MAX] * (THRESHOLDS - no)),
+            lowest_over,
+        )
+        return arrays
 
     def centred(self, x: Tensor, mean: float) -> tuple[float, float]:
         """``sum(x - mean)`` and ``sum((x - mean)**2)`` of ``x`` (as for :meth:`stats`)."""
         lib = self._lib
         fn = lib.us_centred_bf16 if x.dtype == torch.bfloat16 else lib.us_centred_f32
 
-        def call(address: int, length: int) -> tuple[float, float]:
-            out = (ctypes.c_double * 2)()
-            fn(address, length, mean, out)
-            return out[0], out[1]
-
-        parts = self._parallel(x, call)
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        out = (ctypes.c_double * 2)()
+        fn(x.data_ptr(), x.numel(), mean, out)
+        return out[0], out[1]
 
 
 native = NativeStats()

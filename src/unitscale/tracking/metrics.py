@@ -170,7 +170,6 @@ class _Kernel:
 _kernel = _Kernel()
 
 
-@torch.no_grad()
 def tensor_stats(x: Tensor) -> Tensor:
     """Compute the raw statistics of ``x`` as one float64 vector on ``x``'s device.
 
@@ -196,6 +195,8 @@ Stats = Union[Tensor, list[float], Pending]  # noqa: UP007 (a runtime alias)
 
 _batch = SmallBatch(_UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
 _BATCHED = (torch.float32, torch.float16, torch.bfloat16)
+# Tensor types read by the CPU paths (subclasses, such as DTensor, take the device kernel).
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def deferred_stats(x: Tensor) -> Stats:
@@ -209,18 +210,20 @@ def deferred_stats(x: Tensor) -> Stats:
     n = x.numel()
     if n == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
-    x = x.detach()
-    if x.device.type == "cpu" and type(x) is Tensor:
+    # No autograd anywhere below: every path reads a detached tensor (or its memory).
+    if x.is_cpu and type(x) in _PLAIN:
         mode = _mode()
         if mode == "auto":
             values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
             if values is not None:
                 return values
         if mode != "compiled":
+            x = x.detach()
             if n <= SMALL and x.dtype in _BATCHED:
                 return _batch.add(x)
             return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
-    return _kernel(x)
+    with torch.no_grad():
+        return _kernel(x.detach())
 
 
 def host_stats(stats: Stats) -> list[float] | None:
