@@ -103,7 +103,22 @@ def formats_rows() -> list[str]:
                 for rounding in ("nearest", "stochastic")
             )
             targets = run.get("targets_ratio_vs_clone", {})
-            target = ", ".join(f"{k} {v:g}x" for k, v in targets.items())
+            if "compiled" in targets:  # per mode: compiled vs a clone, eager vs torch's cast
+                worst = entry["summary"]
+                if mode == "compiled":
+                    target = ", ".join(
+                        f"{k} {_met(worst[f'compiled_{k}_worst_ratio'], v)} (worst format)"
+                        for k, v in targets["compiled"].items()
+                    )
+                else:
+                    vs_cast = worst["eager_nearest_worst_ratio_vs_torch_cast"]
+                    verdict = "met" if vs_cast <= 1 else "not met"
+                    target = (
+                        f"nearest no slower than torch's cast round trip: worst format "
+                        f"{vs_cast:.2f}x of it ({verdict})"
+                    )
+            else:
+                target = ", ".join(f"{k} {v:g}x" for k, v in targets.items())
             rows.append(
                 f"| E4M3 `quantise` of {run['numel']:,} float32 values vs `x.clone()`, {mode}, "
                 f"{threads} (`bench_formats.py`) "
