@@ -68,23 +68,28 @@ def _stats_kernel(x: Tensor) -> Tensor:
     A non-zero value underflows in a format when round-to-nearest-even takes it to zero,
     i.e. ``|x| <= min_subnormal / 2``; it overflows when ``|x| > max``.
 
-    Sums accumulate in float64 and the variance is taken of ``x / abs_max`` (values in
-    [-1, 1]) and rescaled in float64, so the mean, variance and mean absolute value of any
-    finite tensor are finite: squaring values near 1e20 in float32 would overflow to Inf
-    and make the variance NaN.
+    Sums accumulate in float64. The variance is taken of ``d = x/2 - x[0]/2`` (the halves
+    are exact, and their difference cannot overflow), scaled by ``max|d|`` into [-1, 1] and
+    rescaled in float64: so it is finite for any finite tensor (squaring values near 1e20 in
+    float32 would overflow to Inf), and subtracting an element first keeps it accurate where
+    the mean dominates the spread (the variance of ``x / max|x|`` loses it to float32
+    rounding: 0.4% off for mean 1000 and std 1e-3).
     """
     # No reshape: for a non-contiguous tensor it would materialise a copy.
     if x.dtype != torch.float64:
         x = x.float()
     a = x.abs()
     abs_max = a.amax()
-    # Inf or NaN present (or all zeros): no rescaling, IEEE arithmetic says what happened.
-    scale = torch.where(torch.isfinite(abs_max) & (abs_max > 0), abs_max, torch.ones_like(abs_max))
-    var = torch.var(x / scale, correction=0).double()
+    half = x * 0.5
+    d = half - half[(0,) * x.dim()]
+    d_max = d.abs().amax()
+    # Inf or NaN present (or all equal): no rescaling, IEEE arithmetic says what happened.
+    scale = torch.where(torch.isfinite(d_max) & (d_max > 0), d_max, torch.ones_like(d_max))
+    var = torch.var(d / scale, correction=0).double()
     parts = [
         a.sum(dtype=torch.float64),  # float64 accumulation: finite, and exact for small sums
         x.sum(dtype=torch.float64) / x.numel(),
-        var * scale.double() ** 2,
+        var * (2 * scale.double()) ** 2,
         abs_max.double(),
         a.amin().double(),
         _count(torch.isnan(x)),
