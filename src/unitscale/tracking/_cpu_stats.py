@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import struct
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._native import THRESHOLDS, native
+from ._native import THRESHOLDS, float_of_bits, native
 
 __all__ = ["PIECE", "SMALL", "Pending", "SmallBatch", "cpu_stats", "native_stats"]
 
@@ -200,10 +199,6 @@ def _centred_sum_sq(pieces: list[Tensor], mean: float) -> tuple[float, float]:
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _float_of_bits(bits: int) -> float:
-    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
-
-
 def _readable(piece: Tensor) -> Tensor:
     """``piece`` as the kernel reads it: contiguous float32 or bfloat16."""
     if piece.dtype == torch.float16:
@@ -220,7 +215,7 @@ def _first_value(x: Tensor) -> float:
     if x.dtype == torch.float32:
         return float(ctypes.c_float.from_address(address).value)
     if x.dtype == torch.bfloat16:
-        return _float_of_bits(ctypes.c_uint16.from_address(address).value << 16)
+        return float_of_bits(ctypes.c_uint16.from_address(address).value << 16)
     return float(x[(0,) * x.dim()].item())
 
 

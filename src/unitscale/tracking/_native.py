@@ -5,7 +5,8 @@ PyTorch's CPU ops cost microseconds each however small the tensor, and the stati
 about a dozen of them (sums, extremes, threshold counts); a compiled Inductor kernel costs
 tens of microseconds per call and seconds to compile. This module compiles (once per
 machine, about a second, cached on disk) a small C file with no dependencies, and calls it
-through :mod:`ctypes`, which releases the GIL: large tensors are split over threads.
+through :mod:`ctypes`; large tensors are shared out over OpenMP's threads (the runtime PyTorch
+has loaded, so its thread count).
 
 The C code reads float32 or bfloat16 values and computes, in one pass, everything the
 device kernel (:func:`unitscale.tracking.metrics._stats_kernel`) does:
@@ -14,7 +15,8 @@ device kernel (:func:`unitscale.tracking.metrics._stats_kernel`) does:
   tensor (its first), which keeps the variance clear of cancellation; float32 products are
   exact in float64, so the only rounding is that of the float64 sums;
 - the largest and smallest magnitudes, on the integer bit patterns of ``|x|`` (ordered as the
-  values are, NaN above Inf), and the NaN and Inf counts;
+  values are, NaN above Inf); NaN and Inf make the sums non-finite, and such tensors are left
+  to the PyTorch path, which keeps the device kernel's IEEE semantics;
 - the under/overflow counts exactly, as integer comparisons of the bit patterns with the
   thresholds' bit patterns: ``0 < |x| <= t`` and ``t < |x| <= Inf`` (NaN is neither).
 
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["NativeStats", "native"]
+__all__ = ["NativeStats", "float_of_bits", "native"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -212,6 +214,11 @@ _Out = ctypes.c_double * (6 + THRESHOLDS)
 _isfinite = math.isfinite
 
 
+def float_of_bits(bits: int) -> float:
+    """The float32 value whose bit pattern is ``bits``."""
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
+
+
 def _cache_dir() -> Path:
     """``UNITSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/unitscale`` or ``~/.cache/unitscale``."""
     explicit = os.environ.get("UNITSCALE_CACHE_DIR")
@@ -341,9 +348,7 @@ class NativeStats:
         nu, no = len(under), len(over)
         if nu > THRESHOLDS or no > THRESHOLDS:
             raise ValueError(f"at most {THRESHOLDS} thresholds of each kind")
-        lowest_over = min(
-            (struct.unpack("<f", struct.pack("<I", t))[0] for t in over), default=math.inf
-        )
+        lowest_over = min((float_of_bits(t) for t in over), default=math.inf)
         arrays = self._thresholds[(under, over)] = (
             (ctypes.c_int32 * THRESHOLDS)(*under, *[-1] * (THRESHOLDS - nu)),
             (ctypes.c_int32 * THRESHOLDS)(*over, *[_INT32_MAX] * (THRESHOLDS - no)),
