@@ -296,11 +296,13 @@ class Capture:
         self.current: Invocation | None = None
         self.calls = 0  # calls that went through Dynamo
         self.varying = _VaryingSizes()
-        # Static shapes by default; the sizes that change between calls are marked dynamic
-        # by ``varying`` (per transformed module, not by Dynamo's process-wide automatic
-        # dynamic shapes, so a module's graphs do not depend on what ran before it).
+        # Static shapes at first; the input sizes that change between calls of this module
+        # are marked dynamic by ``varying``. Dynamo's automatic dynamic shapes stay on
+        # (dynamic=None) for what no mark reaches: the tensors that cross a graph break
+        # enter a resume function, which would otherwise be recompiled for every new size
+        # (then, past Dynamo's recompile limit, run eagerly and go untracked).
         self.compiled: Callable[..., Any] = torch.compile(
-            owner.module, backend=self.backend, dynamic=False
+            owner.module, backend=self.backend, dynamic=None
         )
 
     # Dynamo backend: called once per captured piece.

@@ -17,6 +17,7 @@ and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it ha
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,6 +88,8 @@ class TrackScalesPass(GraphPass):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
+        #: The last joined graph, refilled by the next ``scales_graph()`` when unchanged.
+        self._joined: _Joined | None = None
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._call_inputs: list[int] = []
@@ -501,62 +504,215 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     One host synchronisation per device: every statistics vector is stacked and read at once.
     Under data parallelism the statistics are reduced over the ranks first (a collective:
     see :mod:`unitscale.tracking._distributed`).
+
+    Building the joined graph (fx nodes, meta) costs more than reading the statistics, and it
+    is the same at every call of an unchanged model. So the last graph is kept and, when the
+    next call has the same structure and nobody else holds that graph or any of its nodes
+    (their reference counts are those it was returned with) and it was not edited, the same
+    graph object is returned again with new ``meta`` dicts and new ``Metrics``. A graph the
+    caller still holds is never changed: a new one is built instead.
     """
-    graph = fx.Graph()
     capture = module.capture
     if capture is None or not capture.last_trace:
-        return graph
+        return fx.Graph()
+    trace = capture.last_trace
     inner = module.module
-    module_names = {id(m): name for name, m in inner.named_modules(remove_duplicate=False)}
     named_params = dict(inner.named_parameters(remove_duplicate=False))
-    trainable = {n for n, p in named_params.items() if p.requires_grad}
     # A piece is compiled once per code object and may run for several modules (a graph
     # break inside a repeated layer: Dynamo reuses the layer's graph for every layer, its
     # parameters being inputs), so names come from the tensors each invocation received.
     state_names: dict[int, str] = {}
-    for state in (inner.named_parameters(remove_duplicate=False), inner.named_buffers()):
+    for state in (named_params.items(), inner.named_buffers()):
         for state_name, tensor in state:
             state_names.setdefault(id(tensor), state_name)
+    kinds = [_invocation_kinds(inv.piece.placeholders, inv.input_ids, state_names) for inv in trace]
     distributed, group = _distributed.active_group()
+    if distributed:  # statistics are reduced over the ranks: always built afresh
+        return _build(module, track, trace, kinds, named_params, state_names, group)[0]
+    key = _structure_key(trace, kinds, named_params)
+    cached = track._joined
+    if cached is not None and cached.key == key and cached.unshared():
+        return cached.refill(trace, track)
+    track._joined = None  # drop the old graph before building the new one
+    graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
+    joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
+    del graph, plan
+    joined.seal()
+    track._joined = joined
+    return joined.graph
+
+
+def _structure_key(
+    trace: Sequence[Invocation], kinds: list[list[tuple[str, str]]], named_params: dict
+) -> tuple[Any, ...]:
+    """What decides the joined graph's nodes: the pieces, what each received (parameter
+    names, outputs of earlier pieces) and which parameters are trainable."""
+    parts: list[Any] = []
+    for invocation, invocation_kinds in zip(trace, kinds, strict=True):
+        trainable = tuple(
+            name in named_params and named_params[name].requires_grad
+            for kind, name in invocation_kinds
+            if kind == "param"
+        )
+        parts.append(
+            (id(invocation.piece), tuple(invocation_kinds), tuple(invocation.sources), trainable)
+        )
+    return tuple(parts)
+
+
+# One entry per node of a joined graph: (kind, node, meta without the call's own values,
+# piece index, slot, input id). ``kind`` is "param" (parameter or buffer placeholder), "input"
+# or "node"; it says where the node's gradient statistics come from.
+_PlanEntry = tuple[str, fx.Node, dict[str, Any], int, Any, int]
+
+
+class _Joined:
+    """The last joined graph of a tracked module, kept to be refilled (see
+    :func:`build_scales_graph`)."""
+
+    def __init__(
+        self, key: tuple[Any, ...], graph: fx.Graph, plan: list[_PlanEntry], pieces: list[Piece]
+    ) -> None:
+        self.key = key
+        self.graph = graph
+        self.plan = plan
+        self.pieces = pieces  # held so that their ids in ``key`` cannot be reused
+        self.nodes = [
+            (node, node.name, node.op, node.target, node.args, node.kwargs) for node in graph.nodes
+        ]
+        self.counts: list[int] | None = None
+
+    def _counts(self) -> list[int] | None:
+        getrefcount = getattr(sys, "getrefcount", None)
+        if getrefcount is None:  # pragma: no cover - CPython has it
+            return None
+        return [getrefcount(self.graph)] + [getrefcount(entry[0]) for entry in self.nodes]
+
+    def seal(self) -> None:
+        """Note the reference counts the graph is returned with."""
+        self.counts = self._counts()
+
+    def unshared(self) -> bool:
+        """True when only this object refers to the graph and its nodes, and they are as built."""
+        if self.counts is None or self._counts() != self.counts:
+            return False
+        nodes = self.graph.nodes
+        if len(nodes) != len(self.nodes):
+            return False
+        for node, (kept, name, op, target, args, kwargs) in zip(nodes, self.nodes, strict=True):
+            if not (
+                node is kept
+                and node.name == name
+                and node.op == op
+                and node.target is target
+                and node.args is args
+                and node.kwargs is kwargs
+            ):
+                return False
+        return True
+
+    def refill(self, trace: Sequence[Invocation], track: TrackScalesPass) -> fx.Graph:
+        """The kept graph with this call's shapes and statistics (new meta dicts)."""
+        resolved = [_resolved(invocation) for invocation in trace]
+        shapes = [invocation.data.get("shape", {}) for invocation in trace]
+        pending: list[tuple[fx.Node, str, _Stats]] = []
+        param_grads = track._param_grads
+        for kind, node, base, k, slot, input_id in self.plan:
+            meta = dict(base)
+            fwd, bwd = resolved[k]
+            if kind == "param":
+                grad = param_grads.get(input_id)
+            else:
+                grad = bwd.get(slot)
+                if kind == "input":
+                    grad = grad or param_grads.get(input_id)
+                if slot in shapes[k]:
+                    meta["shape"] = shapes[k][slot]
+            meta["metrics"] = Metrics() if meta.get("outputs_float_tensor") else None
+            node.meta = meta
+            _queue(pending, node, fwd.get(slot), grad)
+        _read_stats(pending)
+        return self.graph
+
+
+def _resolved(
+    invocation: Invocation, adjust: Callable[[dict, dict], None] | None = None
+) -> tuple[dict[Any, _Stats], dict[Any, _Stats]]:
+    """The forward and gradient statistics of each slot of one invocation, those a slot shares
+    with another (the same tensor seen again; a reshape) included. ``adjust`` may change them
+    before aliases are resolved (data parallelism)."""
+    piece = invocation.piece
+    fwd = dict(invocation.data.get("fwd", {}))
+    bwd = dict(invocation.data.get("bwd", {}))
+    for slot, (other, source) in invocation.data.get("same", {}).items():
+        for stats, direction in ((fwd, "fwd"), (bwd, "bwd")):
+            same = other.data.get(direction, {}).get(source)
+            if same is not None:
+                stats[slot] = same
+    if adjust is not None:
+        adjust(fwd, bwd)
+    full_aliases = piece.data.get("full_aliases", set())
+    for slot, source in piece.data.get("aliases", {}).items():
+        if source in fwd:
+            fwd[slot] = fwd[source]
+        if slot in full_aliases and source in bwd:
+            bwd[slot] = bwd[source]
+    return fwd, bwd
+
+
+def _replication(
+    k: int, piece: Piece, reduced_grads: dict[tuple[int, Any], Any], replicated: set[int]
+) -> Callable[[dict, dict], None]:
+    """Under data parallelism: note the statistics equal on every rank (``replicated``) and
+    put the averaged gradients of replicated values in place."""
+
+    def adjust(fwd: dict, bwd: dict) -> None:
+        for slot in piece.data.get("replicated_slots", ()):
+            if slot in fwd:
+                replicated.add(id(fwd[slot]))
+        for (index, slot), averaged in reduced_grads.items():
+            if index == k:
+                bwd[slot] = averaged
+                replicated.add(id(averaged))
+
+    return adjust
+
+
+def _build(
+    module: TransformedModule,
+    track: TrackScalesPass,
+    trace: Sequence[Invocation],
+    all_kinds: list[list[tuple[str, str]]],
+    named_params: dict[str, nn.Parameter],
+    state_names: dict[int, str],
+    group: Any,
+) -> tuple[fx.Graph, list[_PlanEntry]]:
+    """Build the joined graph of ``trace`` and read its statistics; ``group`` is the process
+    group under data parallelism (None otherwise). Returns the graph and its plan (see
+    :class:`_Joined`)."""
+    graph = fx.Graph()
+    distributed = group is not None
+    module_names = {id(m): name for name, m in module.module.named_modules(remove_duplicate=False)}
+    trainable = {n for n, p in named_params.items() if p.requires_grad}
     replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
-    reduced_grads = (
-        _distributed.reduce_replicated_grads(capture.last_trace, group) if distributed else {}
-    )
+    reduced_grads = _distributed.reduce_replicated_grads(trace, group) if distributed else {}
     shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
     outputs: list[list[fx.Node | None]] = []  # per invocation, the node of each output
     pending: list[tuple[fx.Node, str, _Stats]] = []  # (node, "fwd"/"bwd", statistics)
+    plan: list[_PlanEntry] = []
     last_outputs: Any = ()
     input_names: set[str] = set()
 
-    for k, invocation in enumerate(capture.last_trace):
+    for k, invocation in enumerate(trace):
         piece = invocation.piece
         slots: dict[str, int] = piece.data.get("slots", {})
-        fwd = dict(invocation.data.get("fwd", {}))
-        bwd = dict(invocation.data.get("bwd", {}))
+        adjust = _replication(k, piece, reduced_grads, replicated) if distributed else None
+        fwd, bwd = _resolved(invocation, adjust)
         # Shapes of this call (a graph captured with dynamic sizes serves several).
         shapes: dict[int, tuple[int, ...]] = invocation.data.get("shape", {})
-        full_aliases = piece.data.get("full_aliases", set())
-        for slot, (other, source) in invocation.data.get("same", {}).items():
-            for stats, direction in ((fwd, "fwd"), (bwd, "bwd")):
-                same = other.data.get(direction, {}).get(source)
-                if same is not None:
-                    stats[slot] = same
-        if distributed:
-            for slot in piece.data.get("replicated_slots", ()):
-                if slot in fwd:
-                    replicated.add(id(fwd[slot]))
-            for (index, slot), averaged in reduced_grads.items():
-                if index == k:
-                    bwd[slot] = averaged
-                    replicated.add(id(averaged))
-        for slot, source in piece.data.get("aliases", {}).items():
-            if source in fwd:
-                fwd[slot] = fwd[source]
-            if slot in full_aliases and source in bwd:
-                bwd[slot] = bwd[source]
         env: dict[fx.Node, Any] = {}  # a node, or an int standing for a symbolic size
         lookup = env.__getitem__
-        kinds = _invocation_kinds(piece.placeholders, invocation.input_ids, state_names)
+        kinds = all_kinds[k]
         relocate = _module_relocation(piece.placeholders, kinds)
         inputs = iter(zip(kinds, invocation.input_ids, invocation.sources, strict=True))
         for node in piece.data.get("tracked_graph", piece.graph).nodes:
@@ -576,6 +732,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                         new.meta["module_path"] = name.rpartition(".")[0]
                         new.meta["requires_grad"] = kind == "param" and name in trainable
                         shared[name] = new
+                        plan.append(("param", new, dict(new.meta), k, slot, input_id))
                         grad = track._param_grads.get(input_id)
                         if distributed and name in named_params:
                             grad, same = _distributed.parameter_grad_stats(named_params[name])
@@ -598,6 +755,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 # A tensor entering a later piece that no earlier piece returned was computed
                 # by code Dynamo ran eagerly: say so rather than pretend it is a model input.
                 new.meta["outside_graph"] = k > 0
+                plan.append(("input", new, dict(new.meta), k, slot, input_id))
                 if slot in shapes:
                     new.meta["shape"] = shapes[slot]
                 env[node] = new
@@ -615,6 +773,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
                 new.meta["requires_grad"] = False
                 env[node] = new
                 slot = slots.get(node.name)
+                plan.append(("node", new, dict(new.meta), k, slot, 0))
                 if slot in shapes:
                     new.meta["shape"] = shapes[slot]
                 _queue(pending, new, fwd.get(slot), bwd.get(slot))
@@ -627,7 +786,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         if node.op != "output":
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
     _read_stats(pending, (group, replicated) if distributed else None)
-    return graph
+    return graph, plan
 
 
 def _invocation_kinds(
