@@ -298,7 +298,8 @@ def _compile_case(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in us.modules.__all__ if n != "DepthModuleList"]  # a list: no forward
+    "name",
+    [n for n in us.modules.__all__ if n != "DepthModuleList"],  # a list: no forward
 )
 def test_module_compiles_to_one_graph_and_matches_eager(name: str) -> None:
     module, args = _compile_case(name)
