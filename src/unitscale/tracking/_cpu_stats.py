@@ -30,14 +30,13 @@ value for value:
 
 from __future__ import annotations
 
-import ctypes
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._native import THRESHOLDS, float_of_bits, native
+from ._native import THRESHOLDS, native
 
 __all__ = ["PIECE", "SMALL", "Pending", "SmallBatch", "cpu_stats", "native_stats"]
 
@@ -209,16 +208,6 @@ def _readable(piece: Tensor) -> Tensor:
 _THRESHOLD_BITS: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
 
 
-def _first_value(x: Tensor) -> float:
-    """``x``'s first element in memory order (read from its address: no torch op)."""
-    address = x.data_ptr()
-    if x.dtype == torch.float32:
-        return float(ctypes.c_float.from_address(address).value)
-    if x.dtype == torch.bfloat16:
-        return float_of_bits(ctypes.c_uint16.from_address(address).value << 16)
-    return float(x[(0,) * x.dim()].item())
-
-
 def native_stats(
     x: Tensor, under: tuple[float, ...], over: tuple[float, ...]
 ) -> list[float] | None:
@@ -227,34 +216,33 @@ def native_stats(
     thresholds) or ``x`` holds NaN or Inf (whose IEEE semantics the PyTorch path keeps)."""
     if x.dtype not in _NATIVE_DTYPES or not native.available():
         return None
-    bits = _THRESHOLD_BITS.get((under, over))
-    if bits is None:
+    entry = _THRESHOLD_BITS.get((under, over))
+    if entry is None:
         if len(under) > THRESHOLDS or len(over) > THRESHOLDS:
             return None
-        bits = _THRESHOLD_BITS[(under, over)] = (
-            tuple(_bits_of(bound, torch.float32) for bound in under),
-            tuple(_bits_of(bound, torch.float32) for bound in over),
+        under_bits = tuple(_bits_of(bound, torch.float32) for bound in under)
+        over_bits = tuple(_bits_of(bound, torch.float32) for bound in over)
+        entry = _THRESHOLD_BITS[(under, over)] = (
+            (under_bits, over_bits),
+            native.thresholds(under_bits, over_bits),
         )
-    n = x.numel()
     if x.dtype != torch.float16 and x.is_contiguous():
-        shift = _first_value(x)
-        pieces = [x]
-        values = native.stats(x, shift, *bits)
-        if values is None:
-            return None
-    else:
-        # Others (and float16, which the kernel does not read) are copied piece by piece,
-        # so that no copy of the whole tensor is made.
-        x = x.detach()
-        shift = float(x[(0,) * x.dim()].item())
-        pieces = _pieces(x)
-        parts = [native.stats(_readable(piece), shift, *bits) for piece in pieces]
-        if any(part is None for part in parts):
-            return None
-        found = [part for part in parts if part is not None]
-        values = [sum(part[k] for part in found) for k in range(len(found[0]))]
-        values[3] = max(part[3] for part in found)
-        values[4] = min(part[4] for part in found)
+        # One call does it all (the common case: the fixed cost is what small tensors pay).
+        return native.summary(x, entry[1], _NATIVE_CANCELLATION)
+    bits = entry[0]
+    n = x.numel()
+    # Strided tensors (and float16, which the kernel does not read) are copied piece by
+    # piece, so that no copy of the whole tensor is made.
+    x = x.detach()
+    shift = float(x[(0,) * x.dim()].item())
+    pieces = _pieces(x)
+    parts = [native.stats(_readable(piece), shift, *bits) for piece in pieces]
+    if any(part is None for part in parts):
+        return None
+    found = [part for part in parts if part is not None]
+    values = [sum(part[k] for part in found) for k in range(len(found[0]))]
+    values[3] = max(part[3] for part in found)
+    values[4] = min(part[4] for part in found)
     sum_abs, shifted, squares = values[0], values[1], values[2]
     mean = shift + shifted / n
     var = squares / n - (shifted / n) ** 2

@@ -168,6 +168,51 @@ static inline void us_centred(const void* x, int64_t n, double mean, double* out
     out[1] = s2;
 }
 
+/* The whole summary of a contiguous tensor, in the layout of the device kernel: out[0..6] =
+   sum|x|, mean, var, max|x|, min|x|, 0, 0 (NaN and Inf counts); out[7 + k] = how many
+   0 < |x| <= under[k]; out[7 + US_NT + k] = how many |x| > over[k] (0 unless max|x| exceeds
+   over_min, the lowest used threshold, which saves that pass). The shift is x[0]; a centred
+   pass replaces the variance where var <= cancel * E[(x - s)^2]. Returns 1, out undefined,
+   where x holds NaN or Inf (max|x| beyond float32's largest finite value), else 0. */
+static inline int us_summary(const void* x, int64_t n, const int32_t* under, const int32_t* over,
+                             double over_min, double cancel, double* out, int bf16) {
+    uint32_t first_bits = us_bits(x, 0, bf16);
+    float first;
+    memcpy(&first, &first_bits, 4);
+    double raw[6 + US_NT];
+    us_stats(x, n, (double)first, under, raw, bf16);
+    if (!(raw[3] <= 3.4028234663852886e38)) return 1;
+    double shifted = raw[1] / (double)n, squares = raw[2] / (double)n;
+    double mean = (double)first + shifted;
+    double var = squares - shifted * shifted;
+    if (var <= cancel * squares && raw[2] > 0) {
+        double centred[2];
+        us_centred(x, n, mean, centred, bf16);
+        double c = centred[0] / (double)n;
+        var = centred[1] / (double)n - c * c;
+    }
+    out[0] = raw[0];
+    out[1] = mean;
+    out[2] = var;
+    out[3] = raw[3];
+    out[4] = raw[4];
+    out[5] = 0.0;
+    out[6] = 0.0;
+    for (int k = 0; k < US_NT; ++k) out[7 + k] = raw[6 + k] - raw[5];
+    int64_t counts[US_NT] = {0};
+    if (raw[3] > over_min) us_over(x, n, over, counts, bf16);
+    for (int k = 0; k < US_NT; ++k) out[7 + US_NT + k] = (double)counts[k];
+    return 0;
+}
+
+int us_summary_f32(const void* x, int64_t n, const int32_t* under, const int32_t* over,
+                   double over_min, double cancel, double* out) {
+    return us_summary(x, n, under, over, over_min, cancel, out, 0);
+}
+int us_summary_bf16(const void* x, int64_t n, const int32_t* under, const int32_t* over,
+                    double over_min, double cancel, double* out) {
+    return us_summary(x, n, under, over, over_min, cancel, out, 1);
+}
 void us_stats_f32(const void* x, int64_t n, double shift, const int32_t* under, double* out) {
     us_stats(x, n, shift, under, out, 0);
 }
@@ -211,6 +256,7 @@ _OPTIONAL_FLAGS: tuple[list[str], ...] = (
 THRESHOLDS = 4
 _INT32_MAX = 2**31 - 1
 _Out = ctypes.c_double * (6 + THRESHOLDS)
+_Summary = ctypes.c_double * (7 + 2 * THRESHOLDS)
 _isfinite = math.isfinite
 
 
@@ -263,6 +309,8 @@ class NativeStats:
         self._thresholds: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
         self._stats_f32: Any = None
         self._stats_bf16: Any = None
+        self._summary_f32: Any = None
+        self._summary_bf16: Any = None
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call)."""
@@ -310,7 +358,13 @@ class NativeStats:
                 function = getattr(lib, f"{stem}_{suffix}")
                 function.argtypes = argtypes
                 function.restype = None
+        pointer, double = ctypes.c_void_p, ctypes.c_double
+        for suffix in ("f32", "bf16"):
+            function = getattr(lib, f"us_summary_{suffix}")
+            function.argtypes = [pointer, ctypes.c_int64, pointer, pointer, double, double, pointer]
+            function.restype = ctypes.c_int
         self._stats_f32, self._stats_bf16 = lib.us_stats_f32, lib.us_stats_bf16
+        self._summary_f32, self._summary_bf16 = lib.us_summary_f32, lib.us_summary_bf16
         return lib
 
     def stats(
@@ -344,6 +398,27 @@ class NativeStats:
             result += [0.0] * len(over)
         return result
 
+    def summary(self, x: Tensor, thresholds: Any, cancellation: float) -> list[float] | None:
+        """Every statistic of the contiguous CPU float32/bfloat16 tensor ``x`` in the layout
+        of the device kernel (``sum_abs, mean, var, abs_max, abs_min, nan_count, inf_count``,
+        then the under- and overflow counts), from one call into the kernel: the shift is
+        ``x``'s first element, and a centred second pass runs where the variance is at most
+        ``cancellation`` times the mean square about it. ``thresholds`` is from
+        :meth:`thresholds`. None where ``x`` holds NaN or Inf."""
+        out = _Summary()
+        kernel = self._summary_bf16 if x.dtype == torch.bfloat16 else self._summary_f32
+        if kernel(
+            x.data_ptr(), x.numel(), thresholds[0], thresholds[1], thresholds[2], cancellation, out
+        ):
+            return None
+        keep = thresholds[3]
+        return out[:] if keep is None else [out[i] for i in keep]
+
+    def thresholds(self, under: tuple[int, ...], over: tuple[int, ...]) -> Any:
+        """The kernel's form of these thresholds' float32 bit patterns (for :meth:`summary`)."""
+        arrays = self._thresholds.get((under, over))
+        return arrays if arrays is not None else self._arrays(under, over)
+
     def _arrays(self, under: tuple[int, ...], over: tuple[int, ...]) -> Any:
         nu, no = len(under), len(over)
         if nu > THRESHOLDS or no > THRESHOLDS:
@@ -353,6 +428,10 @@ class NativeStats:
             (ctypes.c_int32 * THRESHOLDS)(*under, *[-1] * (THRESHOLDS - nu)),
             (ctypes.c_int32 * THRESHOLDS)(*over, *[_INT32_MAX] * (THRESHOLDS - no)),
             lowest_over,
+            # The summary's entries to keep (None: all of them, every threshold being used).
+            None
+            if nu == no == THRESHOLDS
+            else [*range(7 + nu), *range(7 + THRESHOLDS, 7 + THRESHOLDS + no)],
         )
         return arrays
 

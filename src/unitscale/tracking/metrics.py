@@ -288,6 +288,12 @@ _N_FIELDS = len(_FIELDS)
 _N_KEYS = len(FORMAT_KEYS)
 
 
+def _fractions(counts: list[float], numel: int) -> dict[str, float]:
+    if not any(counts):  # the common case, and the cheap one
+        return dict.fromkeys(FORMAT_KEYS, 0.0)
+    return dict(zip(FORMAT_KEYS, [c / numel for c in counts], strict=True))
+
+
 def stats_to_data(values: list[float], numel: int) -> _Data:
     """Turn one vector from :func:`tensor_stats` (as a list of floats) into a record."""
     if numel == 0:
@@ -315,10 +321,8 @@ def stats_to_data(values: list[float], numel: int) -> _Data:
         abs_min=abs_min,
         rms=rms,
         numel=numel,
-        underflow={k: c / numel for k, c in zip(FORMAT_KEYS, values[_N_FIELDS:], strict=False)},
-        overflow={
-            k: c / numel for k, c in zip(FORMAT_KEYS, values[_N_FIELDS + _N_KEYS :], strict=True)
-        },
+        underflow=_fractions(values[_N_FIELDS : _N_FIELDS + _N_KEYS], numel),
+        overflow=_fractions(values[_N_FIELDS + _N_KEYS :], numel),
         nan_count=int(nan_count),
         inf_count=int(inf_count),
     )
