@@ -17,6 +17,10 @@ Models are built from ``transformers`` configs with random weights (no download)
 - ``tiny``: 2-layer BERT, hidden 64, vocab 2000, batch 2 x 16;
 - ``gpt2``: 4-layer GPT-2, hidden 256, vocab 50257, batch 16 x 128 (causal LM).
 
+Also reported (``first_call_fresh_process``): the first step of a new process on ``bert2``,
+untracked and tracked (three processes each, alternating; imports and model building are
+not timed), as a user starting a run waits for it: TorchDynamo's one-time start-up counts.
+
 Also reported (``statistics_vs_read``): the cost of one tensor's statistics against one read
 of it (``x.abs().sum()``), interleaved, for float32 tensors of 2**11 to 2**22 elements, on
 each CPU path: the native kernel (the default) and PyTorch ops (``UNITSCALE_STATS=eager``,
@@ -158,6 +162,56 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
     }
 
 
+_FIRST_CALL = """
+import sys, time, torch
+sys.path.insert(0, {here!r})
+from bench_tracking import build, SIZES
+torch.set_num_threads({threads})
+torch.manual_seed(0)
+model = build({name!r}).train()
+if {tracked}:
+    from unitscale.transforms import track_scales
+    model = track_scales(model)
+_, _, vocab, batch, seq = SIZES[{name!r}]
+ids = torch.randint(0, min(vocab, 1000), (batch, seq))
+start = time.perf_counter()
+model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+if {tracked}:
+    model.scales_graph()
+print(time.perf_counter() - start)
+"""
+
+
+def first_call_fresh(name: str, rounds: int) -> dict[str, Any]:
+    """The first step of a new process (imports and model building before the clock starts),
+    untracked and tracked alternately in ``rounds`` pairs of processes: what a user waits
+    for, TorchDynamo's one-time start-up in the process included."""
+    import subprocess
+    import sys
+
+    times: dict[str, list[float]] = {"untracked": [], "tracked": []}
+    for _ in range(rounds):
+        for key in times:
+            code = _FIRST_CALL.format(
+                here=str(Path(__file__).parent),
+                threads=torch.get_num_threads(),
+                name=name,
+                tracked=key == "tracked",
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            times[key].append(float(out.stdout.strip().splitlines()[-1]))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return {
+        "model": name,
+        "rounds": rounds,
+        "first_step_s": {key: round(value, 3) for key, value in median.items()},
+        "extra_s": round(median["tracked"] - median["untracked"], 3),
+        "target_extra_s": 1.0,
+    }
+
+
 def statistics_vs_read(rounds: int) -> dict[str, Any]:
     """Median over rounds of (statistics time / ``x.abs().sum()`` time) per size and path."""
     import os
@@ -210,6 +264,8 @@ def main() -> None:
         run["models"][name] = result = run_model(name, args.rounds, args.device)
         print(name, result, flush=True)
     if args.device == "cpu":
+        run["first_call_fresh_process"] = first_call_fresh("bert2", 3)
+        print("first call, fresh process", run["first_call_fresh_process"], flush=True)
         run["statistics_vs_read"] = statistics_vs_read(args.rounds)
         print("statistics vs one read", run["statistics_vs_read"], flush=True)
     append_run(args.out, run)

@@ -199,6 +199,7 @@ def _compare(
         "max_error": worst,
         "worst": where,
         "numel_equal": numel_equal,
+        "numel_diff": numel_diff[:5],
         "records": len(ref),
         "extra": len(set(got) - set(ref)),
     }

@@ -525,7 +525,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     kinds = [_invocation_kinds(inv.piece.placeholders, inv.input_ids, state_names) for inv in trace]
     distributed, group = _distributed.active_group()
     if distributed:  # statistics are reduced over the ranks: always built afresh
-        return _build(module, track, trace, kinds, named_params, state_names, group)[0]
+        return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
     if cached is not None and cached.key == key and cached.unshared():
@@ -711,13 +711,14 @@ def _build(
     all_kinds: list[list[tuple[str, str]]],
     named_params: dict[str, nn.Parameter],
     state_names: dict[int, str],
-    group: Any,
+    parallel: tuple[Any] | None,
 ) -> tuple[fx.Graph, list[_PlanEntry]]:
-    """Build the joined graph of ``trace`` and read its statistics; ``group`` is the process
-    group under data parallelism (None otherwise). Returns the graph and its plan (see
-    :class:`_Joined`)."""
+    """Build the joined graph of ``trace`` and read its statistics; ``parallel`` is
+    ``(process group,)`` under data parallelism (the group None for the default one), None
+    otherwise. Returns the graph and its plan (see :class:`_Joined`)."""
     graph = fx.Graph()
-    distributed = group is not None
+    distributed = parallel is not None
+    group = parallel[0] if parallel is not None else None
     module_names = {id(m): name for name, m in module.module.named_modules(remove_duplicate=False)}
     trainable = {n for n, p in named_params.items() if p.requires_grad}
     replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
