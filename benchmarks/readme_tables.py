@@ -153,6 +153,20 @@ def tracking_rows() -> list[str]:
             f"| time {ratio:.2f}x, peak memory {memory:.2f}x, {first_text} "
             f"| {_met(ratio, target)} | {_when(run, path)} |"
         )
+    fresh = run.get("first_call_fresh_process")
+    if fresh:
+        step = fresh["first_step_s"]
+        rows.append(
+            f"| first step of a new process, {fresh['model']}, tracked vs untracked "
+            f"(`bench_tracking.py`, median of {fresh['rounds']} processes each) "
+            f"| tracked {_seconds(step['tracked'])}, untracked {_seconds(step['untracked'])}, "
+            f'`torch.compile(backend="eager")` {_seconds(step["dynamo_eager"])}: '
+            f"tracking {fresh['extra_s']:+.2f} s over untracked, "
+            f"{fresh['extra_over_dynamo_s']:+.2f} s over TorchDynamo's capture "
+            f"| +{fresh['target_extra_s']:g} s over untracked "
+            f"({'met' if fresh['extra_s'] <= fresh['target_extra_s'] else 'not met'}) "
+            f"| {_when(run, path)} |"
+        )
     reads = run.get("statistics_vs_read")
     if reads:
         for key, label in (("native", "native kernel"), ("pytorch", "PyTorch ops")):
