@@ -296,13 +296,14 @@ class Capture:
         self.current: Invocation | None = None
         self.calls = 0  # calls that went through Dynamo
         self.varying = _VaryingSizes()
-        # Static shapes at first; the input sizes that change between calls of this module
-        # are marked dynamic by ``varying``. Dynamo's automatic dynamic shapes stay on
-        # (dynamic=None) for what no mark reaches: the tensors that cross a graph break
-        # enter a resume function, which would otherwise be recompiled for every new size
-        # (then, past Dynamo's recompile limit, run eagerly and go untracked).
+        # Static shapes by default; the sizes that change between calls are marked dynamic
+        # by ``varying`` (per transformed module, not by Dynamo's process-wide automatic
+        # dynamic shapes, so a module's graphs do not depend on what ran before it), on the
+        # inputs and on the pieces' outputs (which enter the resume function after a graph
+        # break: unmarked, it would be recompiled for every new size, then, past Dynamo's
+        # recompile limit, run eagerly and untracked).
         self.compiled: Callable[..., Any] = torch.compile(
-            owner.module, backend=self.backend, dynamic=None
+            owner.module, backend=self.backend, dynamic=False
         )
 
     # Dynamo backend: called once per captured piece.
@@ -353,6 +354,7 @@ class Capture:
             for j, value in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
                 if isinstance(value, Tensor):
                     produced[id(value)] = (weakref.ref(value), (index, j))
+                    self.varying.mark_output((index, j), value)
             return out
 
         return invoke
@@ -426,6 +428,8 @@ class _VaryingSizes:
     def __init__(self) -> None:
         self.first: dict[str, tuple[int, ...]] = {}
         self.dynamic: dict[str, set[int]] = {}
+        self.first_outputs: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.dynamic_outputs: dict[tuple[int, int], set[int]] = {}
 
     def mark(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -461,6 +465,25 @@ class _VaryingSizes:
             torch._dynamo.maybe_mark_dynamic(alias, dim)
         marked[id(alias)] = value
         return alias
+
+    def mark_output(self, key: tuple[int, int], value: Tensor) -> None:
+        """Mark the sizes of a piece's output (``key``: the piece's place in the call, the
+        output's index) that differ from its first call's, as for inputs. Such a tensor is
+        the piece's own result; where it crosses a graph break, the mark makes the resume
+        function's graph serve every size rather than be recompiled per size."""
+        if type(value) is not Tensor:
+            return
+        shape = tuple(value.shape)
+        first = self.first_outputs.setdefault(key, shape)
+        if len(first) != len(shape):
+            return
+        dims = self.dynamic_outputs.setdefault(key, set())
+        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
+        if dims:
+            import torch._dynamo
+
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
 
     @staticmethod
     def unmark(output: Any, marked: dict[int, Tensor]) -> Any:
