@@ -426,10 +426,9 @@ class _VaryingSizes:
     """
 
     def __init__(self) -> None:
-        self.first: dict[str, tuple[int, ...]] = {}
-        self.dynamic: dict[str, set[int]] = {}
-        self.first_outputs: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.dynamic_outputs: dict[tuple[int, int], set[int]] = {}
+        # Keyed by an input's name or a piece output's (piece place, output index).
+        self.first: dict[str | tuple[int, int], tuple[int, ...]] = {}
+        self.dynamic: dict[str | tuple[int, int], set[int]] = {}
 
     def mark(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -447,12 +446,7 @@ class _VaryingSizes:
     ) -> Any:
         if not isinstance(value, Tensor) or type(value) is not Tensor:
             return value
-        shape = tuple(value.shape)
-        first = self.first.setdefault(key, shape)
-        if len(first) != len(shape):
-            return value  # a different rank: Dynamo recompiles whatever is marked
-        dims = self.dynamic.setdefault(key, set())
-        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
+        dims = self._varied(key, value)
         if not dims:
             return value
         import torch._dynamo
@@ -473,17 +467,24 @@ class _VaryingSizes:
         function's graph serve every size rather than be recompiled per size."""
         if type(value) is not Tensor:
             return
-        shape = tuple(value.shape)
-        first = self.first_outputs.setdefault(key, shape)
-        if len(first) != len(shape):
-            return
-        dims = self.dynamic_outputs.setdefault(key, set())
-        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
+        dims = self._varied(key, value)
         if dims:
             import torch._dynamo
 
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(value, dim)
+
+    def _varied(self, key: str | tuple[int, int], value: Tensor) -> set[int]:
+        """The dimensions in which ``value``'s size has differed from the first call's for
+        ``key`` (an input's name, or a piece output's place); none for a different rank,
+        which Dynamo recompiles whatever is marked."""
+        shape = tuple(value.shape)
+        first = self.first.setdefault(key, shape)
+        if len(first) != len(shape):
+            return set()
+        dims = self.dynamic.setdefault(key, set())
+        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
+        return dims
 
     @staticmethod
     def unmark(output: Any, marked: dict[int, Tensor]) -> Any:
