@@ -11,12 +11,14 @@ import copy
 import dataclasses
 import math
 import pickle
+import sys
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+from unitscale import _cbuild
 from unitscale.errors import UnitScaleError
 from unitscale.formats import (
     BF16,
@@ -27,6 +29,7 @@ from unitscale.formats import (
     FormatError,
     FPFormat,
     _kernels,
+    _native,
     get_format,
 )
 from unitscale.tracking.metrics import FORMAT_RANGES
@@ -114,17 +117,20 @@ def all_16bit(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
 def quantise(fmt: FPFormat, x: torch.Tensor, impl: str) -> torch.Tensor:
     """Quantise through one implementation path.
 
-    ``public``: as users call it (native casts for presets); ``unprobed``: the same, as if
-    torch's float8 casts did not saturate (clamp or code fix-up); ``bits``: the generic
-    bit-manipulation path (also used under torch.compile).
+    ``public``: as users call it (the C kernel for float32 CPU tensors, else native casts
+    for presets); ``torch``: native casts where torch has the format; ``unprobed``: the
+    same, as if torch's float8 casts did not saturate (clamp or code fix-up); ``bits``: the
+    generic bit-manipulation path (also used under torch.compile).
     """
     if impl == "public":
         return fmt.quantise(x)
+    if impl == "torch":
+        return _kernels._quantise(fmt, x, None, allow_c=False)
     if impl == "unprobed":
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         with mock.patch.dict(_kernels._CAST_SATURATES, {(x.device.type, d): False for d in fp8}):
-            return fmt.quantise(x)
-    return _kernels._quantise(fmt, x, None, allow_native=False)
+            return _kernels._quantise(fmt, x, None, allow_c=False)
+    return _kernels._quantise(fmt, x, None, allow_native=False, allow_c=False)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -294,7 +300,7 @@ def test_nearest_all_16bit_patterns(key: str, source: torch.dtype, impl: str, de
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["public", "unprobed", "bits"])
+@pytest.mark.parametrize("impl", ["public", "torch", "unprobed", "bits"])
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_nearest_float32_boundaries_ties_subnormals(key: str, impl: str, device: str) -> None:
     fmt = NEAREST[key]
@@ -314,6 +320,49 @@ def test_nearest_generic_formats_match_reference(fmt: FPFormat) -> None:
     x64 = x64 * torch.exp2(torch.randint(-20, 20, (2**14,), generator=gen).double())
     expected64 = torch.from_numpy(reference_nearest(fmt, x64.numpy()))
     assert_same_bits(fmt.quantise(x64), expected64)
+
+
+needs_c = pytest.mark.skipif(
+    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+)
+
+
+def test_the_c_kernel_is_built_where_a_compiler_is() -> None:
+    # Otherwise every test of the public path would quietly test the PyTorch fallback only.
+    if _cbuild.compiler() is None or sys.platform == "win32":
+        pytest.skip("no C compiler")
+    assert _native.rounding.available()
+    x = torch.randn(100)
+    with mock.patch.object(_native.rounding, "nearest", side_effect=AssertionError("used")):
+        with pytest.raises(AssertionError, match="used"):
+            NEAREST["e4m3"].quantise(x)
+        # Not for what it does not handle: other dtypes, strided layouts, under compile.
+        NEAREST["e4m3"].quantise(x.half())
+        NEAREST["e4m3"].quantise(x.reshape(10, 10).t())
+        NEAREST["e4m3"].quantise(x.double())
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", [*NEAREST.values(), *GENERIC], ids=repr)
+def test_c_kernel_matches_the_pytorch_path_bit_for_bit(fmt: FPFormat) -> None:
+    # float32 inputs only (what the kernel takes): every float16 and bfloat16 value, the
+    # format's boundaries and ties, beyond its range, and random bit patterns of every kind
+    # (NaN payloads, infinities, float32 subnormals); enough of them for OpenMP's split.
+    gen = torch.Generator().manual_seed(3)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (2**18,), dtype=torch.int32, generator=gen)
+    x = torch.cat(
+        [
+            all_16bit(torch.float16).float(),
+            all_16bit(torch.bfloat16).float(),
+            boundary_grid(fmt, "cpu"),
+            torch.tensor([math.inf, -math.inf, 1e38, -1e38, fmt.max_absolute_value * 1.01]),
+            random_bits.view(torch.float32),
+        ]
+    )
+    pytorch = _kernels._quantise(fmt, x, None, allow_native=False, allow_c=False)
+    assert_same_bits(fmt.quantise(x), pytorch)
+    for n in (0, 1, 7, 31, 65537):  # vector remainders, the parallel threshold
+        assert_same_bits(fmt.quantise(x[-n:] if n else x[:0]), pytorch[-n:] if n else x[:0])
 
 
 def test_float64_is_rounded_once() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unitscale import _cbuild
 from unitscale.tracking import _cpu_stats, _native, metrics
 from unitscale.tracking._cpu_stats import PIECE, SmallBatch, cpu_stats, native_stats
 from unitscale.tracking.metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, _stats_kernel
@@ -207,7 +208,7 @@ def test_without_a_compiler_the_pytorch_path_runs(
 ) -> None:
     monkeypatch.setenv("UNITSCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    monkeypatch.setattr(_cbuild, "compiler", lambda: None)
     kernel = _native.NativeStats()
     with pytest.warns(RuntimeWarning, match="native statistics kernel is unavailable"):
         assert not kernel.available()

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._native import rounding
+
 if TYPE_CHECKING:
     from ._format import FPFormat
 
@@ -56,10 +58,22 @@ class _QuantiseBackward(torch.autograd.Function):
 
 
 def _quantise(
-    fmt: FPFormat, x: Tensor, generator: torch.Generator | None, allow_native: bool = True
+    fmt: FPFormat,
+    x: Tensor,
+    generator: torch.Generator | None,
+    allow_native: bool = True,
+    allow_c: bool = True,
 ) -> Tensor:
+    """``fmt``'s rounding of ``x``. ``allow_native``: torch's own casts where it has the
+    format; ``allow_c``: the C kernel for contiguous float32 CPU tensors (both bit for bit
+    the same as the bit-manipulation path, which is what runs without them)."""
     bound = fmt._bounds[x.dtype]
     if fmt.rounding == "nearest":
+        if allow_c and _c_nearest_applies(fmt, x) and rounding.available():
+            try:
+                return rounding.nearest(x, 23 - fmt.mantissa_bits, bound, fmt._min_normal_exponent)
+            except RuntimeError:  # no storage to read (a functorch wrapper): the ops below
+                pass
         native = fmt.torch_dtype
         if (
             allow_native
@@ -75,6 +89,18 @@ def _quantise(
     # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
     wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
     return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
+
+
+def _c_nearest_applies(fmt: FPFormat, x: Tensor) -> bool:
+    """Whether the C kernel computes ``fmt``'s nearest rounding of ``x``: a plain contiguous
+    float32 CPU tensor, outside compilation (every format fits in float32's layout)."""
+    return (
+        type(x) is Tensor
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and not torch.compiler.is_compiling()
+    )
 
 
 # (device type, dtype) -> whether torch's cast to dtype saturates out-of-range values to

@@ -28,22 +28,17 @@ path of :mod:`unitscale.tracking._cpu_stats` runs instead (same statistics), and
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
 import struct
 import subprocess
-import sys
-import tempfile
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from .. import _cbuild
 
 __all__ = ["NativeStats", "float_of_bits", "native"]
 
@@ -235,22 +230,12 @@ void us_centred_bf16(const void* x, int64_t n, double mean, double* out) {
 
 # Reassociating the float64 sums lets the compiler vectorise them (which only changes their
 # rounding, not their IEEE semantics: no finite-math or flush-to-zero assumptions).
-_FLAGS = [
+_FLAGS = (
     "-O3",
-    "-shared",
-    "-fPIC",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-fassociative-math",
     "-fno-signed-zeros",
-]
-# Tried in order: OpenMP (PyTorch's own runtime, already loaded: same threads) and the host's
-# vector instructions where the compiler has them.
-_OPTIONAL_FLAGS: tuple[list[str], ...] = (
-    ["-fopenmp", "-march=native"],
-    ["-fopenmp"],
-    ["-march=native"],
-    [],
 )
 #: Thresholds of each kind the kernel takes (the C source's US_NT).
 THRESHOLDS = 4
@@ -263,40 +248,6 @@ _isfinite = math.isfinite
 def float_of_bits(bits: int) -> float:
     """The float32 value whose bit pattern is ``bits``."""
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
-
-
-def _cache_dir() -> Path:
-    """``UNITSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/unitscale`` or ``~/.cache/unitscale``."""
-    explicit = os.environ.get("UNITSCALE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    root = os.environ.get("XDG_CACHE_HOME")
-    return (Path(root) if root else Path.home() / ".cache") / "unitscale"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile the kernel into ``target`` (atomically: concurrent processes may race)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        source = Path(work) / "unitscale_stats.c"
-        source.write_text(_SOURCE)
-        out = Path(work) / target.name
-        errors = ""
-        for extra in _OPTIONAL_FLAGS:
-            command = [compiler, *_FLAGS, *extra, str(source), "-o", str(out)]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if result.returncode == 0:
-                os.replace(out, target)
-                return
-            errors = result.stderr.strip()
-        raise OSError(f"{compiler} failed: {errors[:300]}")
 
 
 class NativeStats:
@@ -334,20 +285,7 @@ class NativeStats:
         return self._lib is not None
 
     def _load(self) -> Any:
-        if sys.platform == "win32":
-            raise OSError("not built on Windows")
-        compiler = _compiler()
-        if compiler is None:
-            raise OSError("no C compiler found (set CC)")
-        key = hashlib.sha256(
-            "\0".join(
-                [_SOURCE, compiler, *_FLAGS, *map(str, _OPTIONAL_FLAGS), platform.machine()]
-            ).encode()
-        ).hexdigest()[:16]
-        target = _cache_dir() / f"stats-{key}.so"
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        lib = _cbuild.load("stats", _SOURCE, _FLAGS, _cbuild.compiler())
         signatures = {
             "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 2],
             "us_over": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],

@@ -1,0 +1,86 @@
+"""Compile a small dependency-free C file once per machine and load it with :mod:`ctypes`.
+
+Shared by the native kernels (:mod:`unitscale.tracking._native` for scale statistics,
+:mod:`unitscale.formats._native` for rounding). A library is built at first use, with the
+first set of optional flags the compiler accepts (OpenMP, the host's vector instructions),
+into a cache directory under a name keyed by its source, compiler, flags and machine, so a
+changed source never loads a stale build. Concurrent processes may race to build: each
+builds in a temporary directory and renames the result into place atomically.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["OPTIONAL_FLAGS", "cache_dir", "compiler", "load"]
+
+#: Tried in order: OpenMP (PyTorch's own runtime, already loaded: the same threads) and the
+#: host's vector instructions where the compiler has them.
+OPTIONAL_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("-fopenmp", "-march=native"),
+    ("-fopenmp",),
+    ("-march=native",),
+    (),
+)
+
+
+def cache_dir() -> Path:
+    """``UNITSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/unitscale`` or ``~/.cache/unitscale``."""
+    explicit = os.environ.get("UNITSCALE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    root = os.environ.get("XDG_CACHE_HOME")
+    return (Path(root) if root else Path.home() / ".cache") / "unitscale"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else the first of ``cc``, ``gcc``, ``clang`` found."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def load(name: str, source: str, flags: Sequence[str], cc: str | None) -> ctypes.CDLL:
+    """The library ``name`` built from ``source`` with ``flags`` (plus the first accepted
+    :data:`OPTIONAL_FLAGS`), from the cache when it is there.
+
+    Raises :class:`OSError` where it cannot be built (Windows, no compiler, compile errors).
+    """
+    if sys.platform == "win32":
+        raise OSError("not built on Windows")
+    if cc is None:
+        raise OSError("no C compiler found (set CC)")
+    key = hashlib.sha256(
+        "\0".join([source, cc, *flags, *map(str, OPTIONAL_FLAGS), platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        _build(name, source, flags, cc, target)
+    return ctypes.CDLL(str(target))
+
+
+def _build(name: str, source: str, flags: Sequence[str], cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        path = Path(work) / f"unitscale_{name}.c"
+        path.write_text(source)
+        out = Path(work) / target.name
+        errors = ""
+        for extra in OPTIONAL_FLAGS:
+            command = [cc, "-shared", "-fPIC", *flags, *extra, str(path), "-o", str(out)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                os.replace(out, target)
+                return
+            errors = result.stderr.strip()
+        raise OSError(f"{cc} failed: {errors[:300]}")

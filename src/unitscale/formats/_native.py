@@ -1,0 +1,122 @@
+"""A native (C) kernel for round-to-nearest of contiguous float32 CPU tensors, in one pass.
+
+Eager PyTorch needs several passes over memory for a saturating quantisation: torch's own
+cast round trip (``x.to(dtype).to(torch.float32)``) writes and reads an intermediate tensor,
+saturation needs a clamp or a fix-up of the overflow codes, and formats with no torch dtype
+take about a dozen ops. This kernel reads each value once and writes its rounding once, what
+a clone costs. It computes exactly what :func:`unitscale.formats._kernels._nearest_bits`
+does (the same operations on the same bit patterns), so the results are bit for bit those of
+the PyTorch path; the tests compare the two on every float16 and bfloat16 pattern and on
+every format's boundaries, ties and subnormals.
+
+Built like the statistics kernel (:mod:`unitscale._cbuild`), without reassociation or any
+other relaxation of IEEE arithmetic: the subnormal rounding relies on ``(m + c) - c``. Where
+no C compiler is found or the build fails, the PyTorch path runs (same results, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _cbuild
+
+__all__ = ["NativeRounding", "rounding"]
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef US_PARALLEL
+#define US_PARALLEL 65536
+#endif
+
+static inline uint32_t us_bits(float v) { uint32_t b; memcpy(&b, &v, 4); return b; }
+static inline float us_float(uint32_t b) { float v; memcpy(&v, &b, 4); return v; }
+
+/* y = x rounded to nearest (ties to even) at `drop` (0..23) fewer mantissa bits than
+   float32's, saturating at +-bound. From `smallest_normal` (the format's) down, the step is
+   the format's subnormal step: one addition of `magic` (2**(emin + drop)) rounds there.
+   NaN stays NaN (clamping and the subnormal branch both keep it). */
+void us_nearest_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
+                    float smallest_normal, float magic) {
+    const uint32_t odd = drop > 0 ? 1u : 0u;
+    const uint32_t half = drop > 0 ? (1u << (drop - 1)) - 1u : 0u;
+    const uint32_t keep = drop > 0 ? ~((1u << drop) - 1u) : ~0u;
+#pragma omp parallel for if (n >= US_PARALLEL) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        v = v > bound ? bound : (v < -bound ? -bound : v);
+        uint32_t b = us_bits(v);
+        float normal = us_float((b + ((b >> drop) & odd) + half) & keep);
+        float m = fabsf(v);
+        float subnormal = copysignf((m + magic) - magic, normal);
+        y[i] = m >= smallest_normal ? normal : subnormal;
+    }
+}
+"""
+
+_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math")
+
+
+class NativeRounding:
+    """The compiled rounding kernel, built and loaded at first use."""
+
+    def __init__(self) -> None:
+        self._nearest: Any = None
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        """Whether the kernel is loaded (building it on the first call; False for good where
+        that fails: the PyTorch path gives the same results)."""
+        if self._nearest is not None:
+            return True
+        if self._failed:
+            return False
+        with self._lock:
+            if self._nearest is None and not self._failed:
+                try:
+                    lib = _cbuild.load("rounding", _SOURCE, _FLAGS, _cbuild.compiler())
+                except (OSError, subprocess.SubprocessError):
+                    self._failed = True
+                    return False
+                function = lib.us_nearest_f32
+                function.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_int32,
+                    ctypes.c_float,
+                    ctypes.c_float,
+                    ctypes.c_float,
+                ]
+                function.restype = None
+                self._nearest = function
+        return self._nearest is not None
+
+    def nearest(self, x: Tensor, drop: int, bound: float, min_normal_exponent: int) -> Tensor:
+        """``x`` (contiguous, float32, CPU, with storage) rounded to nearest at ``drop``
+        (0..23) fewer mantissa bits, saturating at ``±bound``, with subnormals below
+        ``2**min_normal_exponent`` (at least -126, as for every format). Call
+        :meth:`available` first."""
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._nearest(
+            x.data_ptr(),
+            y.data_ptr(),
+            x.numel(),
+            drop,
+            bound,
+            2.0**min_normal_exponent,
+            2.0 ** (min_normal_exponent + drop),
+        )
+        return y
+
+
+rounding = NativeRounding()
