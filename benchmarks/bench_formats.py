@@ -33,6 +33,7 @@ import torch
 from _history import append_run, machine_state
 
 from unitscale.formats import PRESETS, FPFormat
+from unitscale.formats._native import rounding as c_rounding
 
 RESULTS = Path(__file__).parent / "results" / "formats.json"
 TARGETS = {"nearest": 1.3, "stochastic": 1.3}  # compiled, ratio to a clone
@@ -169,6 +170,8 @@ def main() -> None:
             "iters_per_round": args.iters,
             "targets_ratio_vs_clone": {"compiled": TARGETS},
             "target_eager_nearest": "no slower than torch's cast round trip",
+            # Eager nearest on float32 CPU: the one-pass C kernel, or PyTorch ops without one.
+            "eager_nearest_c_kernel": args.device == "cpu" and c_rounding.available(),
             "per_thread_count": runs,
         },
     )

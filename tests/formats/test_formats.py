@@ -584,3 +584,29 @@ def test_compiled_matches_eager() -> None:
     assert np.all(np.abs(q.mean(axis=1, keepdims=True) - points[:, None]) <= 5 * stderr)
     torch.manual_seed(0)
     assert_same_bits(run(torch.cat([x, xs.flatten()]))[-1], compiled_sr)
+
+
+def test_compiled_random_bits_are_uniform_and_uncorrelated() -> None:
+    # The hash under torch.compile stands in for a random generator: its top bits over
+    # consecutive indices must histogram like independent uniform draws (chi-square per
+    # degree of freedom 1, standard error sqrt(2 / dof) per seed), neither lumpier nor more
+    # even (a hash of bare consecutive indices was ~0.93), with no correlation between
+    # neighbours or between two calls.
+    bits, n, bins, seeds = 20, 2**22, 4096, 4
+    draw = torch.compile(lambda t: _kernels._hashed_random_bits(t, bits, None), fullgraph=True)
+    x = torch.zeros(n)
+    chi, previous = [], None
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        u = (draw(x).double() + 0.5) / 2**bits
+        assert u.min() > 0 and u.max() < 1
+        counts = torch.histc(u, bins, 0, 1)
+        expected = n / bins
+        chi.append(float(((counts - expected) ** 2 / expected).sum()) / (bins - 1))
+        for other in (u[1:], u[8:], previous):
+            if other is not None:
+                corr = float(torch.corrcoef(torch.stack([u[: len(other)], other]))[0, 1])
+                assert abs(corr) < 5 / math.sqrt(n)
+        previous = u
+    stderr = math.sqrt(2 / (bins - 1) / seeds)
+    assert abs(sum(chi) / seeds - 1) < 4 * stderr, chi
