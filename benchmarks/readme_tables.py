@@ -210,9 +210,31 @@ def distributed_rows() -> list[str]:
     ]
 
 
+def train_step_rows() -> list[str]:
+    path = RESULTS / "train_step.json"
+    if not path.exists():
+        return []
+    run = latest_run(path)
+    model = run["model"]
+    cells = ", ".join(
+        f"{name} {r['ratio_fp8_vs_fp32']:.2f}x "
+        f"({r['fp8_step_ms']:.0f} vs {r['fp32_step_ms']:.0f} ms)"
+        for name, r in run["families"].items()
+    )
+    worst = max(r["ratio_fp8_vs_fp32"] for r in run["families"].values())
+    target = next(iter(run["families"].values()))["target"]
+    return [
+        f"| `unitscale train` step, FP8 (`simulate_fp8`, {model['fp8_recipe']} recipe) vs "
+        f"FP32, both compiled, GPT width {model['hidden_size']} depth {model['depth']}, batch "
+        f"{model['batch_size']} x {model['seq_len']} (`bench_train_step.py`, interleaved) "
+        f"| {cells} | {_met(worst, target)} | {_when(run, path)} |"
+    ]
+
+
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
-    lines += ops_rows() + formats_rows() + tracking_rows() + optim_rows() + distributed_rows()
+    lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
+    lines += optim_rows() + distributed_rows()
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
@@ -200,8 +201,16 @@ Stats = Union[Tensor, list[float], Pending]  # noqa: UP007 (a runtime alias)
 
 _batch = SmallBatch(_UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
 _BATCHED = (torch.float32, torch.float16, torch.bfloat16)
-# Tensor types read by the CPU paths (subclasses, such as DTensor, take the device kernel).
+# Tensor types read by the CPU paths. Other subclasses of Parameter (unitscale.Parameter,
+# u-muP's tagged weights) have ordinary storage too; wrapper subclasses (DTensor, and
+# parameters holding one) take the device kernel.
 _PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _has_plain_storage(x: Tensor) -> bool:
+    return type(x) in _PLAIN or (
+        isinstance(x, torch.nn.Parameter) and not is_traceable_wrapper_subclass(x)
+    )
 
 
 def deferred_stats(x: Tensor) -> Stats:
@@ -216,7 +225,7 @@ def deferred_stats(x: Tensor) -> Stats:
     if n == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
     # No autograd anywhere below: every path reads a detached tensor (or its memory).
-    if x.is_cpu and type(x) in _PLAIN:
+    if x.is_cpu and _has_plain_storage(x):
         mode = _mode()
         if mode == "auto":
             values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
