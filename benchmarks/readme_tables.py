@@ -226,7 +226,8 @@ def train_step_rows() -> list[str]:
     return [
         f"| `unitscale train` step, FP8 (`simulate_fp8`, {model['fp8_recipe']} recipe) vs "
         f"FP32, both compiled, GPT width {model['hidden_size']} depth {model['depth']}, batch "
-        f"{model['batch_size']} x {model['seq_len']} (`bench_train_step.py`, interleaved) "
+        f"{model['batch_size']} x {model['seq_len']} (`bench_train_step.py`, interleaved, "
+        f"median of per-round ratios; step times are medians) "
         f"| {cells} | {_met(worst, target)} | {_when(run, path)} |"
     ]
 
