@@ -232,9 +232,26 @@ def train_step_rows() -> list[str]:
     ]
 
 
+def analyse_rows() -> list[str]:
+    path = RESULTS / "analyse.json"
+    if not path.exists():
+        return []
+    run = latest_run(path)
+    cold, warm = run["seconds"]["cold"], run["seconds"]["warm"]
+    target = run["target_cold_s"]
+    return [
+        f"| `unitscale analyse` on defaults, new process each time, cold = fresh HOME, "
+        f"matplotlib, Inductor and unitscale caches (`bench_analyse.py`, alternating, medians "
+        f"of {run['rounds']}) | cold {_seconds(cold)}, warm {_seconds(warm)} "
+        f"| <= {target:g} s cold ({'met' if cold <= target else 'not met'}) "
+        f"| {_when(run, path)} |"
+    ]
+
+
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
     lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
+    lines += analyse_rows()
     lines += optim_rows() + distributed_rows()
     return "\n".join(lines)
 
