@@ -28,10 +28,17 @@ of it (``x.abs().sum()``), interleaved, for float32 tensors of 2**11 to 2**22 el
 each CPU path: the native kernel (the default) and PyTorch ops (``UNITSCALE_STATS=eager``,
 what runs without a C compiler); the target is 3x.
 
+Also reported (``variable_lengths``): ``bert2`` on batches whose sequence length changes every
+step (16 to 128 in steps of 8, shuffled), tracked and untracked alternating, two passes over
+the lengths: the number of graphs TorchDynamo captured for the tracked model (the target is no
+new capture per length after the second length: one static, one with a dynamic length), the
+median step-time ratio of the second pass, and the resident set size after each pass (bounded
+memory: the second pass, seeing no new length, should not grow it).
+
 Each run is appended to ``benchmarks/results/tracking.json`` with the date and load.
 
 Run: ``python benchmarks/bench_tracking.py [--models bert4,bert2,tiny,gpt2] [--rounds N]
-[--device cpu|cuda]``
+[--device cpu|cuda] [--no-variable-lengths]``
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -164,6 +172,65 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
     }
 
 
+def variable_lengths(name: str, device: str) -> dict[str, Any]:
+    """Tracked vs untracked steps on a batch whose length changes every step (see above)."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    from unitscale.transforms import track_scales
+
+    torch.manual_seed(0)
+    plain = build(name).to(device).train()
+    tracked = track_scales(copy.deepcopy(plain))
+    _, _, vocab, batch, _ = SIZES[name]
+    lengths = list(range(16, 129, 8))
+    random.Random(0).shuffle(lengths)
+    batches = {}
+    for length in lengths:
+        ids = torch.randint(0, min(vocab, 1000), (batch, length), device=device)
+        batches[length] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step(model: torch.nn.Module, length: int) -> None:
+        model.zero_grad(set_to_none=True)
+        model(**batches[length]).loss.backward()
+        if model is tracked:
+            tracked.scales_graph()  # type: ignore[operator]
+
+    captures_before = counters["stats"]["unique_graphs"]
+    passes = []
+    for _ in range(2):
+        ratios, captures = [], []
+        for length in lengths:
+            untracked_s = measured_step(functools.partial(step, plain, length), device)[0]
+            tracked_s = measured_step(functools.partial(step, tracked, length), device)[0]
+            ratios.append(tracked_s / untracked_s)
+            captures.append(counters["stats"]["unique_graphs"] - captures_before)
+        _reset_high_water()
+        passes.append(
+            {
+                "median_time_ratio": round(statistics.median(ratios), 4),
+                "captured_graphs_after_each_step": captures,
+                "rss_bytes_after": _rss_bytes(),
+            }
+        )
+    first, second = passes
+    return {
+        "model": name,
+        "lengths_in_order": lengths,
+        "passes": passes,
+        "captured_graphs": second["captured_graphs_after_each_step"][-1],
+        "new_captures_after_second_length": (
+            first["captured_graphs_after_each_step"][-1]
+            - first["captured_graphs_after_each_step"][1]
+            + second["captured_graphs_after_each_step"][-1]
+            - first["captured_graphs_after_each_step"][-1]
+        ),
+        "second_pass_time_ratio": second["median_time_ratio"],
+        "rss_growth_second_pass_bytes": second["rss_bytes_after"] - first["rss_bytes_after"],
+    }
+
+
 _FIRST_CALL = """
 import sys, time, torch
 sys.path.insert(0, {here!r})
@@ -256,6 +323,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-variable-lengths", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -269,6 +337,9 @@ def main() -> None:
     for name in args.models.split(","):
         run["models"][name] = result = run_model(name, args.rounds, args.device)
         print(name, result, flush=True)
+    if not args.no_variable_lengths:
+        run["variable_lengths"] = variable_lengths("bert2", args.device)
+        print("variable lengths", run["variable_lengths"], flush=True)
     if args.device == "cpu":
         run["first_call_fresh_process"] = first_call_fresh("bert2", 3)
         print("first call, fresh process", run["first_call_fresh_process"], flush=True)

@@ -167,6 +167,21 @@ def tracking_rows() -> list[str]:
             f"({'met' if fresh['extra_s'] <= fresh['target_extra_s'] else 'not met'}) "
             f"| {_when(run, path)} |"
         )
+    varying = run.get("variable_lengths")
+    if varying:
+        lengths = varying["lengths_in_order"]
+        growth = varying["rss_growth_second_pass_bytes"] / 2**20
+        rows.append(
+            f"| `track_scales` on batches of changing length, {varying['model']}, lengths "
+            f"{min(lengths)} to {max(lengths)} shuffled, two passes (`bench_tracking.py`) "
+            f"| {varying['captured_graphs']} TorchDynamo captures in all, "
+            f"{varying['new_captures_after_second_length']} after the second length; "
+            f"time {varying['second_pass_time_ratio']:.2f}x untracked (second pass); "
+            f"resident memory {growth:+.1f} MiB over the second pass "
+            f"| no capture per length after the second "
+            f"({'met' if varying['new_captures_after_second_length'] == 0 else 'not met'}) "
+            f"| {_when(run, path)} |"
+        )
     reads = run.get("statistics_vs_read")
     if reads:
         for key, label in (("native", "native kernel"), ("pytorch", "PyTorch ops")):
