@@ -340,6 +340,14 @@ def test_the_c_kernel_is_built_where_a_compiler_is() -> None:
         NEAREST["e4m3"].quantise(x.half())
         NEAREST["e4m3"].quantise(x.reshape(10, 10).t())
         NEAREST["e4m3"].quantise(x.double())
+    with mock.patch.object(_native.rounding, "stochastic", side_effect=AssertionError("used")):
+        # Stochastic: float32 and 16-bit inputs of any layout (in float32, contiguous).
+        for y in (x, x.half(), x.bfloat16(), x.reshape(10, 10).t()):
+            with pytest.raises(AssertionError, match="used"):
+                E4M3.quantise(y)
+        # Not for float64, nor where float32 has no random bits to spare (23-bit mantissas).
+        E4M3.quantise(x.double())
+        FPFormat(5, 23).quantise(x)
 
 
 @needs_c
@@ -363,6 +371,44 @@ def test_c_kernel_matches_the_pytorch_path_bit_for_bit(fmt: FPFormat) -> None:
     assert_same_bits(fmt.quantise(x), pytorch)
     for n in (0, 1, 7, 31, 65537):  # vector remainders, the parallel threshold
         assert_same_bits(fmt.quantise(x[-n:] if n else x[:0]), pytorch[-n:] if n else x[:0])
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", [*PRESETS.values(), *GENERIC, FPFormat(8, 1)], ids=repr)
+def test_c_stochastic_kernel_matches_the_hashed_pytorch_path_and_compiled(fmt: FPFormat) -> None:
+    # The eager C kernel, the PyTorch ops with hashed bits and the compiled kernel compute
+    # the same function of the input and the two seeds: bit for bit, on every kind of float32
+    # bit pattern (NaN payloads, infinities, subnormals), below and above the format's range.
+    fmt = dataclasses.replace(fmt, rounding="stochastic")
+    gen = torch.Generator().manual_seed(4)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (2**18,), dtype=torch.int32, generator=gen)
+    x = torch.cat(
+        [
+            boundary_grid(fmt, "cpu"),
+            torch.randn(4096, generator=gen) * fmt.max_absolute_value,
+            torch.tensor([math.inf, -math.inf, 1e38, -1e38, 0.0, -0.0, 1e-45, -1e-40]),
+            random_bits.view(torch.float32),
+        ]
+    )
+    bound, drop = fmt._bounds[torch.float32], 23 - fmt.mantissa_bits
+    seeds = torch.tensor([0x1234567, -0x2345678], dtype=torch.int32)
+    c = _native.rounding.stochastic(x, drop, bound, fmt._min_normal_exponent, seeds)
+
+    def pytorch(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return _kernels._stochastic_bits(t, fmt, _kernels._WORK32, bound, None, s)
+
+    assert_same_bits(c, pytorch(x, seeds))
+    torch._dynamo.reset()  # one graph per format: no recompile limit
+    assert_same_bits(c, torch.compile(pytorch, fullgraph=True)(x, seeds))
+    for n in (1, 7, 31, 65537):  # vector remainders, the parallel threshold
+        assert_same_bits(
+            _native.rounding.stochastic(x[:n], drop, bound, fmt._min_normal_exponent, seeds),
+            c[:n],
+        )
+    # The public path: the C kernel, with two seeds drawn from the generator.
+    drawn = _kernels._draw_seeds(x.device, torch.Generator().manual_seed(9))
+    expected = _native.rounding.stochastic(x, drop, bound, fmt._min_normal_exponent, drawn)
+    assert_same_bits(fmt.quantise(x, generator=torch.Generator().manual_seed(9)), expected)
 
 
 def test_float64_is_rounded_once() -> None:
@@ -446,14 +492,20 @@ def probe_points(fmt: FPFormat) -> np.ndarray:
     return np.concatenate([points, -points])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("dtype", "impl"),
+    [(torch.float32, "public"), (torch.float32, "bits"), (torch.float64, "public")],
+    ids=["float32", "float32-no-c-kernel", "float64"],
+)
 @pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
-def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype) -> None:
+def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype, impl: str) -> None:
+    # "public" takes the C kernel (hashed bits) for float32 where it is built; "bits" the
+    # PyTorch ops with torch.randint's bits, what runs without a C compiler.
     torch.manual_seed(0)
     points = probe_points(fmt)
     draws = 20_000
     x = torch.from_numpy(points).to(dtype)[:, None].expand(-1, draws)
-    q = fmt.quantise(x).double().numpy()
+    q = quantise(fmt, x, impl).double().numpy()
     _, lo, hi = neighbours(representable(fmt), points)
     lo, hi = np.copysign(lo, points)[:, None], np.copysign(hi, points)[:, None]
     assert np.all((q == lo) | (q == hi)), "a result is not a neighbour of its input"
@@ -464,7 +516,7 @@ def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype) -> 
     assert np.all(np.abs(q.mean(axis=1, keepdims=True) - points[:, None]) <= 5 * stderr)
     # Inputs that are values of the format come back exactly.
     exact = torch.from_numpy(np.concatenate([representable(fmt), -representable(fmt)])).float()
-    assert torch.equal(fmt.quantise(exact), exact)
+    assert torch.equal(quantise(fmt, exact, impl), exact)
 
 
 @pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
@@ -593,7 +645,10 @@ def test_compiled_random_bits_are_uniform_and_uncorrelated() -> None:
     # even (a hash of bare consecutive indices was ~0.93), with no correlation between
     # neighbours or between two calls.
     bits, n, bins, seeds = 20, 2**22, 4096, 4
-    draw = torch.compile(lambda t: _kernels._hashed_random_bits(t, bits, None), fullgraph=True)
+    draw = torch.compile(
+        lambda t: _kernels._hashed_random_bits(t, bits, _kernels._draw_seeds(t.device, None)),
+        fullgraph=True,
+    )
     x = torch.zeros(n)
     chi, previous = [], None
     for seed in range(seeds):

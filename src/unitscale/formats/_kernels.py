@@ -88,17 +88,34 @@ def _quantise(
     # Stochastic rounding draws (work mantissa - format mantissa) random bits: float32 has
     # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
     wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
+    drop = 23 - fmt.mantissa_bits
+    if allow_c and not wide and drop > 0 and _c_stochastic_applies(x) and rounding.available():
+        # Any layout and 16-bit inputs too: the rounding depends on the values and their
+        # logical order only, so a copy in float32 rounds the same.
+        x32 = x.to(torch.float32).contiguous()
+        seeds = _draw_seeds(x.device, generator)
+        try:
+            y = rounding.stochastic(x32, drop, bound, fmt._min_normal_exponent, seeds)
+        except RuntimeError:  # no storage to read (a functorch wrapper): the ops below
+            pass
+        else:
+            return y.to(x.dtype)
     return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
 
 
 def _c_nearest_applies(fmt: FPFormat, x: Tensor) -> bool:
     """Whether the C kernel computes ``fmt``'s nearest rounding of ``x``: a plain contiguous
     float32 CPU tensor, outside compilation (every format fits in float32's layout)."""
+    return _c_stochastic_applies(x) and x.dtype == torch.float32 and x.is_contiguous()
+
+
+def _c_stochastic_applies(x: Tensor) -> bool:
+    """Whether the C kernel computes a stochastic rounding of ``x`` (in float32): a plain
+    float32, float16 or bfloat16 CPU tensor, outside compilation."""
     return (
         type(x) is Tensor
-        and x.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and x.device.type == "cpu"
-        and x.is_contiguous()
         and not torch.compiler.is_compiling()
     )
 
@@ -188,11 +205,18 @@ def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor
 
 
 def _stochastic_bits(
-    x: Tensor, fmt: FPFormat, work: _Work, bound: float, generator: torch.Generator | None
+    x: Tensor,
+    fmt: FPFormat,
+    work: _Work,
+    bound: float,
+    generator: torch.Generator | None,
+    seeds: Tensor | None = None,
 ) -> Tensor:
     """Round ``x`` stochastically, saturating at ``±bound``, computing in ``work``'s dtype.
 
-    The magnitude is worked on in place in one buffer, to make few passes over memory.
+    The random bits are hashed (:func:`_hashed_random_bits`) under ``torch.compile`` or
+    where ``seeds`` are given (float32 work only), else drawn with ``torch.randint``. The
+    magnitude is worked on in place in one buffer, to make few passes over memory.
     """
     if x.dtype == work.float_dtype:
         magnitude = x.abs()
@@ -214,8 +238,10 @@ def _stochastic_bits(
     bits = magnitude.view(work.int_dtype)
     # Adding uniform random bits below the kept mantissa, then truncating, rounds up with
     # probability equal to the dropped fraction; a carry moves into the exponent correctly.
-    if torch.compiler.is_compiling() and work.mantissa_bits == 23:
-        noise = _hashed_random_bits(magnitude, drop, generator)
+    if (seeds is not None or torch.compiler.is_compiling()) and work.mantissa_bits == 23:
+        if seeds is None:
+            seeds = _draw_seeds(x.device, generator)
+        noise = _hashed_random_bits(magnitude, drop, seeds)
     else:
         noise = torch.randint(
             0, 1 << drop, x.shape, dtype=work.int_dtype, device=x.device, generator=generator
@@ -226,7 +252,8 @@ def _stochastic_bits(
     # `small` is NaN exactly where x is, so subtracting it does that for free.
     if small is not None:
         return magnitude.sub_(small, alpha=2.0**emin).copysign_(x).to(x.dtype)
-    return magnitude.copysign_(x).masked_fill_(torch.isnan(x), math.nan).to(x.dtype)
+    # (x != x, not isnan: inductor vectorises the comparison, not isnan, on CPU.)
+    return magnitude.copysign_(x).masked_fill_(x != x, math.nan).to(x.dtype)
 
 
 def _is_below(magnitude: Tensor, exponent: int, work: _Work) -> Tensor:
@@ -244,24 +271,31 @@ def _is_below(magnitude: Tensor, exponent: int, work: _Work) -> Tensor:
     return step.clamp_(0.0, 1.0)
 
 
-def _hashed_random_bits(x: Tensor, bits: int, generator: torch.Generator | None) -> Tensor:
-    """``bits`` (< 32) uniform random bits per element of ``x``, as int32.
+def _draw_seeds(device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """The two int32 seeds of :func:`_hashed_random_bits`, from ``generator`` (default:
+    torch's global one)."""
+    seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=device, generator=generator)
+    return seeds.to(torch.int32)  # the same 32 bits: int64 to int32 keeps the low word
+
+
+def _hashed_random_bits(x: Tensor, bits: int, seeds: Tensor) -> Tensor:
+    """``bits`` (< 32) uniform random bits per element of ``x``, as int32, from two int32
+    ``seeds`` (:func:`_draw_seeds`).
 
     Used under ``torch.compile``, where it fuses into the rounding kernel: inductor's own
     random numbers (Philox per element) cost several times a copy of the tensor on CPU.
     The bits are the top bits of a 32-bit integer hash (a multiply, then two xorshift-multiply
-    rounds) of the element's index plus one seed, with a second seed xored in between; both
-    seeds are drawn from torch's generator, so results stay reproducible under
-    ``torch.manual_seed``. On a CPU the hash is most of the kernel's arithmetic, hence one
-    hash, not two chained.
+    rounds) of the element's index (in ``x``'s logical order) plus one seed, with a second
+    seed xored in between; both seeds are drawn from torch's generator, so results stay
+    reproducible under ``torch.manual_seed``. On a CPU the hash is most of the kernel's
+    arithmetic, hence one hash, not two chained. The eager C kernel
+    (:mod:`unitscale.formats._native`) computes the same hash.
 
     The arithmetic is on int32 bit patterns, not on int64 holding [0, 2**32): x86 without
     AVX-512 has no packed 64-bit multiply, so inductor's int64 loop multiplied element by
     element (twice a copy of the tensor). The products wrap modulo 2**32, which is what the
     hash wants, and the masks make the arithmetic right shifts logical.
     """
-    seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=x.device, generator=generator)
-    seeds = seeds.to(torch.int32)  # the same 32 bits: int64 to int32 keeps the low word
     position = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(x.shape)
     # A Weyl step first (times 2**32 / golden ratio): consecutive indices alone left the
     # hash's outputs more evenly spread than random ones (a histogram's chi-square ~0.9).

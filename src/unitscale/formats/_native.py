@@ -1,17 +1,23 @@
-"""A native (C) kernel for round-to-nearest of contiguous float32 CPU tensors, in one pass.
+"""Native (C) rounding kernels for contiguous float32 CPU tensors, in one pass: to nearest, and
+stochastic.
 
 Eager PyTorch needs several passes over memory for a saturating quantisation: torch's own
 cast round trip (``x.to(dtype).to(torch.float32)``) writes and reads an intermediate tensor,
 saturation needs a clamp or a fix-up of the overflow codes, and formats with no torch dtype
-take about a dozen ops. This kernel reads each value once and writes its rounding once, what
-a clone costs. It computes exactly what :func:`unitscale.formats._kernels._nearest_bits`
-does (the same operations on the same bit patterns), so the results are bit for bit those of
-the PyTorch path; the tests compare the two on every float16 and bfloat16 pattern and on
-every format's boundaries, ties and subnormals.
+take about a dozen ops; stochastic rounding adds a tensor of random bits. These kernels read
+each value once and write its rounding once, what a clone costs. The nearest kernel computes
+exactly what :func:`unitscale.formats._kernels._nearest_bits` does (the same operations on
+the same bit patterns), so the results are bit for bit those of the PyTorch path; the tests
+compare the two on every float16 and bfloat16 pattern and on every format's boundaries, ties
+and subnormals. The stochastic kernel computes what
+:func:`unitscale.formats._kernels._stochastic_bits` does with hashed random bits (the path
+``torch.compile`` takes), bit for bit for the same seeds; the PyTorch fallback draws its bits
+with ``torch.randint`` instead (another random stream, the same distribution).
 
 Built like the statistics kernel (:mod:`unitscale._cbuild`), without reassociation or any
 other relaxation of IEEE arithmetic: the subnormal rounding relies on ``(m + c) - c``. Where
-no C compiler is found or the build fails, the PyTorch path runs (same results, slower).
+no C compiler is found or the build fails, the PyTorch path runs (the same nearest results,
+slower).
 """
 
 from __future__ import annotations
@@ -60,6 +66,37 @@ void us_nearest_f32(const float* x, float* y, int64_t n, int32_t drop, float bou
         y[i] = m >= smallest_normal ? normal : subnormal;
     }
 }
+
+/* y = x rounded stochastically at `drop` (1..23) fewer mantissa bits, saturating at
+   +-bound: uniform random bits added below the kept mantissa, then truncated (a carry moves
+   into the exponent). With `shift_small`, magnitudes below the format's smallest normal are
+   shifted into its first binade (whose step is the subnormal step) and back. The random
+   bits are the hash of _kernels._hashed_random_bits, of the element's index and two seeds:
+   the same bits as the compiled path for the same seeds. NaN stays NaN. */
+void us_stochastic_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
+                       float smallest_normal, int32_t shift_small, uint32_t seed0,
+                       uint32_t seed1) {
+    const uint32_t keep = ~((1u << drop) - 1u);
+    const int32_t shift = 32 - drop;
+#pragma omp parallel for if (n >= US_PARALLEL) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        float m = fabsf(v);
+        m = m > bound ? bound : m;
+        int small = shift_small && m < smallest_normal;
+        m = small ? m + smallest_normal : m;
+        uint32_t key = seed1 ^ ((uint32_t)((uint64_t)i >> 32) * 0x2C1B3C6Du);
+        uint32_t h = ((uint32_t)i + seed0) * 0x9E3779B9u;
+        h ^= h >> 16;
+        h *= 0x7FEB352Du;
+        h ^= (h >> 15) ^ key;
+        h *= 0x2C1B3C6Du;
+        h ^= h >> 16;
+        float r = us_float((us_bits(m) + (h >> shift)) & keep);
+        r = small ? r - smallest_normal : r;
+        y[i] = v != v ? v : copysignf(r, v);
+    }
+}
 """
 
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math")
@@ -70,6 +107,7 @@ class NativeRounding:
 
     def __init__(self) -> None:
         self._nearest: Any = None
+        self._stochastic: Any = None
         self._failed = False
         self._lock = threading.Lock()
 
@@ -98,6 +136,20 @@ class NativeRounding:
                     ctypes.c_float,
                 ]
                 function.restype = None
+                stochastic = lib.us_stochastic_f32
+                stochastic.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_int32,
+                    ctypes.c_float,
+                    ctypes.c_float,
+                    ctypes.c_int32,
+                    ctypes.c_uint32,
+                    ctypes.c_uint32,
+                ]
+                stochastic.restype = None
+                self._stochastic = stochastic
                 self._nearest = function
         return self._nearest is not None
 
@@ -115,6 +167,29 @@ class NativeRounding:
             bound,
             2.0**min_normal_exponent,
             2.0 ** (min_normal_exponent + drop),
+        )
+        return y
+
+    def stochastic(
+        self, x: Tensor, drop: int, bound: float, min_normal_exponent: int, seeds: Tensor
+    ) -> Tensor:
+        """``x`` (contiguous, float32, CPU, with storage) rounded stochastically at ``drop``
+        (1..23) fewer mantissa bits, saturating at ``±bound``, with subnormals below
+        ``2**min_normal_exponent``; the random bits hash each element's index with the two
+        int32 ``seeds`` (see :func:`unitscale.formats._kernels._hashed_random_bits`). Call
+        :meth:`available` first."""
+        seed0, seed1 = (int(s) & 0xFFFFFFFF for s in seeds.tolist())
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._stochastic(
+            x.data_ptr(),
+            y.data_ptr(),
+            x.numel(),
+            drop,
+            bound,
+            2.0**min_normal_exponent,
+            int(min_normal_exponent > -126),
+            seed0,
+            seed1,
         )
         return y
 
