@@ -170,8 +170,10 @@ def main() -> None:
             "iters_per_round": args.iters,
             "targets_ratio_vs_clone": {"compiled": TARGETS},
             "target_eager_nearest": "no slower than torch's cast round trip",
-            # Eager nearest on float32 CPU: the one-pass C kernel, or PyTorch ops without one.
+            # Eager nearest and stochastic on float32 CPU: the one-pass C kernels, or PyTorch
+            # ops without them.
             "eager_nearest_c_kernel": args.device == "cpu" and c_rounding.available(),
+            "eager_stochastic_c_kernel": args.device == "cpu" and c_rounding.available(),
             "per_thread_count": runs,
         },
     )

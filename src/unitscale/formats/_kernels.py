@@ -307,5 +307,6 @@ def _hashed_random_bits(x: Tensor, bits: int, seeds: Tensor) -> Tensor:
     h = h * 0x7FEB352D
     h = h ^ ((h >> 15) & 0x1FFFF) ^ key
     h = h * 0x2C1B3C6D
-    h = h ^ ((h >> 16) & 0xFFFF)
+    if bits > 16:  # the last xorshift changes the low 16 bits only: skipped where unused
+        h = h ^ ((h >> 16) & 0xFFFF)
     return (h >> (32 - bits)) & ((1 << bits) - 1)

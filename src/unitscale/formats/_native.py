@@ -91,7 +91,7 @@ void us_stochastic_f32(const float* x, float* y, int64_t n, int32_t drop, float 
         h *= 0x7FEB352Du;
         h ^= (h >> 15) ^ key;
         h *= 0x2C1B3C6Du;
-        h ^= h >> 16;
+        if (drop > 16) h ^= h >> 16; /* changes the low 16 bits only */
         float r = us_float((us_bits(m) + (h >> shift)) & keep);
         r = small ? r - smallest_normal : r;
         y[i] = v != v ? v : copysignf(r, v);
