@@ -89,7 +89,7 @@ def _quantise(
     # none to spare for a 23-bit mantissa with subnormals of its own, so use float64.
     wide = x.dtype == torch.float64 or (fmt.mantissa_bits == 23 and fmt.exponent_bits < 8)
     drop = 23 - fmt.mantissa_bits
-    if allow_c and not wide and drop > 0 and _c_stochastic_applies(x) and rounding.available():
+    if allow_c and not wide and drop > 0 and _c_kernel_takes(x) and rounding.available():
         # Any layout and 16-bit inputs too: the rounding depends on the values and their
         # logical order only, so a copy in float32 rounds the same.
         x32 = x.to(torch.float32).contiguous()
@@ -106,12 +106,12 @@ def _quantise(
 def _c_nearest_applies(fmt: FPFormat, x: Tensor) -> bool:
     """Whether the C kernel computes ``fmt``'s nearest rounding of ``x``: a plain contiguous
     float32 CPU tensor, outside compilation (every format fits in float32's layout)."""
-    return _c_stochastic_applies(x) and x.dtype == torch.float32 and x.is_contiguous()
+    return _c_kernel_takes(x) and x.dtype == torch.float32 and x.is_contiguous()
 
 
-def _c_stochastic_applies(x: Tensor) -> bool:
-    """Whether the C kernel computes a stochastic rounding of ``x`` (in float32): a plain
-    float32, float16 or bfloat16 CPU tensor, outside compilation."""
+def _c_kernel_takes(x: Tensor) -> bool:
+    """Whether the C kernels can round ``x`` (in float32; the stochastic one in any layout):
+    a plain float32, float16 or bfloat16 CPU tensor, outside compilation."""
     return (
         type(x) is Tensor
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -125,32 +125,12 @@ class NativeRounding:
                 except (OSError, subprocess.SubprocessError):
                     self._failed = True
                     return False
-                function = lib.us_nearest_f32
-                function.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                    ctypes.c_int32,
-                    ctypes.c_float,
-                    ctypes.c_float,
-                    ctypes.c_float,
-                ]
-                function.restype = None
-                stochastic = lib.us_stochastic_f32
-                stochastic.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                    ctypes.c_int32,
-                    ctypes.c_float,
-                    ctypes.c_float,
-                    ctypes.c_int32,
-                    ctypes.c_uint32,
-                    ctypes.c_uint32,
-                ]
-                stochastic.restype = None
-                self._stochastic = stochastic
-                self._nearest = function
+                # x, y, n, drop, bound, then each kernel's own arguments.
+                c = ctypes
+                common = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int32, c.c_float]
+                extra = [c.c_float, c.c_int32, c.c_uint32, c.c_uint32]
+                self._stochastic = _bind(lib.us_stochastic_f32, [*common, *extra])
+                self._nearest = _bind(lib.us_nearest_f32, [*common, c.c_float, c.c_float])
         return self._nearest is not None
 
     def nearest(self, x: Tensor, drop: int, bound: float, min_normal_exponent: int) -> Tensor:
@@ -192,6 +172,13 @@ class NativeRounding:
             seed1,
         )
         return y
+
+
+def _bind(function: Any, argtypes: list[Any]) -> Any:
+    """``function`` (from a ctypes library) declared to take ``argtypes`` and return void."""
+    function.argtypes = argtypes
+    function.restype = None
+    return function
 
 
 rounding = NativeRounding()
