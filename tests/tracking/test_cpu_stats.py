@@ -13,10 +13,14 @@ import torch
 import unitscale
 from unitscale import _cbuild
 from unitscale.tracking import _cpu_stats, _native, metrics
-from unitscale.tracking._cpu_stats import PIECE, SmallBatch, cpu_stats, native_stats
+from unitscale.tracking._cpu_stats import SmallBatch, cpu_stats, native_stats
 from unitscale.tracking.metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, _stats_kernel
 
 UNDER, OVER = _UNDERFLOW_BELOW, _OVERFLOW_ABOVE
+# The cases below are sized against this piece size: the ``layout`` fixture runs them with
+# it (many pieces, each written into the per-thread buffers) and with the module's own
+# (a million elements a piece: most cases in one piece).
+PIECE = 1 << 14
 needs_native = pytest.mark.skipif(
     not _native.native.available(), reason="no C compiler: the native kernel is not built"
 )
@@ -99,8 +103,19 @@ def cases() -> dict[str, torch.Tensor]:
 CASES = cases()
 
 
+@pytest.fixture(params=["small pieces", "module's pieces"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch path with :data:`PIECE`-element pieces whose temporaries all go to the
+    per-thread buffers, or with the module's piece size and buffer threshold."""
+    if request.param == "small pieces":
+        monkeypatch.setattr(_cpu_stats, "PIECE", PIECE)
+        monkeypatch.setattr(_cpu_stats, "SCRATCH_FROM", 1)
+        # Buffers and views made under other settings must not leak into these.
+        monkeypatch.setattr(_cpu_stats, "_scratch_buffers", _cpu_stats._Scratch())
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_pytorch_path_matches_float64(name: str) -> None:
+def test_pytorch_path_matches_float64(name: str, layout: None) -> None:
     x = CASES[name]
     assert_agrees(cpu_stats(x, UNDER, OVER), truth(x))
 
@@ -115,7 +130,7 @@ def test_native_kernel_matches_float64(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, x in CASES.items() if x.numel() <= _cpu_stats.SMALL])
-def test_small_batch_matches_float64(name: str) -> None:
+def test_small_batch_matches_float64(name: str, layout: None) -> None:
     batch = SmallBatch(UNDER, OVER)
     x = CASES[name]
     pending = [batch.add(x), batch.add(torch.randn(x.shape)), batch.add(x.detach().clone())]
@@ -135,7 +150,7 @@ def test_small_batch_matches_float64(name: str) -> None:
     ],
     ids=["nan", "inf", "both infs", "nan in one piece", "inf in one piece"],
 )
-def test_nan_and_inf_follow_the_device_kernel(x: torch.Tensor) -> None:
+def test_nan_and_inf_follow_the_device_kernel(x: torch.Tensor, layout: None) -> None:
     """IEEE semantics: the device kernel's values, NaN where it has NaN (the native kernel
     hands such tensors to the PyTorch path)."""
     want = _stats_kernel(x).tolist()
@@ -144,6 +159,50 @@ def test_nan_and_inf_follow_the_device_kernel(x: torch.Tensor) -> None:
     batch = SmallBatch(UNDER, OVER)
     if x.numel() <= _cpu_stats.SMALL:
         assert_agrees(batch.add(x).values(), want)
+
+
+def test_buffers_are_per_thread_and_bounded(layout: None) -> None:
+    """Threads reading at once each write their own buffers (same results as one thread),
+    and no buffer grows beyond a piece, whatever the tensor's size."""
+    import threading
+
+    xs = [torch.randn(3 * PIECE + 5, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    want = [cpu_stats(x, UNDER, OVER) for x in xs]
+    got: dict[int, list[list[float]]] = {}
+
+    def read(k: int) -> None:
+        got[k] = [cpu_stats(xs[(k + i) % 4], UNDER, OVER) for i in range(8)]
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k in range(4):
+        assert got[k] == [want[(k + i) % 4] for i in range(8)]
+    for buffer in _cpu_stats._scratch_buffers.buffers:
+        assert buffer is None or buffer.numel() <= _cpu_stats.PIECE
+
+
+def test_buffers_made_in_inference_mode_are_written_outside_it(
+    layout: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tracking runs under torch.inference_mode() too: a buffer first made there must stay
+    writable by later reads outside it (an inference tensor would not)."""
+    monkeypatch.setattr(_cpu_stats, "_scratch_buffers", _cpu_stats._Scratch())
+    x = torch.randn(2 * PIECE + 3)
+    with torch.inference_mode():
+        inside = cpu_stats(x, UNDER, OVER)
+    assert_agrees(inside, truth(x))
+    assert cpu_stats(x, UNDER, OVER) == inside
+    batch = SmallBatch(UNDER, OVER)
+    rows = [batch.add(torch.randn(_cpu_stats.SMALL)) for _ in range(8)]
+    with torch.inference_mode():
+        batch.flush()
+    assert all(pending.values() for pending in rows)
+    batch.add(torch.randn(_cpu_stats.SMALL))
+    batch.add(torch.randn(_cpu_stats.SMALL))
+    batch.flush()  # the rows' buffer, made in inference mode, written outside it
 
 
 def test_the_batch_reads_a_copy() -> None:

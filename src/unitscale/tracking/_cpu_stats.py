@@ -14,7 +14,8 @@ value for value:
 
   - the tensor is read in pieces of at most :data:`PIECE` elements (views, never copies,
     for contiguous tensors), so every temporary stays in cache and no temporary of the
-    tensor's size is allocated;
+    tensor's size is allocated; temporaries of large pieces go to per-thread buffers that
+    are reused (:class:`_Scratch`) rather than allocated for each;
   - per piece: ``|x|``, its minimum and maximum (one ``aminmax``), and three sums (``|x|``,
     ``x``, ``x**2``) accumulated in float32 by torch's cascade summation and combined on
     the host in float64; pieces whose magnitudes would overflow or underflow float32
@@ -31,6 +32,7 @@ value for value:
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -40,11 +42,16 @@ from ._native import THRESHOLDS, native
 
 __all__ = ["PIECE", "SMALL", "Pending", "SmallBatch", "cpu_stats", "native_stats"]
 
-#: Elements per piece: 256 KiB of float32, so a piece's temporaries stay in L2 cache.
-PIECE = 1 << 16
+#: Elements per piece: 4 MiB of float32, so that a piece's few temporaries stay in a
+#: server's last-level cache while each op's fixed cost (thread dispatch: several
+#: microseconds) is paid once per million elements. (Pieces of 64Ki elements, which fit in
+#: L2, paid it 16 times as often: 5x one read of a 16 MiB tensor against 3.4x, and 17x
+#: against 8x on 2 MiB: benchmarks/bench_tracking.py, 2 threads.)
+PIECE = 1 << 20
 
-# float32 squares stay normal and finite (and sums of PIECE of them finite) for magnitudes in
-# (2**-60, 2**60); outside it the piece is summed in float64.
+# float32 squares stay normal and finite for magnitudes in (2**-60, 2**60); outside it the
+# piece is summed in float64. (A float32 sum of squares that overflows all the same goes to
+# the float64 path as a non-finite piece.)
 _F32_SAFE = (2.0**-60, 2.0**60)
 # Where the variance is below half the second moment (the mean is not small against the
 # spread), E[x**2] - E[x]**2 loses digits to cancellation: the variance is summed around the
@@ -99,10 +106,71 @@ class _Accumulator:
         self.over = [0] * n_over
 
 
-def _count_le(bits: Tensor, threshold: int) -> Tensor:
-    """How many of the non-negative bit patterns ``bits`` are ``<= threshold`` (a 0-d int
-    tensor; ``bits`` has at most :data:`PIECE` elements, so int32 cannot wrap)."""
-    return torch.rsub(bits, threshold + 1).clamp_(0, 1).sum(dtype=torch.int32)
+class _Scratch(threading.local):
+    """Per-thread float32 buffers that the PyTorch path writes its temporaries into.
+
+    Fresh temporaries of a megabyte or more cost far more than the ops that fill them: three
+    of them alive at once make the allocator hand memory back to the system and fault it in
+    again, several times the ops' own cost per piece. Each thread keeps at most
+    :data:`SCRATCH_SLOTS` buffers of up to :data:`PIECE` elements (4 MiB each), made when it
+    first reads a tensor that large; other temporaries are allocated.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[Tensor | None] = [None] * SCRATCH_SLOTS
+        # Views of the buffers by (slot, shape, dtype): making one costs about as much as
+        # the op that writes into it (a few microseconds), and pieces repeat their shapes.
+        self.views: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
+
+
+#: Buffers per thread: ``|x|``; squares, then counts; the small-tensor batch's rows.
+SCRATCH_SLOTS = 3
+#: Smaller temporaries are allocated: the allocator reuses those of a few pieces cheaply.
+SCRATCH_FROM = 1 << 15
+_scratch_buffers = _Scratch()
+
+
+def _scratch(
+    slot: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> Tensor | None:
+    """A contiguous float32 (or, viewed, int32) tensor of ``shape`` in this thread's buffer
+    ``slot``, or None where it would hold fewer than :data:`SCRATCH_FROM` or more than
+    :data:`PIECE` elements (the caller then allocates)."""
+    scratch = _scratch_buffers
+    key = (slot, shape, dtype)
+    view = scratch.views.get(key)
+    if view is not None:
+        return view
+    n = math.prod(shape)
+    if not SCRATCH_FROM <= n <= PIECE:
+        return None
+    if len(scratch.views) >= 64:
+        scratch.views = {}
+    # Buffers and views are made outside inference mode: tracking runs in it too, and what
+    # is made there cannot be written outside it.
+    with torch.inference_mode(False):
+        buffer = scratch.buffers[slot]
+        if buffer is None or buffer.numel() < n:
+            # Grown to a power of two (at most PIECE), so that a few sizes settle it.
+            buffer = torch.empty(min(PIECE, 1 << max(n - 1, 1).bit_length()))
+            scratch.buffers[slot] = buffer
+            scratch.views = {k: v for k, v in scratch.views.items() if k[0] != slot}
+        view = scratch.views[key] = buffer[:n].view(dtype).view(shape)
+    return view
+
+
+def _count_le(
+    bits: Tensor, threshold: int, out: Tensor | None = None, dim: int | None = None
+) -> Tensor:
+    """How many of the non-negative bit patterns ``bits`` are ``<= threshold`` (int32, of
+    all of them or along ``dim``; ``bits`` has at most :data:`PIECE` elements, so int32
+    cannot wrap), without a boolean temporary. ``out``: a temporary of ``bits``' shape and
+    dtype to work in (None: allocated)."""
+    # bits - (threshold + 1) is negative exactly where bits <= threshold: clamped to [-1, 0],
+    # its sum is minus the count.
+    work = torch.sub(bits, threshold + 1, out=out).clamp_(-1, 0)
+    total = work.sum(dtype=torch.int32) if dim is None else work.sum(dim, dtype=torch.int32)
+    return total.neg_()
 
 
 def _nonfinite_piece(
@@ -147,11 +215,13 @@ def _read_piece(
 ) -> None:
     if c.dtype != torch.float64:
         c = c.float()  # float16/bfloat16 convert exactly; float32 stays itself
-    a = c.abs()
+    f32 = c.dtype == torch.float32
+    a = torch.abs(c, out=_scratch(0, tuple(c.shape)) if f32 else None)
     # (torch.linalg.vector_norm would save the square's temporary, but it does not sum by
     # cascade: its relative error reaches 1e-4 where these sums stay near 1e-7.)
+    squares = torch.mul(c, c, out=_scratch(1, tuple(c.shape)) if f32 else None)
     lo, hi, sum_abs, total, sum_sq = torch.stack(
-        (*torch.aminmax(a), a.sum(), c.sum(), c.square().sum())
+        (*torch.aminmax(a), a.sum(), c.sum(), squares.sum())
     ).tolist()
     if not (math.isfinite(sum_abs) and math.isfinite(sum_sq) and math.isfinite(total)):
         _nonfinite_piece(c, acc, under, over)
@@ -173,10 +243,12 @@ def _read_piece(
     if not (wanted_under or wanted_over):
         return
     bits = a.view(_bits_dtype(c.dtype))
-    counts = [_count_le(bits, _bits_of(under[k], c.dtype)) for k in wanted_under]
-    counts += [_count_le(bits, _bits_of(over[k], c.dtype)) for k in wanted_over]
+    # The squares are summed: their buffer is free.
+    work = _scratch(1, tuple(c.shape), torch.int32) if f32 else None
+    counts = [_count_le(bits, _bits_of(under[k], c.dtype), work) for k in wanted_under]
+    counts += [_count_le(bits, _bits_of(over[k], c.dtype), work) for k in wanted_over]
     if wanted_under and lo == 0:
-        counts.append(_count_le(bits, 0))
+        counts.append(_count_le(bits, 0, work))
     found = torch.stack(counts).tolist()
     zeros = found[-1] if wanted_under and lo == 0 else 0
     for k, count in zip(wanted_under, found, strict=False):
@@ -362,8 +434,10 @@ class SmallBatch:
         """Compute the statistics of every queued tensor and release the copies."""
         groups, self.groups, self.elements = self.groups, {}, 0
         for n, items in groups.items():
-            rows = torch.stack([copy for copy, _ in items]) if len(items) > 1 else None
-            if rows is None:
+            if len(items) > 1:
+                copies = [copy for copy, _ in items]
+                rows = torch.stack(copies, out=_scratch(2, (len(copies), n)))
+            else:
                 rows = items[0][0].view(1, n)
             for (_, pending), values in zip(items, self._rows(rows), strict=True):
                 pending._values = values
@@ -371,9 +445,11 @@ class SmallBatch:
     def _rows(self, rows: Tensor) -> list[list[float]]:
         r, n = rows.shape
         under, over = self.under, self.over
-        a = rows.abs()
-        lo_t, hi_t = torch.aminmax(a, dim=1)
-        head = torch.stack((lo_t, hi_t, a.sum(1), rows.sum(1), rows.square().sum(1)))
+        a = torch.abs(rows, out=_scratch(0, tuple(rows.shape)))
+        squares = torch.mul(rows, rows, out=_scratch(1, tuple(rows.shape)))
+        # (amin and amax, not aminmax(dim=1): on the CPU the row-wise aminmax runs about
+        # 15 times slower than the two of them.)
+        head = torch.stack((a.amin(1), a.amax(1), a.sum(1), rows.sum(1), squares.sum(1)))
         lo, hi, sum_abs, total, sum_sq = head.tolist()
         # Counts for the thresholds some row straddles, all rows at once.
         lowest, highest = min(lo), max(hi)
@@ -386,9 +462,8 @@ class SmallBatch:
         found: list[list[int]] = []
         if thresholds:
             bits = a.view(torch.int32)
-            found = torch.stack(
-                [torch.rsub(bits, t + 1).clamp_(0, 1).sum(1, dtype=torch.int32) for t in thresholds]
-            ).tolist()
+            work = _scratch(1, tuple(rows.shape), torch.int32)  # the squares are summed
+            found = torch.stack([_count_le(bits, t, work, dim=1) for t in thresholds]).tolist()
         zeros = found[-1] if wanted_under and lowest == 0 else [0] * r
         n_under = len(wanted_under)
         out: list[list[float]] = []
