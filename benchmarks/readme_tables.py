@@ -194,6 +194,15 @@ def tracking_rows() -> list[str]:
                 f"CPU, {label} (`bench_tracking.py`) | {cells} | "
                 f"{_met(worst, reads['target'])} | {_when(run, path)} |"
             )
+        batched = reads.get("batched_small")
+        if batched:
+            cells = ", ".join(f"{int(size):,}: {ratio:.2f}x" for size, ratio in batched.items())
+            rows.append(
+                "| small tensors' tracking statistics vs one read each, float32, CPU, PyTorch "
+                "ops as tracking runs them (64 queued, read in one batch; "
+                f"`bench_tracking.py`) | {cells} | {_met(max(batched.values()), reads['target'])} "
+                f"| {_when(run, path)} |"
+            )
     return rows
 
 
