@@ -328,7 +328,7 @@ def small_batch_vs_read(rounds: int, count: int = 64) -> dict[str, float]:
     for exponent in (8, 11, 13):
         xs = [torch.randn(2**exponent) for _ in range(count)]
 
-        def read_batch() -> None:
+        def read_batch(xs: list[torch.Tensor] = xs) -> None:
             batch = _cpu_stats.SmallBatch(metrics._UNDERFLOW_BELOW, metrics._OVERFLOW_ABOVE)
             pending = [batch.add(x) for x in xs]
             batch.flush()
