@@ -18,10 +18,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["OPTIONAL_FLAGS", "cache_dir", "compiler", "load"]
+__all__ = ["OPTIONAL_FLAGS", "LazyLibrary", "cache_dir", "compiler", "load"]
 
 #: Tried in order: OpenMP (PyTorch's own runtime, already loaded: the same threads) and the
 #: host's vector instructions where the compiler has them.
@@ -48,6 +49,48 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+class LazyLibrary:
+    """A library built and loaded at its first use (:meth:`get`), once per process.
+
+    ``bind`` declares the functions' ctypes signatures on the loaded library. Where building
+    or loading fails, :attr:`failure` says why, ``on_failure`` is called with it once, and
+    the library stays unavailable: callers take their PyTorch path.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        flags: Sequence[str],
+        bind: Callable[[ctypes.CDLL], None],
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self.name, self.source, self.flags = name, source, tuple(flags)
+        self._bind = bind
+        self._on_failure = on_failure
+        self._lib: ctypes.CDLL | None = None
+        #: Why the library is unavailable ("" until a build or load has failed).
+        self.failure = ""
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library (building it on the first call), or None where that failed."""
+        if self._lib is not None or self.failure:
+            return self._lib
+        with self._lock:
+            if self._lib is None and not self.failure:
+                try:
+                    lib = load(self.name, self.source, self.flags, compiler())
+                    self._bind(lib)
+                except (OSError, subprocess.SubprocessError) as error:
+                    self.failure = str(error) or type(error).__name__
+                    if self._on_failure is not None:
+                        self._on_failure(self.failure)
+                    return None
+                self._lib = lib
+        return self._lib
 
 
 def load(name: str, source: str, flags: Sequence[str], cc: str | None) -> ctypes.CDLL:

@@ -23,8 +23,6 @@ slower).
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
 from typing import Any
 
 import torch
@@ -108,30 +106,20 @@ class NativeRounding:
     def __init__(self) -> None:
         self._nearest: Any = None
         self._stochastic: Any = None
-        self._failed = False
-        self._lock = threading.Lock()
+        self._library = _cbuild.LazyLibrary("rounding", _SOURCE, _FLAGS, self._bind)
+
+    def _bind(self, lib: ctypes.CDLL) -> None:
+        # x, y, n, drop, bound, then each kernel's own arguments.
+        c = ctypes
+        common = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int32, c.c_float]
+        extra = [c.c_float, c.c_int32, c.c_uint32, c.c_uint32]
+        self._stochastic = _bind(lib.us_stochastic_f32, [*common, *extra])
+        self._nearest = _bind(lib.us_nearest_f32, [*common, c.c_float, c.c_float])
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call; False for good where
         that fails: the PyTorch path gives the same results)."""
-        if self._nearest is not None:
-            return True
-        if self._failed:
-            return False
-        with self._lock:
-            if self._nearest is None and not self._failed:
-                try:
-                    lib = _cbuild.load("rounding", _SOURCE, _FLAGS, _cbuild.compiler())
-                except (OSError, subprocess.SubprocessError):
-                    self._failed = True
-                    return False
-                # x, y, n, drop, bound, then each kernel's own arguments.
-                c = ctypes
-                common = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int32, c.c_float]
-                extra = [c.c_float, c.c_int32, c.c_uint32, c.c_uint32]
-                self._stochastic = _bind(lib.us_stochastic_f32, [*common, *extra])
-                self._nearest = _bind(lib.us_nearest_f32, [*common, c.c_float, c.c_float])
-        return self._nearest is not None
+        return self._nearest is not None or self._library.get() is not None
 
     def nearest(self, x: Tensor, drop: int, bound: float, min_normal_exponent: int) -> Tensor:
         """``x`` (contiguous, float32, CPU, with storage) rounded to nearest at ``drop``

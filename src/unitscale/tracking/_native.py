@@ -30,8 +30,6 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
-import subprocess
-import threading
 import warnings
 from typing import Any
 
@@ -250,13 +248,23 @@ def float_of_bits(bits: int) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
+def _warn_unavailable(reason: str) -> None:
+    warnings.warn(
+        f"unitscale: the native statistics kernel is unavailable ({reason}); CPU scale "
+        "statistics use PyTorch ops instead, which give the same statistics more slowly",
+        RuntimeWarning,
+        # The caller of metrics.deferred_stats (through LazyLibrary.get, available,
+        # native_stats and deferred_stats).
+        stacklevel=6,
+    )
+
+
 class NativeStats:
     """The compiled kernel, built and loaded at first use (:meth:`available`)."""
 
     def __init__(self) -> None:
         self._lib: Any = None
-        self._failed = ""
-        self._lock = threading.Lock()
+        self._library = _cbuild.LazyLibrary("stats", _SOURCE, _FLAGS, self._bind, _warn_unavailable)
         self._thresholds: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
         self._stats_f32: Any = None
         self._stats_bf16: Any = None
@@ -265,27 +273,9 @@ class NativeStats:
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call)."""
-        if self._lib is not None:
-            return True
-        if self._failed:
-            return False
-        with self._lock:
-            if self._lib is None and not self._failed:
-                try:
-                    self._lib = self._load()
-                except (OSError, subprocess.SubprocessError) as error:
-                    self._failed = str(error) or type(error).__name__
-                    warnings.warn(
-                        "unitscale: the native statistics kernel is unavailable "
-                        f"({self._failed}); CPU scale statistics use PyTorch ops instead, "
-                        "which give the same statistics more slowly",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-        return self._lib is not None
+        return self._lib is not None or self._library.get() is not None
 
-    def _load(self) -> Any:
-        lib = _cbuild.load("stats", _SOURCE, _FLAGS, _cbuild.compiler())
+    def _bind(self, lib: Any) -> None:
         signatures = {
             "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 2],
             "us_over": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
@@ -303,7 +293,7 @@ class NativeStats:
             function.restype = ctypes.c_int
         self._stats_f32, self._stats_bf16 = lib.us_stats_f32, lib.us_stats_bf16
         self._summary_f32, self._summary_bf16 = lib.us_summary_f32, lib.us_summary_bf16
-        return lib
+        self._lib = lib
 
     def stats(
         self, x: Tensor, shift: float, under: tuple[int, ...], over: tuple[int, ...]
