@@ -25,7 +25,7 @@ value for value:
   - under/overflow counts are computed only for the thresholds that the piece's minimum and
     maximum straddle (a piece whose largest value is 3 cannot overflow E4M3), exactly, on
     the integer bit patterns of ``|x|`` (monotonic in the value for non-negative floats),
-    without a boolean temporary: ``clamp(T + 1 - bits, 0, 1).sum()`` counts ``bits <= T``;
+    without a boolean temporary: ``bits <= T`` is written as int32 0/1 and summed;
   - NaN and Inf are counted only when a piece's sums say they are present.
 """
 
@@ -164,13 +164,12 @@ def _count_le(
 ) -> Tensor:
     """How many of the non-negative bit patterns ``bits`` are ``<= threshold`` (int32, of
     all of them or along ``dim``; ``bits`` has at most :data:`PIECE` elements, so int32
-    cannot wrap), without a boolean temporary. ``out``: a temporary of ``bits``' shape and
-    dtype to work in (None: allocated)."""
-    # bits - (threshold + 1) is negative exactly where bits <= threshold: clamped to [-1, 0],
-    # its sum is minus the count.
-    work = torch.sub(bits, threshold + 1, out=out).clamp_(-1, 0)
-    total = work.sum(dtype=torch.int32) if dim is None else work.sum(dim, dtype=torch.int32)
-    return total.neg_()
+    cannot wrap). ``out``: an int32 temporary of ``bits``' shape to work in (None: one is
+    allocated)."""
+    # The comparison written as int32 0/1 (into an int32 tensor: a boolean result is written
+    # by a slower kernel), then summed: two passes.
+    work = torch.le(bits, threshold, out=torch.empty_like(bits) if out is None else out)
+    return work.sum(dtype=torch.int32) if dim is None else work.sum(dim, dtype=torch.int32)
 
 
 def _nonfinite_piece(
