@@ -27,8 +27,8 @@ Also reported (``statistics_vs_read``): the cost of one tensor's statistics agai
 of it (``x.abs().sum()``), interleaved, for float32 tensors of 2**11 to 2**22 elements, on
 each CPU path: the native kernel (the default) and PyTorch ops (``UNITSCALE_STATS=eager``,
 what runs without a C compiler); the target is 3x. With it (``batched_small``): the PyTorch
-path as tracking runs it for tensors of at most 2**13 elements, 64 of them queued and read
-in one batch, against 64 reads.
+path as tracking runs it for tensors of at most 2**15 elements, 64 of them queued and read
+in batches, against 64 reads.
 
 Also reported (``variable_lengths``): ``bert2`` on batches whose sequence length changes every
 step (16 to 128 in steps of 8, shuffled), tracked and untracked alternating, two passes over
@@ -325,7 +325,7 @@ def small_batch_vs_read(rounds: int, count: int = 64) -> dict[str, float]:
     from unitscale.tracking import _cpu_stats, metrics
 
     out: dict[str, float] = {}
-    for exponent in (8, 11, 13):
+    for exponent in (8, 11, 13, 15):
         xs = [torch.randn(2**exponent) for _ in range(count)]
 
         def read_batch(xs: list[torch.Tensor] = xs) -> None:

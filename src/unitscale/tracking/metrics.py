@@ -187,8 +187,8 @@ def tensor_stats(x: Tensor) -> Tensor:
         >>> stats_to_data(tensor_stats(x).tolist(), x.numel()).mean_abs
         2.0
     """
-    stats = deferred_stats(x)
-    if isinstance(stats, Pending):
+    stats = deferred_stats(x, batch=False)
+    if isinstance(stats, Pending):  # pragma: no cover - not batched
         stats = stats.values()
     if isinstance(stats, list):
         return torch.tensor(stats, dtype=torch.float64)
@@ -213,13 +213,14 @@ def _has_plain_storage(x: Tensor) -> bool:
     )
 
 
-def deferred_stats(x: Tensor) -> Stats:
+def deferred_stats(x: Tensor, batch: bool = True) -> Stats:
     """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
 
     On the CPU (unless ``UNITSCALE_STATS=compiled``): by the native kernel where it is
-    available (and not ``UNITSCALE_STATS=eager``); else small tensors are batched and read
-    together when a value is first needed, others read at once by PyTorch ops. On other
-    devices the compiled kernel runs asynchronously. Same values whichever path runs.
+    available (and not ``UNITSCALE_STATS=eager``); else, with ``batch``, small tensors are
+    copied into a batch read together when a value is first needed (cheaper where many
+    are recorded), others read at once by PyTorch ops. On other devices the compiled kernel
+    runs asynchronously. Same values whichever path runs.
     """
     n = x.numel()
     if n == 0:
@@ -233,7 +234,7 @@ def deferred_stats(x: Tensor) -> Stats:
                 return values
         if mode != "compiled":
             x = x.detach()
-            if n <= SMALL and x.dtype in _BATCHED:
+            if batch and n <= SMALL and x.dtype in _BATCHED:
                 return _batch.add(x)
             return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
     with torch.no_grad():
