@@ -45,8 +45,9 @@ __all__ = ["PIECE", "SMALL", "Pending", "SmallBatch", "cpu_stats", "native_stats
 #: Elements per piece: 4 MiB of float32, so that a piece's few temporaries stay in a
 #: server's last-level cache while each op's fixed cost (thread dispatch: several
 #: microseconds) is paid once per million elements. (Pieces of 64Ki elements, which fit in
-#: L2, paid it 16 times as often: 5x one read of a 16 MiB tensor against 3.4x, and 17x
-#: against 8x on 2 MiB: benchmarks/bench_tracking.py, 2 threads.)
+#: L2, paid it 16 times as often: measured with fresh temporaries, before the buffers
+#: below, 5x one read of a 16 MiB tensor against 3.4x, and 17x against 8x on 2 MiB;
+#: benchmarks/bench_tracking.py, 2 threads.)
 PIECE = 1 << 20
 
 # float32 squares stay normal and finite for magnitudes in (2**-60, 2**60); outside it the
