@@ -199,7 +199,8 @@ def tracking_rows() -> list[str]:
             cells = ", ".join(f"{int(size):,}: {ratio:.2f}x" for size, ratio in batched.items())
             rows.append(
                 "| small tensors' tracking statistics vs one read each, float32, CPU, PyTorch "
-                "ops as tracking runs them (64 queued, read in one batch; "
+                "ops as tracking runs them (64 queued, read in batches of up to 2**18 "
+                "elements; "
                 f"`bench_tracking.py`) | {cells} | {_met(max(batched.values()), reads['target'])} "
                 f"| {_when(run, path)} |"
             )
