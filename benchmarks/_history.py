@@ -31,6 +31,7 @@ def machine_state() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "load_average_before": [round(v, 2) for v in os.getloadavg()],
+        **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
     }
 
 
@@ -44,11 +45,12 @@ def read_runs(path: Path) -> list[dict[str, Any]]:
     return [data]  # a file from before histories: one run
 
 
-def latest_run(path: Path) -> dict[str, Any]:
-    """The newest run in ``path``."""
-    runs = read_runs(path)
+def latest_run(path: Path, device: str = "cpu") -> dict[str, Any]:
+    """The newest run in ``path`` measured on ``device`` ("cpu" for runs that do not say):
+    a CUDA run appended to a history leaves the CPU figures as they were."""
+    runs = [run for run in read_runs(path) if run.get("device", "cpu") == device]
     if not runs:
-        raise FileNotFoundError(f"no benchmark results in {path}: run the benchmark first")
+        raise FileNotFoundError(f"no {device} benchmark results in {path}: run the benchmark first")
     return runs[-1]
 
 

@@ -54,6 +54,8 @@ def _load(run: dict[str, Any]) -> str:
 
 def _when(run: dict[str, Any], path: Path) -> str:
     date = run.get("date", "undated")[:10]
+    if run.get("device") == "cuda":
+        return f"`{path.name}` {date}, {run.get('gpu', 'GPU')}, torch {run.get('torch', '?')}"
     threads = run.get("threads", "?")
     return f"`{path.name}` {date}, {threads} thread{'' if threads == 1 else 's'}, {_load(run)}"
 
@@ -87,13 +89,25 @@ def ops_rows() -> list[str]:
     return rows
 
 
-def formats_rows() -> list[str]:
+def _cuda_run(path: Path) -> dict[str, Any] | None:
+    """The newest CUDA run in ``path``, or None (none was measured yet)."""
+    try:
+        return latest_run(path, "cuda")
+    except FileNotFoundError:
+        return None
+
+
+def formats_rows(device: str = "cpu") -> list[str]:
     path = RESULTS / "formats.json"
-    run = latest_run(path)
+    run = latest_run(path) if device == "cpu" else _cuda_run(path)
+    if run is None:
+        return []
     per_threads = run.get("per_thread_count") or run["runs"]
     rows = []
     for entry in per_threads:
         threads = f"{entry['threads']} thread{'' if entry['threads'] == 1 else 's'}"
+        if device != "cpu":
+            threads = "CUDA"
         for mode in ("compiled", "eager"):
             e4m3 = entry["results"][mode]["e4m3"]
             worst = entry["summary"]
@@ -128,9 +142,12 @@ def formats_rows() -> list[str]:
     return rows
 
 
-def tracking_rows() -> list[str]:
+def tracking_rows(device: str = "cpu") -> list[str]:
     path = RESULTS / "tracking.json"
-    run = latest_run(path)
+    run = latest_run(path) if device == "cpu" else _cuda_run(path)
+    if run is None:
+        return []
+    on = ", CUDA" if device != "cpu" else ""
     rows = []
     for name, result in run["models"].items():
         if "step_s" in result and isinstance(result["step_s"], dict):  # interleaved format
@@ -149,7 +166,7 @@ def tracking_rows() -> list[str]:
             how = "separate processes; memory is the process's lifetime peak"
             target = None
         rows.append(
-            f"| `track_scales` step vs untracked, {name} (`bench_tracking.py`, {how}) "
+            f"| `track_scales` step vs untracked, {name}{on} (`bench_tracking.py`, {how}) "
             f"| time {ratio:.2f}x, peak memory {memory:.2f}x, {first_text} "
             f"| {_met(ratio, target)} | {_when(run, path)} |"
         )
@@ -278,6 +295,8 @@ def performance_table() -> str:
     lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
     lines += analyse_rows()
     lines += optim_rows() + distributed_rows()
+    # Where a GPU was lent: the same benchmarks' newest CUDA runs (benchmarks/device_check.sh).
+    lines += formats_rows("cuda") + tracking_rows("cuda")
     return "\n".join(lines)
 
 

@@ -20,6 +20,42 @@ def test_performance_table_is_generated_from_committed_results() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_cuda_run_adds_its_rows_and_leaves_the_cpu_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/device_check.sh appends CUDA runs to the same histories: the README's CPU
+    rows still come from the newest CPU runs, and the CUDA runs get rows of their own."""
+    import json
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results = tmp_path / "results"
+    shutil.copytree(readme_tables.RESULTS, results)
+    monkeypatch.setattr(readme_tables, "RESULTS", results)
+    before = readme_tables.performance_table().splitlines()
+    assert not [row for row in before if "CUDA" in row]
+    for name in ("formats.json", "tracking.json"):
+        document = json.loads((results / name).read_text())
+        gpu_run = {
+            **document["runs"][-1],
+            "device": "cuda",
+            "gpu": "Some GPU",
+            "date": "2030-01-01",
+        }
+        document["runs"].append(gpu_run)
+        (results / name).write_text(json.dumps(document))
+    after = readme_tables.performance_table().splitlines()
+    added = [row for row in after if row not in before]
+    assert after[: len(before)] == before  # CPU rows unchanged, in place
+    assert added and all("2030-01-01, Some GPU" in row for row in added)
+    assert any("vs `x.clone()`" in row and "CUDA" in row for row in added)
+    assert any("step vs untracked" in row and ", CUDA" in row for row in added)
+
+
 @pytest.mark.parametrize("name", ["TRANSFER", "TRANSFER_DEPTH"])
 def test_transfer_table_marks_the_best_point_as_the_library_does(name: str) -> None:
     """The README's transfer table (benchmarks/readme_tables.py) bolds, in each row, the run

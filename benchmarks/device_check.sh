@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one prepared run for a session that is lent one (the
+# workplace's `device` tool), sized to leave time for a rerun inside 15 minutes of device time:
+#
+#   run(command="bash benchmarks/device_check.sh", timeout_s=480)
+#
+# There, python3 already holds a CUDA build of PyTorch (and transformers, pytest); nothing can
+# be fetched, so unitscale runs from src/ on PYTHONPATH. In order, each step under its own
+# time limit, a failing step not stopping the next:
+#   1. the CUDA cases of tests/formats and tests/tracking (`-k cuda`; CI runs the rest);
+#   2. bench_formats.py --device cuda;
+#   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; no fresh-process or CPU
+#      statistics parts, which are CPU figures).
+# The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
+# the development machine: copy $OUT/formats.json and $OUT/tracking.json over
+# benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
+# own; the CPU rows keep coming from the newest CPU runs) and commit.
+#
+# DEVICE=cpu runs the same steps on the CPU (quick, for checking this script): the copies are
+# made and appended to as on a GPU, with fewer rounds and one model.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-$(mktemp -d)}
+PYTHON=${PYTHON:-python3}
+echo "results in $OUT"
+
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+  models=bert4,bert2,tiny,gpt2 rounds=5 formats_numel=24 tests="cuda"
+else
+  models=tiny rounds=2 formats_numel=16 tests="cpu and nearest and not stochastic"
+fi
+cp benchmarks/results/formats.json benchmarks/results/tracking.json "$OUT"/
+
+status=0
+step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name (at most $seconds s) ==="
+  timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc ==="
+  [ "$rc" -eq 0 ] || status=1
+}
+
+step tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/formats tests/tracking -k "$tests"
+step formats 100 "$PYTHON" benchmarks/bench_formats.py --device "$DEVICE" --rounds "$rounds" \
+  --log2-numel "$formats_numel" --output "$OUT/formats.json"
+step tracking 150 "$PYTHON" benchmarks/bench_tracking.py --device "$DEVICE" --models "$models" \
+  --rounds "$rounds" --no-variable-lengths --out "$OUT/tracking.json"
+exit "$status"
