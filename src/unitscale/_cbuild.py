@@ -21,8 +21,9 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["OPTIONAL_FLAGS", "LazyLibrary", "cache_dir", "compiler", "load"]
+__all__ = ["OPTIONAL_FLAGS", "LazyLibrary", "cache_dir", "compiler", "declare", "load"]
 
 #: Tried in order: OpenMP (PyTorch's own runtime, already loaded: the same threads) and the
 #: host's vector instructions where the compiler has them.
@@ -49,6 +50,14 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+def declare(function: Any, argtypes: Sequence[Any], restype: Any = None) -> Any:
+    """``function`` (from a loaded library) declared to take ``argtypes`` and return
+    ``restype`` (None: void)."""
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
 
 
 class LazyLibrary:

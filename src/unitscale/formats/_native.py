@@ -109,12 +109,12 @@ class NativeRounding:
         self._library = _cbuild.LazyLibrary("rounding", _SOURCE, _FLAGS, self._bind)
 
     def _bind(self, lib: ctypes.CDLL) -> None:
-        # x, y, n, drop, bound, then each kernel's own arguments.
+        # x, y, n, drop, bound, smallest normal (see _run), then each kernel's own arguments.
         c = ctypes
-        common = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int32, c.c_float]
-        extra = [c.c_float, c.c_int32, c.c_uint32, c.c_uint32]
-        self._stochastic = _bind(lib.us_stochastic_f32, [*common, *extra])
-        self._nearest = _bind(lib.us_nearest_f32, [*common, c.c_float, c.c_float])
+        common = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int32, c.c_float, c.c_float]
+        extra = [c.c_int32, c.c_uint32, c.c_uint32]
+        self._stochastic = _cbuild.declare(lib.us_stochastic_f32, [*common, *extra])
+        self._nearest = _cbuild.declare(lib.us_nearest_f32, [*common, c.c_float])
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call; False for good where
@@ -126,17 +126,9 @@ class NativeRounding:
         (0..23) fewer mantissa bits, saturating at ``±bound``, with subnormals below
         ``2**min_normal_exponent`` (at least -126, as for every format). Call
         :meth:`available` first."""
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._nearest(
-            x.data_ptr(),
-            y.data_ptr(),
-            x.numel(),
-            drop,
-            bound,
-            2.0**min_normal_exponent,
-            2.0 ** (min_normal_exponent + drop),
+        return _run(
+            self._nearest, x, drop, bound, min_normal_exponent, 2.0 ** (min_normal_exponent + drop)
         )
-        return y
 
     def stochastic(
         self, x: Tensor, drop: int, bound: float, min_normal_exponent: int, seeds: Tensor
@@ -147,26 +139,20 @@ class NativeRounding:
         int32 ``seeds`` (see :func:`unitscale.formats._kernels._hashed_random_bits`). Call
         :meth:`available` first."""
         seed0, seed1 = (int(s) & 0xFFFFFFFF for s in seeds.tolist())
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._stochastic(
-            x.data_ptr(),
-            y.data_ptr(),
-            x.numel(),
-            drop,
-            bound,
-            2.0**min_normal_exponent,
-            int(min_normal_exponent > -126),
-            seed0,
-            seed1,
+        shift_small = int(min_normal_exponent > -126)
+        return _run(
+            self._stochastic, x, drop, bound, min_normal_exponent, shift_small, seed0, seed1
         )
-        return y
 
 
-def _bind(function: Any, argtypes: list[Any]) -> Any:
-    """``function`` (from a ctypes library) declared to take ``argtypes`` and return void."""
-    function.argtypes = argtypes
-    function.restype = None
-    return function
+def _run(
+    kernel: Any, x: Tensor, drop: int, bound: float, min_normal_exponent: int, *extra: Any
+) -> Tensor:
+    """A new contiguous tensor: ``kernel`` applied to ``x`` with the arguments every rounding
+    kernel takes (x, y, n, drop, bound, the smallest normal), then its own ``extra``."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel(x.data_ptr(), y.data_ptr(), x.numel(), drop, bound, 2.0**min_normal_exponent, *extra)
+    return y
 
 
 rounding = NativeRounding()

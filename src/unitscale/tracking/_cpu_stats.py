@@ -215,11 +215,11 @@ def _read_piece(
 ) -> None:
     if c.dtype != torch.float64:
         c = c.float()  # float16/bfloat16 convert exactly; float32 stays itself
-    f32 = c.dtype == torch.float32
-    a = torch.abs(c, out=_scratch(0, tuple(c.shape)) if f32 else None)
+    shape = tuple(c.shape) if c.dtype == torch.float32 else None  # None: no buffers
+    a = torch.abs(c, out=None if shape is None else _scratch(0, shape))
     # (torch.linalg.vector_norm would save the square's temporary, but it does not sum by
     # cascade: its relative error reaches 1e-4 where these sums stay near 1e-7.)
-    squares = torch.mul(c, c, out=_scratch(1, tuple(c.shape)) if f32 else None)
+    squares = torch.mul(c, c, out=None if shape is None else _scratch(1, shape))
     lo, hi, sum_abs, total, sum_sq = torch.stack(
         (*torch.aminmax(a), a.sum(), c.sum(), squares.sum())
     ).tolist()
@@ -244,7 +244,7 @@ def _read_piece(
         return
     bits = a.view(_bits_dtype(c.dtype))
     # The squares are summed: their buffer is free.
-    work = _scratch(1, tuple(c.shape), torch.int32) if f32 else None
+    work = None if shape is None else _scratch(1, shape, torch.int32)
     counts = [_count_le(bits, _bits_of(under[k], c.dtype), work) for k in wanted_under]
     counts += [_count_le(bits, _bits_of(over[k], c.dtype), work) for k in wanted_over]
     if wanted_under and lo == 0:
@@ -447,8 +447,9 @@ class SmallBatch:
     def _rows(self, rows: Tensor) -> list[list[float]]:
         r, n = rows.shape
         under, over = self.under, self.over
-        a = torch.abs(rows, out=_scratch(0, tuple(rows.shape)))
-        squares = torch.mul(rows, rows, out=_scratch(1, tuple(rows.shape)))
+        shape = (r, n)
+        a = torch.abs(rows, out=_scratch(0, shape))
+        squares = torch.mul(rows, rows, out=_scratch(1, shape))
         # (amin and amax, not aminmax(dim=1): on the CPU the row-wise aminmax runs about
         # 15 times slower than the two of them.)
         head = torch.stack((a.amin(1), a.amax(1), a.sum(1), rows.sum(1), squares.sum(1)))
@@ -464,7 +465,7 @@ class SmallBatch:
         found: list[list[int]] = []
         if thresholds:
             bits = a.view(torch.int32)
-            work = _scratch(1, tuple(rows.shape), torch.int32)  # the squares are summed
+            work = _scratch(1, shape, torch.int32)  # the squares are summed
             found = torch.stack([_count_le(bits, t, work, dim=1) for t in thresholds]).tolist()
         zeros = found[-1] if wanted_under and lowest == 0 else [0] * r
         n_under = len(wanted_under)

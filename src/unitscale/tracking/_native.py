@@ -276,21 +276,16 @@ class NativeStats:
         return self._lib is not None or self._library.get() is not None
 
     def _bind(self, lib: Any) -> None:
-        signatures = {
-            "us_stats": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, *[ctypes.c_void_p] * 2],
-            "us_over": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
-            "us_centred": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p],
+        ptr, double, int64 = ctypes.c_void_p, ctypes.c_double, ctypes.c_int64
+        signatures = {  # stem: (argument types, return type)
+            "us_stats": ([ptr, int64, double, ptr, ptr], None),
+            "us_over": ([ptr, int64, ptr, ptr], None),
+            "us_centred": ([ptr, int64, double, ptr], None),
+            "us_summary": ([ptr, int64, ptr, ptr, double, double, ptr], ctypes.c_int),
         }
-        for stem, argtypes in signatures.items():
+        for stem, (argtypes, restype) in signatures.items():
             for suffix in ("f32", "bf16"):
-                function = getattr(lib, f"{stem}_{suffix}")
-                function.argtypes = argtypes
-                function.restype = None
-        pointer, double = ctypes.c_void_p, ctypes.c_double
-        for suffix in ("f32", "bf16"):
-            function = getattr(lib, f"us_summary_{suffix}")
-            function.argtypes = [pointer, ctypes.c_int64, pointer, pointer, double, double, pointer]
-            function.restype = ctypes.c_int
+                _cbuild.declare(getattr(lib, f"{stem}_{suffix}"), argtypes, restype)
         self._stats_f32, self._stats_bf16 = lib.us_stats_f32, lib.us_stats_bf16
         self._summary_f32, self._summary_bf16 = lib.us_summary_f32, lib.us_summary_bf16
         self._lib = lib
