@@ -1,0 +1,154 @@
+"""Per-tensor scaling for FP8 simulation: torchao's tensorwise recipe and delayed scaling.
+
+A scaled cast multiplies a tensor by ``scale = format_max / amax`` before rounding it to the
+format and divides by the same scale afterwards, so that the tensor's largest magnitude lands
+on the format's largest value whatever the tensor's own scale. Two ways to choose ``amax``:
+
+- ``"tensorwise"``: the amax of the tensor being rounded, computed when it is rounded
+  (dynamic scaling). This is ``torchao.float8.convert_to_float8_training`` with its default
+  ``Float8LinearConfig`` (read from torchao 0.18's ``float8_utils.py``): ``amax =
+  max(abs(x))`` in the tensor's dtype, ``scale = float32(fmax / clamp(float64(amax),
+  min=1e-12))`` (so a zero tensor gets the finite scale ``fmax * 1e12`` and stays zero), the
+  scale *not* rounded to a power of two (``round_scales_to_power_of_2=False``), the scaled
+  tensor computed in float32 and cast with saturation, and no reduction of amax over ranks
+  (``reduce_amax=False``: under data parallelism each rank scales by its local amax).
+- ``"delayed"``: the amax is the maximum of an *amax history* of earlier steps, as in
+  Transformer Engine's ``DelayedScaling`` and torchao's former delayed scaling; the history
+  is rolled and the current amax written at its front after it is used. Its length defaults
+  to 16, torchao's former ``DelayedScalingConfig.history_len`` default. First step: while the
+  history holds no non-zero amax (a fresh model), the current amax is used, i.e. the first
+  step scales as ``"tensorwise"`` does (torchao's former delayed scaling likewise initialised
+  its history from the first step's tensors). The history is only updated while autograd
+  records (a training step): a forward under ``torch.no_grad()`` (evaluation) reads it.
+
+Design constraints: scales stay on the device (no host synchronisation), computed with
+tensor ops only, so they run under ``torch.compile``; the history tensors are buffers of an
+:class:`AmaxHistory` module, so they are saved in ``state_dict()``, move with ``.to()`` and
+are restored by ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "AMAX_EPS",
+    "DEFAULT_HISTORY_LEN",
+    "SCALINGS",
+    "AmaxHistory",
+    "Scaling",
+    "amax_scale",
+    "delayed_scale",
+    "scaled_round",
+]
+
+Scaling = Literal["none", "tensorwise", "delayed"]
+"""How :func:`~unitscale.transforms.simulate_fp8` scales each tensor it rounds."""
+
+SCALINGS: tuple[str, ...] = ("none", "tensorwise", "delayed")
+
+AMAX_EPS = 1e-12
+"""The smallest amax a scale is computed from (torchao's ``float8_utils.EPS``)."""
+
+DEFAULT_HISTORY_LEN = 16
+"""Default amax-history length of ``scaling="delayed"``: torchao's former
+``DelayedScalingConfig.history_len`` (Transformer Engine's ``DelayedScaling`` defaults to
+1024 since v1.0; 16 reacts faster to a growing tensor)."""
+
+
+def amax_scale(amax: Tensor, format_max: float) -> Tensor:
+    """``format_max / amax`` as torchao computes it: in float64, amax clamped to 1e-12, then
+    float32 (torchao's ``amax_to_scale`` without power-of-two rounding).
+
+    Example:
+        >>> amax_scale(torch.tensor(2.0), 448.0).item(), amax_scale(torch.tensor(0.0), 448.0)
+        (224.0, tensor(4.4800e+14))
+    """
+    return (format_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
+
+
+def _amax(x: Tensor) -> Tensor:
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -> Tensor:
+    """The delayed scale of ``x`` from ``history``; with ``record``, roll ``x``'s amax into it.
+
+    Args:
+        x: the tensor about to be rounded.
+        history: float32 amax history (most recent first), updated in place.
+        format_max: the format's largest value.
+        record: whether to write ``x``'s amax into the history after reading it.
+
+    Returns:
+        ``format_max / max(history)``, or ``format_max / amax(x)`` while the history holds no
+        non-zero value (the first step).
+
+    Example:
+        >>> history = torch.zeros(3)
+        >>> delayed_scale(torch.tensor([4.0]), history, 448.0, record=True).item()  # first step
+        112.0
+        >>> delayed_scale(torch.tensor([1.0]), history, 448.0, record=True).item(), history
+        (112.0, tensor([1., 4., 0.]))
+    """
+    current = _amax(x)
+    earlier = history.amax()
+    scale = amax_scale(torch.where(earlier > 0, earlier, current), format_max)
+    if record:
+        with torch.no_grad():
+            history.copy_(torch.cat([current.view(1).to(history.dtype), history[:-1]]))
+    return scale
+
+
+def scaled_round(x: Tensor, scale: Tensor, round_fn: Any) -> Tensor:
+    """``round_fn(float32(x) * scale) / scale``, in ``x``'s dtype (torchao scales in float32)."""
+    return (round_fn(x.to(torch.float32) * scale) / scale).to(x.dtype)
+
+
+class AmaxHistory(nn.Module):
+    """The amax histories of ``scaling="delayed"``, one float32 buffer per rounded tensor.
+
+    Buffers are created when a graph is captured (named after the rounding node, e.g.
+    ``input_quantised`` for an operand, ``linear_grad_quantised`` for a matmul's output
+    gradient) or when a checkpoint holding them is loaded, so a freshly transformed model
+    loads a trained one's histories. Calling it with a site name returns that site's buffer.
+
+    Args:
+        history_len: entries per history.
+    """
+
+    def __init__(self, history_len: int = DEFAULT_HISTORY_LEN) -> None:
+        super().__init__()
+        self.history_len = history_len
+
+    def extra_repr(self) -> str:
+        return f"history_len={self.history_len}, sites={len(self._buffers)}"
+
+    def ensure(self, site: str, device: torch.device) -> None:
+        """Create the history of ``site`` (zeros: "no earlier step") if it does not exist."""
+        if site not in self._buffers:
+            self.register_buffer(site, torch.zeros(self.history_len, device=device))
+
+    def forward(self, site: str) -> Tensor:
+        return self._buffers[site]  # type: ignore[return-value]
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for key, value in state_dict.items():
+            site = key[len(prefix) :]
+            if key.startswith(prefix) and "." not in site and site not in self._buffers:
+                self.register_buffer(site, torch.zeros_like(value, dtype=torch.float32))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
