@@ -36,7 +36,7 @@ class TwoMatmuls(nn.Module):
         def g(t: Tensor) -> Tensor:
             return quantise_grad(t, E5M2_NEAREST) if self.hand else t
 
-        h = g(F.linear(q(x), q(self.lin.weight), self.lin.bias))
+        h = g(F.linear(q(x), q(self.lin.weight))) + self.lin.bias  # bias grad not rounded
         h = self.norm(F.gelu(h))
         return g(q(h) @ q(self.w))
 

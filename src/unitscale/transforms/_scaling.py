@@ -22,9 +22,11 @@ on the format's largest value whatever the tensor's own scale. Two ways to choos
   records (a training step): a forward under ``torch.no_grad()`` (evaluation) reads it.
 
 Design constraints: scales stay on the device (no host synchronisation), computed with
-tensor ops only, so they run under ``torch.compile``; the history tensors are buffers of an
-:class:`AmaxHistory` module, so they are saved in ``state_dict()``, move with ``.to()`` and
-are restored by ``load_state_dict()``.
+tensor ops only, so they run under ``torch.compile``; the history tensors are buffers of the
+transformed model's root module (``fp8_amax_history_<site>``, one per scaled rounding, named
+after its graph node), so they are saved in ``state_dict()``, move with ``.to()`` and are
+restored by ``load_state_dict()``; they are buffers, not a child module, so that containers
+that iterate their children (``nn.Sequential``) are not changed.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from torch import Tensor, nn
 __all__ = [
     "AMAX_EPS",
     "DEFAULT_HISTORY_LEN",
+    "HISTORY_PREFIX",
     "SCALINGS",
-    "AmaxHistory",
     "Scaling",
     "amax_scale",
     "delayed_scale",
+    "history_buffer",
+    "keep_histories",
     "scaled_round",
 ]
 
@@ -108,47 +112,32 @@ def scaled_round(x: Tensor, scale: Tensor, round_fn: Any) -> Tensor:
     return (round_fn(x.to(torch.float32) * scale) / scale).to(x.dtype)
 
 
-class AmaxHistory(nn.Module):
-    """The amax histories of ``scaling="delayed"``, one float32 buffer per rounded tensor.
+HISTORY_PREFIX = "fp8_amax_history_"
+"""Name prefix of the amax-history buffers on the transformed model's root module."""
 
-    Buffers are created when a graph is captured (named after the rounding node, e.g.
-    ``input_quantised`` for an operand, ``linear_grad_quantised`` for a matmul's output
-    gradient) or when a checkpoint holding them is loaded, so a freshly transformed model
-    loads a trained one's histories. Calling it with a site name returns that site's buffer.
 
-    Args:
-        history_len: entries per history.
-    """
+def history_buffer(root: nn.Module, site: str, history_len: int, device: torch.device) -> str:
+    """The name of ``site``'s history buffer on ``root``, created (zeros: "no earlier step")
+    if it does not exist yet, e.g. ``fp8_amax_history_input_scale``."""
+    name = HISTORY_PREFIX + site
+    if name not in root._buffers:
+        root.register_buffer(name, torch.zeros(history_len, device=device))
+    return name
 
-    def __init__(self, history_len: int = DEFAULT_HISTORY_LEN) -> None:
-        super().__init__()
-        self.history_len = history_len
 
-    def extra_repr(self) -> str:
-        return f"history_len={self.history_len}, sites={len(self._buffers)}"
+def _create_loaded_histories(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    for key, value in state_dict.items():
+        name = key[len(prefix) :]
+        if key.startswith(prefix + HISTORY_PREFIX) and "." not in name:
+            if name not in module._buffers:
+                module.register_buffer(name, torch.zeros_like(value, dtype=torch.float32))
 
-    def ensure(self, site: str, device: torch.device) -> None:
-        """Create the history of ``site`` (zeros: "no earlier step") if it does not exist."""
-        if site not in self._buffers:
-            self.register_buffer(site, torch.zeros(self.history_len, device=device))
 
-    def forward(self, site: str) -> Tensor:
-        return self._buffers[site]  # type: ignore[return-value]
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        for key, value in state_dict.items():
-            site = key[len(prefix) :]
-            if key.startswith(prefix) and "." not in site and site not in self._buffers:
-                self.register_buffer(site, torch.zeros_like(value, dtype=torch.float32))
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+def keep_histories(root: nn.Module) -> None:
+    """Let ``root.load_state_dict()`` restore histories that ``root`` has not built yet (a
+    freshly transformed model loading a trained one's checkpoint)."""
+    hooks = root._load_state_dict_pre_hooks.values()
+    if not any(getattr(h, "hook", h) is _create_loaded_histories for h in hooks):
+        root._register_load_state_dict_pre_hook(_create_loaded_histories, with_module=True)

@@ -47,6 +47,7 @@ from ..capture import (
     Stage,
     TransformedModule,
     example_value,
+    identifier,
     is_float_node,
     transformed,
 )
@@ -60,10 +61,11 @@ from ._rewrite import (
 from ._scaling import (
     DEFAULT_HISTORY_LEN,
     SCALINGS,
-    AmaxHistory,
     Scaling,
     amax_scale,
     delayed_scale,
+    history_buffer,
+    keep_histories,
     scaled_round,
 )
 
@@ -326,37 +328,35 @@ def quantise_grad(
     )
 
 
-_HISTORY = "fp8_amax_history"
-
-
 class _Sites:
     """While one graph is rewritten: the history node of each scaled rounding (delayed
     scaling only) and how many scaled roundings the forward and the backward do."""
 
-    def __init__(self, gm: fx.GraphModule, owner: nn.Module | None) -> None:
+    def __init__(self, gm: fx.GraphModule, root: nn.Module | None, history_len: int) -> None:
         self.gm = gm
-        self.holder: AmaxHistory | None = None
-        if owner is not None:
-            holder = getattr(owner, _HISTORY, None)
-            assert isinstance(holder, AmaxHistory), "simulate_format attaches it"
-            self.holder = holder
-            gm.add_submodule(_HISTORY, holder)
+        self.root = root
+        self.history_len = history_len
         self.counts = [0, 0]  # scaled roundings in the forward, in the backward
+        self.sites: set[str] = set()
 
-    def history(self, graph: fx.Graph, near: fx.Node) -> fx.Node | None:
-        """A node returning a history (its site is set by :meth:`claim`), or None."""
-        if self.holder is None:
+    def history(self, graph: fx.Graph, site: str, device: torch.device) -> fx.Node | None:
+        """A ``get_attr`` node for the history of ``site`` (made unique), or None without
+        delayed scaling. The graph module holds the root's buffer itself, so the graph's
+        updates are the buffer's."""
+        if self.root is None:
             return None
-        node = graph.call_module(_HISTORY, ("",))
-        node.meta["example_value"] = torch.empty(self.holder.history_len, device="meta")
+        site = identifier(site)
+        unique, n = site, 0
+        while unique in self.sites:
+            n += 1
+            unique = f"{site}_{n}"
+        self.sites.add(unique)
+        name = history_buffer(self.root, unique, self.history_len, device)
+        if name not in self.gm._buffers:
+            self.gm.register_buffer(name, self.root._buffers[name])
+        node = graph.get_attr(name)
+        node.meta["example_value"] = torch.empty(self.history_len, device="meta")
         return node
-
-    def claim(self, history: fx.Node | None, site: str, device: torch.device) -> None:
-        """Give ``history`` (if any) the buffer named ``site``, created on ``device``."""
-        if history is None or self.holder is None:
-            return
-        history.args = (site,)
-        self.holder.ensure(site, device)
 
 
 class SimulateFormatPass(RewritePass):
@@ -367,7 +367,11 @@ class SimulateFormatPass(RewritePass):
     (``x @ x`` gets two: each slot's gradient is rounded on its own), inserted just
     before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
     with ``output_grad_format``, one :func:`quantise_grad` node after each op whose output
-    is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users;
+    is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users
+    (``F.linear``'s bias is then added after it, by a node ``<op>_bias``, so that the bias
+    gradient is not rounded, as in torchao and Transformer Engine); with ``scaling``, one
+    :func:`fp8_scale` node per operand (``<operand>_scale``, meta ``fp8_scaling``), and for
+    ``"delayed"`` one ``fp8_amax_history`` call per scaled rounding returning its history;
     ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
 
     Args:
@@ -392,11 +396,13 @@ class SimulateFormatPass(RewritePass):
         bwd_format: FPFormat | None,
         output_grad_format: FPFormat | None = None,
         scaling: Scaling = "none",
+        history_len: int = DEFAULT_HISTORY_LEN,
     ) -> None:
         self.fwd_format = fwd_format
         self.bwd_format = bwd_format
         self.output_grad_format = output_grad_format
         self.scaling = scaling
+        self.history_len = history_len
 
     def __repr__(self) -> str:
         return (
@@ -408,7 +414,8 @@ class SimulateFormatPass(RewritePass):
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
-        self._sites = _Sites(gm, capture.owner_module if self.scaling == "delayed" else None)
+        root = capture.owner_module if self.scaling == "delayed" else None
+        self._sites = _Sites(gm, root, self.history_len)
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
@@ -446,7 +453,8 @@ class SimulateFormatPass(RewritePass):
         if self.output_grad_format is None or not is_float_node(node) or not node.users:
             return
         with graph.inserting_after(node):
-            history = self._sites.history(graph, node)
+            site = f"{node.name}_grad_quantised"
+            history = self._sites.history(graph, site, example_value(node).device)
         with graph.inserting_after(history or node):
             new = insert_call(
                 graph,
@@ -456,13 +464,40 @@ class SimulateFormatPass(RewritePass):
                 value=example_value(node),
                 meta_from=node,
             )
-        self._sites.claim(history, new.name, example_value(node).device)
         if self.scaling != "none":
             self._sites.counts[1] += 1
             new.meta["fp8_scaling"] = {"gradient": self.scaling}
         node.replace_all_uses_with(
             new, delete_user_cb=lambda user: user is not new and user is not history
         )
+        self._add_bias_after(graph, node, new)
+
+    @staticmethod
+    def _add_bias_after(graph: fx.Graph, node: fx.Node, rounded: fx.Node) -> None:
+        """Move ``F.linear``'s bias after the output-gradient rounding: the bias gradient is
+        the sum of the unrounded output gradient, as in torchao's ``Float8Linear`` (bias
+        added outside the FP8 matmul) and Transformer Engine (bias gradient fused with the
+        cast, in high precision)."""
+        if node.target is not F.linear:
+            return
+        in_args = len(node.args) > 2
+        bias = node.args[2] if in_args else node.kwargs.get("bias")
+        if not is_float_node(bias):
+            return
+        if in_args:
+            node.args = (*node.args[:2], None, *node.args[3:])
+        else:
+            node.kwargs = {**node.kwargs, "bias": None}
+        with graph.inserting_after(rounded):
+            added = insert_call(
+                graph,
+                operator.add,
+                (rounded, bias),
+                name=f"{node.name}_bias",
+                value=example_value(node),
+                meta_from=node,
+            )
+        rounded.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
 
     def _quantise_einsum(
         self,
@@ -494,7 +529,8 @@ class SimulateFormatPass(RewritePass):
         with graph.inserting_before(consumer):
             scale = None
             if scaled:
-                history = sites.history(graph, consumer)
+                device = example_value(operand).device
+                history = sites.history(graph, f"{base}_scale", device)
                 scale = insert_call(
                     graph,
                     fp8_scale,
@@ -503,10 +539,12 @@ class SimulateFormatPass(RewritePass):
                     value=torch.empty((), device="meta"),
                     meta_from=consumer,
                 )
-                sites.claim(history, scale.name, example_value(operand).device)
                 sites.counts[0] += 1
                 scale.meta["fp8_scaling"] = {"forward": self.scaling}
-            grad_history = sites.history(graph, consumer) if grad_scaling != "none" else None
+            grad_history = None
+            if grad_scaling != "none":
+                site = f"{base}_quantised_grad"
+                grad_history = sites.history(graph, site, example_value(operand).device)
             new = insert_call(
                 graph,
                 quantise_operand,
@@ -515,7 +553,6 @@ class SimulateFormatPass(RewritePass):
                 value=example_value(operand),
                 meta_from=consumer,
             )
-        sites.claim(grad_history, f"{new.name}_grad", example_value(operand).device)
         sites.counts[1] += grad_scaling != "none"
         if scaled:
             new.meta["fp8_scaling"] = {"forward": self.scaling, "gradient": grad_scaling}
@@ -551,19 +588,10 @@ def _check_scaling(op: str, scaling: Any, history_len: Any) -> None:
         )
 
 
-def _transformed(
-    op: str, module: nn.Module, graph_pass: SimulateFormatPass, history_len: int
-) -> TransformedModule:
+def _transformed(op: str, module: nn.Module, graph_pass: SimulateFormatPass) -> TransformedModule:
     result = transformed(module, graph_pass, op)
     if graph_pass.scaling == "delayed":
-        existing = getattr(result.module, _HISTORY, None)
-        if existing is not None and not isinstance(existing, AmaxHistory):
-            raise FormatError(
-                f"unitscale.transforms.{op}: the module already has an attribute "
-                f"{_HISTORY!r}, where scaling='delayed' keeps its amax histories; rename it"
-            )
-        if existing is None:
-            result.module.add_module(_HISTORY, AmaxHistory(history_len))
+        keep_histories(result.module)
     return result
 
 
@@ -621,8 +649,8 @@ def simulate_format(
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
-    graph_pass = SimulateFormatPass(fwd, bwd, scaling=scaling)
-    return _transformed("simulate_format", module, graph_pass, history_len)
+    graph_pass = SimulateFormatPass(fwd, bwd, scaling=scaling, history_len=history_len)
+    return _transformed("simulate_format", module, graph_pass)
 
 
 def _short(fmt: FPFormat | None) -> str:
@@ -749,7 +777,7 @@ def simulate_fp8(
       data-parallel ranks, as in torchao's default;
     - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
       ``history_len`` earlier training steps (the first step uses the current amax); the
-      histories are buffers of the returned module (``fp8_amax_history.<site>`` in
+      histories are buffers of the returned module (``fp8_amax_history_<site>`` in
       ``state_dict()``, created at the first call).
 
     :func:`scaling_cost` counts the amax reductions and scale computations of a step.
@@ -782,9 +810,13 @@ def simulate_fp8(
     chosen = _check_recipe(recipe)
     _check_scaling("simulate_fp8", scaling, history_len)
     graph_pass = SimulateFormatPass(
-        chosen.operands, chosen.operand_grads, chosen.output_grad, scaling=scaling
+        chosen.operands,
+        chosen.operand_grads,
+        chosen.output_grad,
+        scaling=scaling,
+        history_len=history_len,
     )
-    return _transformed("simulate_fp8", module, graph_pass, history_len)
+    return _transformed("simulate_fp8", module, graph_pass)
 
 
 @dataclasses.dataclass(frozen=True)
