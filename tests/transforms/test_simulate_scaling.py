@@ -212,3 +212,27 @@ def test_scaling_arguments_are_validated() -> None:
         simulate_fp8(nn.Linear(2, 2), scaling="dynamic")  # type: ignore[arg-type]
     with pytest.raises(FormatError, match=r"argument 'history_len'=0 must be a positive int"):
         simulate_format(nn.Linear(2, 2), "e4m3", "e5m2", scaling="delayed", history_len=0)
+
+
+def test_delayed_histories_are_not_advanced_by_a_scale_monitor_replay() -> None:
+    """ScaleMonitor replays a step with track_scales on when it finds a NaN: the replay must
+    leave the histories as the step left them (as for any buffer the forward updates)."""
+    from unitscale.tracking import ScaleMonitor
+
+    torch.manual_seed(0)
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), scaling="delayed")
+    twin = copy.deepcopy(model)  # the same steps, unmonitored
+    monitor = ScaleMonitor(model, every=None, on_non_finite="ignore")
+    inputs = [torch.rand(3, 4) + 0.5 for _ in range(3)]
+    inputs[1][0, 0] = float("nan")  # a NaN reaches the output: step 1 is replayed
+    for step, x in enumerate(inputs):
+        monitor.module(x).mean().backward()
+        report = monitor.step()
+        twin(x).mean().backward()
+        assert (report is not None) == (step == 1)
+        histories = {k: v for k, v in model.state_dict().items() if "amax_history" in k}
+        assert len(histories) == 6
+        for key, value in twin.state_dict().items():
+            torch.testing.assert_close(
+                model.state_dict()[key], value, rtol=0, atol=0, equal_nan=True
+            )
