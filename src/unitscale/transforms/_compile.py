@@ -84,7 +84,7 @@ def _lift_state(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Tensor]]:
         with gm.graph.inserting_after(last):
             placeholder = gm.graph.placeholder(f"{node.name}_state")
         placeholder.meta.update(node.meta)
-        placeholder._dynamo_source = None  # type: ignore[attr-defined]  # not a user input
+        placeholder._dynamo_source = None  # not a user input
         node.replace_all_uses_with(placeholder)
         gm.graph.erase_node(node)
         state.append(original._buffers[str(node.target)])  # type: ignore[arg-type]

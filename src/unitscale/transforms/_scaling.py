@@ -47,6 +47,7 @@ __all__ = [
     "history_buffer",
     "keep_histories",
     "scaled_round",
+    "tensor_amax",
 ]
 
 Scaling = Literal["none", "tensorwise", "delayed"]
@@ -74,8 +75,22 @@ def amax_scale(amax: Tensor, format_max: float) -> Tensor:
     return (format_max / amax.to(torch.float64).clamp(min=AMAX_EPS)).to(torch.float32)
 
 
-def _amax(x: Tensor) -> Tensor:
-    return x.detach().abs().amax().to(torch.float32)
+def tensor_amax(x: Tensor) -> Tensor:
+    """``max(abs(x))`` as a float32 scalar (0 for an empty tensor; NaN if ``x`` holds one).
+
+    Computed as ``max(max(x), -min(x))`` by one ``aminmax`` pass, which reads ``x`` once and
+    allocates nothing of its size (``x.abs().amax()`` writes ``abs(x)`` first); the value is
+    the same, exactly.
+
+    Example:
+        >>> tensor_amax(torch.tensor([0.5, -3.0, 2.0]))
+        tensor(3.)
+    """
+    x = x.detach()
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, -low).to(torch.float32)
 
 
 def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -> Tensor:
@@ -98,7 +113,7 @@ def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -
         >>> delayed_scale(torch.tensor([1.0]), history, 448.0, record=True).item(), history
         (112.0, tensor([1., 4., 0.]))
     """
-    current = _amax(x)
+    current = tensor_amax(x)
     earlier = history.amax()
     scale = amax_scale(torch.where(earlier > 0, earlier, current), format_max)
     if record:
@@ -109,7 +124,7 @@ def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -
 
 def scaled_round(x: Tensor, scale: Tensor, round_fn: Any) -> Tensor:
     """``round_fn(float32(x) * scale) / scale``, in ``x``'s dtype (torchao scales in float32)."""
-    return (round_fn(x.to(torch.float32) * scale) / scale).to(x.dtype)
+    return round_fn(x.to(torch.float32) * scale).div_(scale).to(x.dtype)
 
 
 HISTORY_PREFIX = "fp8_amax_history_"

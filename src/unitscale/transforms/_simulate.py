@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from ..capture import (
     Capture,
+    Invocation,
     Piece,
     Stage,
     TransformedModule,
@@ -67,6 +68,7 @@ from ._scaling import (
     history_buffer,
     keep_histories,
     scaled_round,
+    tensor_amax,
 )
 
 __all__ = [
@@ -233,7 +235,7 @@ def _round_gradient(grad: Tensor, fmt: FPFormat, scaling: str, history: Tensor |
     if scaling == "delayed" and history is not None:
         scale = delayed_scale(grad, history, fmt.max_absolute_value, record=True)
     else:
-        scale = amax_scale(grad.detach().abs().amax().to(torch.float32), fmt.max_absolute_value)
+        scale = amax_scale(tensor_amax(grad), fmt.max_absolute_value)
     return scaled_round(grad, scale, fmt.quantise)
 
 
@@ -249,7 +251,7 @@ def fp8_scale(x: Tensor, format_max: float, history: Tensor | None = None) -> Te
         224.0
     """
     if history is None:
-        return amax_scale(x.detach().abs().amax().to(torch.float32), format_max)
+        return amax_scale(tensor_amax(x), format_max)
     return delayed_scale(x, history, format_max, record=torch.is_grad_enabled())
 
 
@@ -291,9 +293,7 @@ def quantise_operand(
         ([0.3125, 448.0], [0.3125, 57344.0])
     """
     bwd = None if bwd_format is None else _as_format(bwd_format)
-    return _ScaledQuantise.apply(  # type: ignore[no-any-return]
-        x, _as_format(fwd_format), scale, bwd, grad_scaling, grad_history
-    )
+    return _ScaledQuantise.apply(x, _as_format(fwd_format), scale, bwd, grad_scaling, grad_history)
 
 
 def quantise_grad(
@@ -323,9 +323,7 @@ def quantise_grad(
         >>> out.tolist(), y.grad.tolist()
         ([0.30000001192092896, 1000000.0], [0.3125, 57344.0])
     """
-    return _ScaledQuantise.apply(  # type: ignore[no-any-return]
-        y, None, None, _as_format(bwd_format), scaling, history
-    )
+    return _ScaledQuantise.apply(y, None, None, _as_format(bwd_format), scaling, history)
 
 
 class _Sites:
@@ -871,16 +869,16 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
         >>> cost.forward, cost.backward, cost.amax_reductions
         (4, 2, 6)
     """
-    graph_pass = (
-        module.pass_of_type(SimulateFormatPass) if isinstance(module, TransformedModule) else None
-    )
-    if graph_pass is None:
+    graph_pass = None
+    if isinstance(module, TransformedModule):
+        graph_pass = module.pass_of_type(SimulateFormatPass)
+    if not isinstance(module, TransformedModule) or not isinstance(graph_pass, SimulateFormatPass):
         raise UnitScaleError(
             f"scaling_cost: {type(module).__name__} does not simulate a number format; pass "
             "a model returned by unitscale.transforms.simulate_fp8 or simulate_format"
         )
     capture = module.capture
-    trace = capture.last_trace if capture is not None else []
+    trace: list[Invocation] = capture.last_trace if capture is not None else []
     if not trace:
         raise UnitScaleError(
             "scaling_cost: the model has not been called yet; call it once (a training "
@@ -891,4 +889,4 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
         _, fwd, bwd = invocation.piece.data.get("fp8_scaling", ("none", 0, 0))
         forward += fwd
         backward += bwd
-    return ScalingCost(graph_pass.scaling, forward, backward)  # type: ignore[attr-defined]
+    return ScalingCost(graph_pass.scaling, forward, backward)
