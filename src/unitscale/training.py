@@ -3,7 +3,9 @@
 
 from .experiments.training import (
     MONITOR_METRICS,
+    RUN_KINDS,
     RUN_NAMES,
+    RunKind,
     RunResult,
     TrainConfig,
     TrainConfigError,
@@ -19,7 +21,9 @@ from .experiments.training import (
 
 __all__ = [
     "MONITOR_METRICS",
+    "RUN_KINDS",
     "RUN_NAMES",
+    "RunKind",
     "RunResult",
     "TrainConfig",
     "TrainConfigError",

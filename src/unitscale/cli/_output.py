@@ -1,4 +1,5 @@
-"""Output helpers shared by the subcommands: progress lines and file names."""
+"""Output helpers shared by the subcommands: progress lines, file names, the start and the end
+of an experiment command (checks before work; the summary printed and written last)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "check_out_folder", "require_analysis_extra", "slug"]
+__all__ = [
+    "Progress",
+    "check_out_folder",
+    "finish_summary",
+    "require_analysis_extra",
+    "slug",
+    "start_command",
+]
 
 
 class Progress:
@@ -86,3 +94,31 @@ def check_out_folder(text: str, option: str = "--out") -> Path:
         except OSError:  # written into meanwhile (another rank): it stays
             break
     return out
+
+
+def start_command(command: str) -> Progress:
+    """What every experiment subcommand does first: start the clock of its stage lines and
+    check that the libraries it writes its outputs with are installed.
+
+    Raises:
+        CommandError: matplotlib or pandas is missing (see :func:`require_analysis_extra`).
+    """
+    progress = Progress()
+    require_analysis_extra(command)
+    return progress
+
+
+def finish_summary(text: str, out: Path, written: list[Path], progress: Progress) -> int:
+    """What every experiment subcommand does last: add the list of outputs to the summary
+    ``text``, write it to ``out/summary.txt``, print it on stdout and say ``done``.
+
+    Returns:
+        0, the exit status.
+    """
+    summary = out / "summary.txt"
+    names = [p.name for p in [*written, summary]]
+    text += f"\nwrote {len(names)} outputs to {out}/: " + ", ".join(names) + "\n"
+    summary.write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    progress("done")
+    return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from ._args import non_negative_int, positive_float, positive_int
-from ._output import Progress, check_out_folder, require_analysis_extra, slug
+from ._output import check_out_folder, finish_summary, slug, start_command
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -201,17 +200,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
-    progress = Progress()
-    require_analysis_extra("train")
+    progress = start_command("train")
     from ..analysis.tensorboard import tensorboard_available
-    from ..experiments.training import (
-        TrainConfig,
-        plot_losses,
-        summary_text,
-        train_run,
-        write_losses_csv,
-        write_train_report,
-    )
+    from ..experiments import report, training
     from ..tracking import MonitorError
     from ._launch import init_from_environment, is_rank_zero, launch
 
@@ -224,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)  # checked by rank 0 (ranks checking at once would race)
     else:
         out = check_out_folder(args.out)
-    config = TrainConfig(
+    config = training.TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -250,16 +241,13 @@ def run(args: argparse.Namespace) -> int:
     )
     results = {}
     for name in config.runs:
-        results[name] = train_run(name, config, progress=not args.no_progress)
+        results[name] = training.train_run(name, config, progress=not args.no_progress)
         progress(f"{name}: done in {results[name].seconds:.0f}s")
     if not is_rank_zero():
         return 0
 
-    written: list[Path] = [write_losses_csv(results, out / "losses.csv")]
-    figure = plot_losses(results)
-    png = out / "loss_curves.png"
-    figure.savefig(png, dpi=100, metadata={"Software": None})
-    written.append(png)
+    written: list[Path] = [training.write_losses_csv(results, out / "losses.csv")]
+    written.append(report.save_png(training.plot_losses(results), out / "loss_curves.png"))
 
     heatmaps: list[tuple[str, Figure]] = []
     tensorboard = tensorboard_available()
@@ -278,9 +266,8 @@ def run(args: argparse.Namespace) -> int:
                 progress(f"{name}: no {direction} heatmap ({exc})")
                 continue
             heatmap = cast("Figure", ax.figure)
-            path = out / f"scales_{slug(name, 'run')}_{direction}.png"
-            heatmap.savefig(path, dpi=100, metadata={"Software": None})
-            written.append(path)
+            png = out / f"scales_{slug(name, 'run')}_{direction}.png"
+            written.append(report.save_png(heatmap, png))
             heatmaps.append((f"{name}: rms of tensor {what} over training (log2)", heatmap))
         if tensorboard:
             monitor.write_tensorboard(out / "tensorboard" / slug(name, "run"), metrics=("rms",))
@@ -290,15 +277,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             progress("note: tensorboard is not installed; no TensorBoard scalars written")
 
-    written.append(write_train_report(results, config, out / "report.html", heatmaps))
-    text = summary_text(results, config)
-    written.append(out / "summary.txt")
-    text += f"\nwrote {len(written)} outputs to {out}/: " + ", ".join(p.name for p in written)
-    text += "\n"
-    (out / "summary.txt").write_text(text, encoding="utf-8")
-    sys.stdout.write(text)
-    progress("done")
-    return 0
+    written.append(training.write_train_report(results, config, out / "report.html", heatmaps))
+    return finish_summary(training.summary_text(results, config), out, written, progress)
 
 
 def _shared_spans(results: dict[str, Any]) -> dict[str, float | None]:

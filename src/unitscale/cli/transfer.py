@@ -8,11 +8,10 @@ summary on stdout and writes the files.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ._args import positive_int
-from ._output import Progress, check_out_folder, require_analysis_extra
+from ._output import check_out_folder, finish_summary, start_command
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -119,21 +118,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale transfer`` with parsed options; return the exit status."""
-    progress = Progress()
-    require_analysis_extra("transfer")
-    from ..experiments.transfer import (
-        default_config,
-        final_frame,
-        plot_transfer,
-        run_transfer,
-        runs_frame,
-        summary_text,
-        write_transfer_csv,
-        write_transfer_json,
-        write_transfer_report,
-    )
+    progress = start_command("transfer")
+    from ..experiments import report
+    from ..experiments import transfer as sweep
 
-    config = default_config(
+    config = sweep.default_config(
         args.vary,
         quick=args.quick,
         widths=args.widths,
@@ -144,27 +133,19 @@ def run(args: argparse.Namespace) -> int:
         fp8=False if args.no_fp8 else None,
     )
     out = check_out_folder(args.out)
-    runs = len(config.sizes) * len(config.lr_steps) * 2 + (len(config.sizes) if config.fp8 else 0)
+    sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
+    runs = sweeps + (len(config.sizes) if config.fp8 else 0)
     progress(
         f"{runs} runs of {config.steps} steps across {config.vary} "
         f"(sizes {[w if config.vary == 'width' else d for w, d in config.sizes]}) "
         "on the bundled CPython documentation text"
     )
-    result = run_transfer(config, progress=None if args.no_progress else progress)
+    result = sweep.run_transfer(config, progress=None if args.no_progress else progress)
     out.mkdir(parents=True, exist_ok=True)
 
-    written = [write_transfer_csv(result, out / "transfer.csv")]
-    written.append(write_transfer_json(result, out / "transfer.json"))
-    figure = plot_transfer(final_frame(runs_frame(result.runs)), config)
-    png = out / "transfer.png"
-    figure.savefig(png, dpi=100, metadata={"Software": None})
-    written.append(png)
-    written.append(write_transfer_report(result, out / "report.html"))
-    text = summary_text(result)
-    written.append(out / "summary.txt")
-    text += f"\nwrote {len(written)} outputs to {out}/: " + ", ".join(p.name for p in written)
-    text += "\n"
-    (out / "summary.txt").write_text(text, encoding="utf-8")
-    sys.stdout.write(text)
-    progress("done")
-    return 0
+    written = [sweep.write_transfer_csv(result, out / "transfer.csv")]
+    written.append(sweep.write_transfer_json(result, out / "transfer.json"))
+    figure = sweep.plot_transfer(sweep.final_frame(sweep.runs_frame(result.runs)), config)
+    written.append(report.save_png(figure, out / "transfer.png"))
+    written.append(sweep.write_transfer_report(result, out / "report.html"))
+    return finish_summary(sweep.summary_text(result), out, written, progress)

@@ -14,6 +14,19 @@ same initialisation, data order and seed:
 Then :func:`losses_frame` (the per-step losses), :func:`summary_text` (the table the command
 prints), :func:`plot_losses` and :func:`write_train_report` present the results.
 
+The data, the evaluation samples, the schedule and the loop are the experiment runner's
+(:mod:`unitscale.experiments.runner`), the files its report writer's
+(:mod:`unitscale.experiments.report`); what is this experiment's own is its run kinds, its
+FP8 claim and its tables.
+
+To add a run kind, append a :class:`RunKind` to :data:`RUN_KINDS`: its name, its model family
+(``"plain"`` or ``"unit-scaled"``: the model and the learning rate), the transform that
+makes it what it is (e.g. ``simulate_fp8`` with another ``scaling``) and the FP32 run it is
+compared with. ``unitscale train --runs`` accepts it at once, and the summary, the CSV,
+the curves and the report show it::
+
+    RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32")
+
 Design constraints:
 
 - every run of a :class:`TrainConfig` sees the same batches in the same order, starts from the
@@ -26,15 +39,13 @@ Design constraints:
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,8 +54,18 @@ from torch import Tensor, nn
 
 from ..errors import UnitScaleError
 from ..tracking import NonFiniteReport, ScaleMonitor
-from .data import Batch, batches
+from . import report
+from .data import Batch
 from .models import GPTConfig, plain_gpt, unit_scaled_gpt
+from .runner import (
+    Schedule,
+    check_positive_int,
+    check_warmup,
+    data_parallel,
+    evaluation_batches,
+    train_loop,
+    training_batches,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -54,6 +75,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # errors
     "TrainConfigError",
     # configuration
+    "RunKind",
+    "RUN_KINDS",
     "RUN_NAMES",
     "MONITOR_METRICS",
     "TrainConfig",
@@ -69,9 +92,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "write_losses_csv",
     "write_train_report",
 ]
-
-#: The runs ``unitscale train`` can do, in the order it does them.
-RUN_NAMES: tuple[str, ...] = ("plain-fp32", "plain-fp8", "unit-scaled-fp32", "unit-scaled-fp8")
 
 #: Metrics the monitor keeps during training (a subset, to keep the scales table small).
 MONITOR_METRICS: tuple[str, ...] = (
@@ -91,6 +111,69 @@ Family = Literal["plain", "unit-scaled"]
 
 class TrainConfigError(UnitScaleError, ValueError):
     """A training configuration is invalid."""
+
+
+Transform = Callable[[nn.Module, "TrainConfig"], nn.Module]
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """One run ``unitscale train`` can do: a model family, a transform and its baseline.
+
+    Attributes:
+        name: the run's name (``--runs``, the CSV's ``run`` column).
+        family: ``"plain"`` (:func:`unitscale.models.plain_gpt`, ``TrainConfig.lr_plain``) or
+            ``"unit-scaled"`` (:func:`unitscale.models.unit_scaled_gpt`,
+            ``TrainConfig.lr_unit_scaled``). Runs of one family start from the same weights.
+        transform: applied to the freshly built model (None: the model as built), e.g.
+            ``simulate_fp8``.
+        baseline: the FP32 run this one is compared with ("vs FP32"), or None.
+    """
+
+    name: str
+    family: Family
+    transform: Transform | None = None
+    baseline: str | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the run simulates FP8 (it has a transform; drawn dashed)."""
+        return self.transform is not None
+
+
+class _SimulateFP8:
+    """A run's transform: ``simulate_fp8`` with the config's recipe and ``options`` (e.g.
+    ``scaling=``), compiled with Inductor when ``config.compile_fp8`` (and no monitor)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
+        from ..transforms import compile as compile_module
+        from ..transforms import simulate_fp8
+
+        model = simulate_fp8(model, recipe=config.fp8_recipe, **self.options)
+        if config.compile_fp8 and config.monitor_every is None:
+            model = compile_module(model)
+        return model
+
+    def __repr__(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"simulate_fp8(recipe=config.fp8_recipe{options})"
+
+
+#: Every run ``unitscale train`` can do, in the order it does them.
+RUN_KINDS: tuple[RunKind, ...] = (
+    RunKind("plain-fp32", "plain"),
+    RunKind("plain-fp8", "plain", _SimulateFP8(), baseline="plain-fp32"),
+    RunKind("unit-scaled-fp32", "unit-scaled"),
+    RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
+)
+
+#: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
+RUN_NAMES: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS)
+
+_KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 
 
 @dataclass(frozen=True)
@@ -155,18 +238,12 @@ class TrainConfig:
                 f"TrainConfig: fp8_recipe={self.fp8_recipe!r}; choose from {', '.join(FP8_RECIPES)}"
             )
         for name in ("steps", "batch_size", "seq_len", "hidden_size", "depth", "heads"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int("TrainConfig", name, getattr(self, name), TrainConfigError)
         for name in ("eval_every", "eval_batches"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int("TrainConfig", name, getattr(self, name), TrainConfigError)
         if self.monitor_every is not None:
-            _check_positive_int("monitor_every", self.monitor_every)
-        warmup = self.warmup_steps
-        if warmup is not None and (
-            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0
-        ):
-            raise TrainConfigError(
-                f"TrainConfig: warmup_steps={warmup!r} must be a non-negative integer or None"
-            )
+            check_positive_int("TrainConfig", "monitor_every", self.monitor_every, TrainConfigError)
+        check_warmup("TrainConfig", self.warmup_steps, TrainConfigError)
         for name in ("lr_plain", "lr_unit_scaled"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -195,9 +272,14 @@ class TrainConfig:
         )
 
     @property
+    def schedule(self) -> Schedule:
+        """The learning-rate schedule of every run (the experiment runner's)."""
+        return Schedule(self.steps, self.warmup_steps)
+
+    @property
     def warmup(self) -> int:
         """Warm-up steps (``warmup_steps``, or 5% of ``steps`` when it is None)."""
-        return self.steps // 20 if self.warmup_steps is None else self.warmup_steps
+        return self.schedule.warmup_steps
 
     def lr_for(self, run: str) -> float:
         """The peak learning rate of ``run`` (its family's)."""
@@ -211,26 +293,22 @@ class TrainConfig:
             >>> [round(c.lr_at("plain-fp32", s), 3) for s in (0, 9, 10, 99)]
             [0.1, 1.0, 1.0, 0.1]
         """
-        peak = self.lr_for(run)
-        warmup = self.warmup
-        if step < warmup:
-            return peak * (step + 1) / warmup
-        span = max(self.steps - 1 - warmup, 1)
-        progress = min((step - warmup) / span, 1.0)
-        return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return self.schedule.lr(self.lr_for(run), step)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TrainConfigError(f"TrainConfig: {name}={value!r} must be a positive integer")
+def _kind(run: str) -> RunKind:
+    kind = _KINDS.get(run)
+    if kind is None:
+        raise TrainConfigError(f"unknown run {run!r}; choose from {', '.join(RUN_NAMES)}")
+    return kind
 
 
 def _family(run: str) -> Family:
-    return "unit-scaled" if run.startswith("unit-scaled") else "plain"
+    return _kind(run).family
 
 
 def _is_fp8(run: str) -> bool:
-    return run.endswith("fp8")
+    return _kind(run).fp8
 
 
 @dataclass
@@ -278,77 +356,27 @@ def build_run_model(run: str, config: TrainConfig) -> nn.Module:
         >>> type(m.module).__name__, [type(p).__name__ for p in m.passes]
         ('UnitScaledGPT', ['SimulateFormatPass'])
     """
-    if run not in RUN_NAMES:
+    if run not in _KINDS:
         raise TrainConfigError(f"build_run_model: unknown run {run!r}; choose from {RUN_NAMES}")
-    model_config = config.model_config
-    build = unit_scaled_gpt if _family(run) == "unit-scaled" else plain_gpt
-    model: nn.Module = build(model_config, seed=config.seed)
-    if _is_fp8(run):
-        from ..transforms import compile as compile_module
-        from ..transforms import simulate_fp8
-
-        model = simulate_fp8(model, recipe=config.fp8_recipe)
-        if config.compile_fp8 and config.monitor_every is None:
-            model = compile_module(model)
+    kind = _KINDS[run]
+    build = unit_scaled_gpt if kind.family == "unit-scaled" else plain_gpt
+    model: nn.Module = build(config.model_config, seed=config.seed)
+    if kind.transform is not None:
+        model = kind.transform(model, config)
     return model
 
 
 def _eval_batches(config: TrainConfig, split: Literal["train", "heldout"]) -> list[Batch]:
-    # Fixed evaluation samples, drawn from their own stream so that the training order is
-    # the same whether or not (and however often) a run evaluates.
-    seed = config.seed + (1_000_003 if split == "train" else 2_000_003)
-    stream = batches(config.batch_size, config.seq_len, seed=seed, split=split)
-    return [next(stream) for _ in range(config.eval_batches)]
-
-
-def _loss(model: Callable[..., Tensor], batch: Batch) -> Tensor:
-    return model(batch.input_ids, labels=batch.labels)
-
-
-def _evaluate(model: Callable[..., Tensor], data: Sequence[Batch]) -> float:
-    # Evaluated in training mode with autograd on (dropout is 0, so the numbers are those of
-    # eval mode): Dynamo guards on both, and a second capture (or an Inductor recompile of
-    # the FP8 runs) for evaluation would cost more than it saves.
-    total = 0.0
-    for batch in data:
-        total += float(_loss(model, batch).detach())
-    return total / len(data)
-
-
-def _data_parallel() -> tuple[int, int]:
-    """``(rank, world size)`` of ``torch.distributed`` when it is initialised, else ``(0, 1)``."""
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank(), distributed.get_world_size()
-    return 0, 1
-
-
-def _shard(batch: Batch, rank: int, world: int) -> Batch:
-    """This rank's rows of the global ``batch`` (a contiguous block)."""
-    rows = batch.input_ids.shape[0] // world
-    part = slice(rank * rows, (rank + 1) * rows)
-    return replace(
-        batch,
-        input_ids=batch.input_ids[part],
-        attention_mask=batch.attention_mask[part],
-        labels=batch.labels[part],
+    return evaluation_batches(
+        config.batch_size, config.seq_len, config.seed, split, config.eval_batches
     )
-
-
-def _mean_over_ranks(loss: Tensor, world: int) -> float:
-    """The global batch's loss: the mean of the ranks' (equal) shard losses."""
-    if world == 1:
-        return float(loss.detach())
-    total = loss.detach().clone()
-    torch.distributed.all_reduce(total)
-    return float(total) / world
 
 
 def train_run(
     run: str,
     config: TrainConfig,
     progress: bool = True,
-    data: Iterator[Batch] | None = None,
+    data: Iterable[Batch] | None = None,
 ) -> RunResult:
     """Train one run of ``config`` and return its losses.
 
@@ -384,7 +412,7 @@ def train_run(
         >>> len(r.train_losses), abs(r.train_losses[0] - math.log(256)) < 0.1
         (2, True)
     """
-    rank, world = _data_parallel()
+    _, world = data_parallel()
     if config.batch_size % world:
         raise TrainConfigError(
             f"batch_size={config.batch_size} must be a multiple of the {world} data-parallel "
@@ -393,8 +421,8 @@ def train_run(
     start = time.perf_counter()
     heldout_data = _eval_batches(config, "heldout")
     train_eval_data = _eval_batches(config, "train")
-    stream = data if data is not None else batches(
-        config.batch_size, config.seq_len, seed=config.seed, split="train"
+    stream = data if data is not None else training_batches(
+        config.batch_size, config.seq_len, config.seed
     )  # fmt: skip
     result = RunResult(name=run, lr=config.lr_for(run))
     with torch.random.fork_rng(devices=[]):
@@ -415,36 +443,32 @@ def train_run(
             step_module = DistributedDataParallel(step_module)
         model.train()
         optimiser = torch.optim.Adam(
-            model.parameters(), lr=config.lr_at(run, 0), betas=(0.9, 0.95), weight_decay=0.0
+            model.parameters(), lr=result.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
         bar = _StepProgress(run, config.steps, enabled=progress)
         try:
-            for step in range(config.steps):
-                if step % config.eval_every == 0 and step > 0:
-                    result.heldout[step] = _evaluate(model, heldout_data)
-                for group in optimiser.param_groups:
-                    group["lr"] = config.lr_at(run, step)
-                loss = _loss(step_module, _shard(next(stream), rank, world))
-                loss.backward()
-                if monitor is not None:
-                    monitor.step()
-                value = _mean_over_ranks(loss, world)
-                result.train_losses.append(value)
-                if not math.isfinite(value):
-                    result.stopped_at = step
-                    break
-                optimiser.step()
-                optimiser.zero_grad(set_to_none=True)
-                bar.update(value)
+            done = train_loop(
+                model,
+                optimiser,
+                stream,
+                config.schedule,
+                eval_every=config.eval_every,
+                heldout=heldout_data,
+                train_eval=train_eval_data,
+                step_module=step_module,
+                after_backward=None if monitor is None else monitor.step,
+                on_step=bar.update,
+            )
         finally:
             bar.close()
         if monitor is not None:
             result.non_finite = monitor.non_finite
-        result.train_losses += [math.nan] * (config.steps - len(result.train_losses))
-        if result.stopped_at is None:
-            result.heldout[config.steps] = _evaluate(model, heldout_data)
-            result.final_heldout_loss = result.heldout[config.steps]
-            result.final_train_loss = _evaluate(model, train_eval_data)
+    result.train_losses = done.losses + [math.nan] * (config.steps - len(done.losses))
+    result.heldout = done.heldout
+    result.stopped_at = done.stopped_at
+    if done.stopped_at is None:
+        result.final_heldout_loss = done.heldout[config.steps]
+        result.final_train_loss = done.final_train_loss
     result.seconds = time.perf_counter() - start
     return result
 
@@ -522,9 +546,7 @@ def losses_frame(results: dict[str, RunResult]) -> pd.DataFrame:
 
 def write_losses_csv(results: dict[str, RunResult], path: str | os.PathLike[str]) -> Path:
     """Write :func:`losses_frame` to ``path`` (6 decimals, ``\\n`` line ends); return it."""
-    out = Path(path)
-    losses_frame(results).to_csv(out, index=False, float_format="%.6f", lineterminator="\n")
-    return out
+    return report.write_csv(losses_frame(results), path)
 
 
 def _relative(a: float, b: float) -> float:
@@ -552,7 +574,8 @@ def summary_rows(results: dict[str, RunResult]) -> list[tuple[str, ...]]:
     """The summary table's rows: run, lr, final train loss, held-out loss, vs FP32, time."""
     rows: list[tuple[str, ...]] = []
     for name, r in results.items():
-        fp32 = results.get(name.replace("-fp8", "-fp32")) if _is_fp8(name) else None
+        baseline = _kind(name).baseline
+        fp32 = results.get(baseline) if baseline is not None else None
         versus = ""
         if fp32 is not None:
             gap = _relative(r.final_heldout_loss, fp32.final_heldout_loss)
@@ -615,17 +638,12 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
 
 def _settings_rows(config: TrainConfig) -> list[tuple[str, str]]:
     """The settings as the report shows them: resolved defaults in words, never ``None``."""
-    settings = asdict(config)
-    settings["runs"] = ", ".join(config.runs)
+    shown = {}
     if config.warmup_steps is None:
-        settings["warmup_steps"] = f"{config.warmup} (default: 5% of steps)"
+        shown["warmup_steps"] = f"{config.warmup} (default: 5% of steps)"
     if config.monitor_every is None:
-        settings["monitor_every"] = "off"
-    rows = []
-    for f in fields(config):
-        value = settings[f.name]
-        rows.append((f.name, "default" if value is None else str(value)))
-    return rows
+        shown["monitor_every"] = "off"
+    return report.settings_rows(config, shown)
 
 
 def _pct(value: float) -> str:
@@ -687,12 +705,6 @@ def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
     return fig
 
 
-def _png_data_uri(fig: Figure) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 def write_train_report(
     results: dict[str, RunResult],
     config: TrainConfig,
@@ -710,50 +722,26 @@ def write_train_report(
     Returns:
         The path written.
     """
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
-        "img-src data:; style-src 'unsafe-inline'\">",
-        "<title>unitscale train</title>",
-        "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
-        "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        # Narrow windows (800 px): headers wrap, a table too wide scrolls inside itself.
-        "th{white-space:normal}table{display:block;max-width:100%;overflow-x:auto}"
-        "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
-        "figure{margin:1.5em 0}figcaption{color:#555;font-size:0.9em}"
-        "pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
-        "<h1>unitscale train: plain vs unit-scaled, FP32 vs simulated FP8</h1>",
-        "<h2>Results</h2><table><tr>"
-        + "".join(f"<th>{html.escape(h)}</th>" for h in _HEADER)
-        + "</tr>",
-    ]
-    for row in summary_rows(results):
-        parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
-    parts.append("</table>")
-    # The notes under the printed table (the table itself is already above, as HTML).
     notes = summary_text(results, config).split("\n\n", 2)[-1].strip().splitlines()
-    parts += [f"<p>{html.escape(line)}</p>" for line in notes if line.strip()]
-    parts.append("<h2>Settings</h2><table>")
-    for name, value in _settings_rows(config):
-        parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(value)}</td></tr>")
-    parts.append("</table>")
-    parts.append(
+    body = [
+        "<h2>Results</h2>",
+        report.html_table(_HEADER, summary_rows(results)),
+        # The notes under the printed table (the table itself is already above, as HTML).
+        *report.html_paragraphs(notes),
+        "<h2>Settings</h2>",
+        report.html_table(None, _settings_rows(config)),
         "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "
         "decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 with the "
         f"{html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, gradients in "
         "E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
-        "scaling.</p>"
-    )
+        "scaling.</p>",
+        "<h2>Figures</h2>",
+    ]
     all_figures = [("Loss curves", plot_losses(results)), *figures]
-    parts.append("<h2>Figures</h2>")
-    for caption, fig in all_figures:
-        parts.append(
-            f'<figure><img alt="{html.escape(caption)}" src="{_png_data_uri(fig)}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-        )
-    parts.append("</body></html>")
-    out = Path(path)
-    out.write_text("\n".join(parts) + "\n", encoding="utf-8")
-    return out
+    body += [report.html_figure(caption, fig) for caption, fig in all_figures]
+    return report.write_html_page(
+        path,
+        "unitscale train",
+        "unitscale train: plain vs unit-scaled, FP32 vs simulated FP8",
+        body,
+    )

@@ -15,6 +15,17 @@ the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best i
 claims of the README; :func:`summary_text`, :func:`plot_transfer` and
 :func:`write_transfer_report` present them.
 
+The data, the evaluation samples (the same as ``unitscale train``'s at the same batch size,
+sequence length and seed, by construction), the schedule and the loop are the experiment
+runner's (:mod:`unitscale.experiments.runner`), the files its report writer's
+(:mod:`unitscale.experiments.report`); what is this experiment's own is its
+parametrisations, its grid, its claims and its tables.
+
+To add a parametrisation (e.g. another model family), append a :class:`Parametrisation` to
+:data:`PARAMETRISATION_SPECS`: its name, how it builds the model at a width and depth, its
+optimiser and the configuration field holding the centre of its learning-rate grid. The
+sweep, the tables, the CSV and the figure pick it up.
+
 Design constraints:
 
 - the grid, steps, schedule and sizes are fixed in :data:`DEFAULT_CONFIG` (written down
@@ -30,9 +41,7 @@ Design constraints:
 
 from __future__ import annotations
 
-import hashlib
 import html
-import json
 import math
 import os
 import platform
@@ -43,14 +52,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .. import modules as us
 from .. import optim as us_optim
 from ..errors import UnitScaleError
-from .data import Batch, batches
+from . import report
+from .data import Batch
 from .models import GPTConfig, plain_gpt
-from .training import TrainConfig, _png_data_uri
+from .runner import (
+    Schedule,
+    check_positive_int,
+    check_warmup,
+    evaluation_batches,
+    train_loop,
+    training_batches,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,6 +77,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # errors
     "TransferConfigError",
     # configuration
+    "Parametrisation",
+    "PARAMETRISATION_SPECS",
     "PARAMETRISATIONS",
     "DEFAULT_MUP_LR",
     "DEFAULT_STANDARD_LR",
@@ -88,9 +107,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "write_transfer_json",
     "write_transfer_report",
 ]
-
-#: The two parametrisations of the decoder, in the order they are run and shown.
-PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
 
 #: u-μP's default learning rate (``unitscale.optim.AdamW(lr=...)``, every mult 1): the centre
 #: of its grid. Chosen before any transfer run from ``unitscale train``'s unit-scaled model,
@@ -233,11 +249,9 @@ class TransferConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise TransferConfigError(f"TransferConfig: {name}={value!r} must be positive")
-        # The schedule and the remaining sizes are checked by the training configuration.
-        try:
-            _ = self._schedule
-        except UnitScaleError as exc:
-            raise TransferConfigError(str(exc).replace("TrainConfig", "TransferConfig")) from None
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+            check_positive_int("TransferConfig", name, getattr(self, name), TransferConfigError)
+        check_warmup("TransferConfig", self.warmup_steps, TransferConfigError)
         from ..transforms import FP8_RECIPES
 
         if self.fp8_recipe not in FP8_RECIPES:
@@ -251,18 +265,9 @@ class TransferConfig:
             )
 
     @property
-    def _schedule(self) -> TrainConfig:
-        # unitscale train's schedule (warm-up, cosine to 10%) with a peak of 1.
-        return TrainConfig(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
-            warmup_steps=self.warmup_steps,
-            eval_every=self.eval_every,
-            eval_batches=self.eval_batches,
-            lr_plain=1.0,
-            runs=("plain-fp32",),
-        )
+    def schedule(self) -> Schedule:
+        """The learning-rate schedule of every run (``unitscale train``'s: the runner's)."""
+        return Schedule(self.steps, self.warmup_steps)
 
     @property
     def sizes(self) -> list[tuple[int, int]]:
@@ -271,9 +276,7 @@ class TransferConfig:
 
     def grid(self, parametrisation: str) -> list[tuple[int, float]]:
         """``(k, learning rate)`` for each grid step ``k`` of ``parametrisation``."""
-        centre = self.mup_lr if _check_parametrisation(parametrisation) == "u-muP" else (
-            self.standard_lr
-        )  # fmt: skip
+        centre = getattr(self, _spec(parametrisation).centre_field)
         return [(k, centre * 2.0**k) for k in self.lr_steps]
 
     def lr_factor(self, step: int) -> float:
@@ -284,15 +287,7 @@ class TransferConfig:
             >>> [round(c.lr_factor(s), 3) for s in (0, 4, 5, 99)]
             [0.2, 1.0, 1.0, 0.1]
         """
-        return self._schedule.lr_at("plain-fp32", step)
-
-
-def _check_parametrisation(name: str) -> str:
-    if name not in PARAMETRISATIONS:
-        raise TransferConfigError(
-            f"unknown parametrisation {name!r}; choose from {', '.join(PARAMETRISATIONS)}"
-        )
-    return name
+        return self.schedule.lr(1.0, step)
 
 
 #: The sweep ``unitscale transfer`` runs with no options (fixed before the committed run).
@@ -392,6 +387,68 @@ class TransferResult:
     load_average: tuple[float | None, float | None] = (None, None)
 
 
+def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
+    gpt = GPTConfig(
+        hidden_size=width,
+        depth=depth,
+        heads=width // HEAD_SIZE,
+        seq_len=config.seq_len,
+        position_embedding=False,
+    )
+    return plain_gpt(gpt, seed=config.seed)
+
+
+def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, bias=True, mup=True)
+
+
+def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _mup_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return us_optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+@dataclass(frozen=True)
+class Parametrisation:
+    """One parametrisation a sweep trains: its model, its optimiser and its grid's centre.
+
+    Attributes:
+        name: as the tables and the CSV show it.
+        build: ``build(width, depth, config)``, the model seeded by ``config.seed``; it takes
+            ``model(input_ids, labels=labels)`` and returns the mean cross-entropy.
+        optimiser: ``optimiser(model, lr)`` at peak ``lr``.
+        centre_field: the :class:`TransferConfig` field holding the grid's centre.
+    """
+
+    name: str
+    build: Callable[[int, int, TransferConfig], nn.Module]
+    optimiser: Callable[[nn.Module, float], torch.optim.Optimizer]
+    centre_field: str
+
+
+#: The parametrisations of a sweep, in the order they are run and shown.
+PARAMETRISATION_SPECS: tuple[Parametrisation, ...] = (
+    Parametrisation("standard", _standard_model, _torch_adamw, "standard_lr"),
+    Parametrisation("u-muP", _mup_model, _mup_adamw, "mup_lr"),
+)
+
+#: Their names.
+PARAMETRISATIONS: tuple[str, ...] = tuple(p.name for p in PARAMETRISATION_SPECS)
+
+
+def _spec(name: str) -> Parametrisation:
+    for spec in PARAMETRISATION_SPECS:
+        if spec.name == name:
+            return spec
+    raise TransferConfigError(
+        f"unknown parametrisation {name!r}; choose from {', '.join(PARAMETRISATIONS)}"
+    )
+
+
 def build_model(parametrisation: str, width: int, depth: int, config: TransferConfig) -> nn.Module:
     """The decoder of ``parametrisation`` at ``width`` x ``depth``, seeded by ``config.seed``.
 
@@ -408,19 +465,7 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
         >>> build_model("standard", 64, 2, TransferConfig())(ids, labels=ids).shape
         torch.Size([])
     """
-    heads = width // HEAD_SIZE
-    if _check_parametrisation(parametrisation) == "standard":
-        gpt = GPTConfig(
-            hidden_size=width,
-            depth=depth,
-            heads=heads,
-            seq_len=config.seq_len,
-            position_embedding=False,
-        )
-        return plain_gpt(gpt, seed=config.seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        return us.TransformerDecoder(width, depth, heads, 256, bias=True, mup=True)
+    return _spec(parametrisation).build(width, depth, config)
 
 
 def build_optimiser(parametrisation: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -433,31 +478,18 @@ def build_optimiser(parametrisation: str, model: nn.Module, lr: float) -> torch.
         >>> [round(r * math.sqrt(2), 4) for r in sorted(rates)[:2]]  # 1/sqrt(fan_in * depth)
         [0.0625, 0.125]
     """
-    if _check_parametrisation(parametrisation) == "standard":
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    return us_optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-
-def _loss(model: Callable[..., Tensor], batch: Batch) -> Tensor:
-    return model(batch.input_ids, labels=batch.labels)
-
-
-def _evaluate(model: Callable[..., Tensor], data: Sequence[Batch], grad: bool) -> float:
-    # FP8 runs are captured by TorchDynamo, which guards on the grad mode: they evaluate with
-    # autograd on (as unitscale train does) rather than be captured a second time.
-    with torch.set_grad_enabled(grad):
-        return sum(float(_loss(model, b).detach()) for b in data) / len(data)
+    return _spec(parametrisation).optimiser(model, lr)
 
 
 def _eval_data(config: TransferConfig, split: Literal["train", "heldout"]) -> list[Batch]:
-    # The same fixed samples as unitscale train's, from their own streams.
-    seed = config.seed + (1_000_003 if split == "train" else 2_000_003)
-    stream = batches(config.batch_size, config.seq_len, seed=seed, split=split)
-    return [next(stream) for _ in range(config.eval_batches)]
+    # The runner's fixed evaluation samples: the same as unitscale train's.
+    return evaluation_batches(
+        config.batch_size, config.seq_len, config.seed, split, config.eval_batches
+    )
 
 
 def _train_data(config: TransferConfig) -> list[Batch]:
-    stream = batches(config.batch_size, config.seq_len, seed=config.seed, split="train")
+    stream = iter(training_batches(config.batch_size, config.seq_len, config.seed))
     return [next(stream) for _ in range(config.steps)]
 
 
@@ -495,7 +527,6 @@ def train_one(
     lr = dict(config.grid(parametrisation))[lr_step]
     start = time.perf_counter()
     run = TransferRun(parametrisation, precision, width, depth, lr_step, lr)
-    digest = hashlib.sha256()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = build_model(parametrisation, width, depth, config)
@@ -504,32 +535,26 @@ def train_one(
 
             model = simulate_fp8(model, recipe=config.fp8_recipe)
         model.train()
-        optimiser = build_optimiser(parametrisation, model, lr)
-        peaks = [group["lr"] for group in optimiser.param_groups]
-        losses: list[float] = []
-        for step in range(config.steps):
-            factor = config.lr_factor(step)
-            for group, peak in zip(optimiser.param_groups, peaks, strict=True):
-                group["lr"] = peak * factor
-            batch = data[step]
-            digest.update(batch.input_ids.numpy().tobytes())
-            loss = _loss(model, batch)
-            loss.backward()
-            value = float(loss.detach())
-            losses.append(value)
-            if not math.isfinite(value):
-                run.stopped_at = step
-                break
-            optimiser.step()
-            optimiser.zero_grad(set_to_none=True)
-            done = step + 1
-            if done % config.eval_every == 0 or done == config.steps:
-                mean = sum(losses) / len(losses)
-                run.evals.append((done, mean, _evaluate(model, heldout, precision == "fp8")))
-                losses = []
-        if run.stopped_at is None:
-            run.final_train_loss = _evaluate(model, train_eval, precision == "fp8")
-    run.data_digest = digest.hexdigest()[:16]
+        done = train_loop(
+            model,
+            build_optimiser(parametrisation, model, lr),
+            data,
+            config.schedule,
+            eval_every=config.eval_every,
+            heldout=heldout,
+            train_eval=train_eval,
+            # FP8 runs are captured by TorchDynamo, which guards on the grad mode: they
+            # evaluate with autograd on (as unitscale train does) rather than be captured twice.
+            eval_grad=precision == "fp8",
+        )
+    previous = 0
+    for step in sorted(done.heldout):
+        losses = done.losses[previous:step]
+        run.evals.append((step, sum(losses) / len(losses), done.heldout[step]))
+        previous = step
+    run.stopped_at = done.stopped_at
+    run.final_train_loss = done.final_train_loss
+    run.data_digest = done.data_digest
     run.seconds = time.perf_counter() - start
     return run
 
@@ -962,10 +987,7 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
 
 def write_transfer_csv(result: TransferResult, path: str | os.PathLike[str]) -> Path:
     """Write :func:`runs_frame` to ``path`` (6 decimals, ``\\n`` line ends); return it."""
-    out = Path(path)
-    frame = runs_frame(result.runs)
-    frame.to_csv(out, index=False, float_format="%.6f", lineterminator="\n")
-    return out
+    return report.write_csv(runs_frame(result.runs), path)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -1008,37 +1030,27 @@ def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) ->
             for c in evaluate_claims(final)
         ],
     }
-    out = Path(path)
-    out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-    return out
+    return report.write_json(document, path)
 
 
 def write_transfer_report(result: TransferResult, path: str | os.PathLike[str]) -> Path:
     """Write a self-contained HTML page: the summary, the picture inline and the settings."""
     final = final_frame(runs_frame(result.runs))
     figure = plot_transfer(final, result.config)
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
-        "img-src data:; style-src 'unsafe-inline'\">",
-        "<title>unitscale transfer</title>",
-        "<style>body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;"
-        "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}img{max-width:100%;"
-        "height:auto}pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
-        "<h1>unitscale transfer: learning-rate transfer, standard vs u-muP</h1>",
-        f'<figure><img alt="final held-out loss against learning rate" '
-        f'src="{_png_data_uri(figure)}"><figcaption>Final held-out loss against the peak '
-        "learning rate; one curve per size, the best of each starred; crosses: u-muP in "
-        "simulated FP8 at its best learning rate.</figcaption></figure>",
+    caption = (
+        "Final held-out loss against the peak learning rate; one curve per size, the best of "
+        "each starred; crosses: u-muP in simulated FP8 at its best learning rate."
+    )
+    body = [
+        report.html_figure(caption, figure),
         "<h2>Results and claims</h2>",
         f"<pre>{html.escape(summary_text(result))}</pre>",
-        "<h2>Settings</h2><table>",
+        "<h2>Settings</h2>",
+        report.html_table(None, report.settings_rows(result.config)),
     ]
-    for name, value in asdict(result.config).items():
-        parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(str(value))}</td></tr>")
-    parts.append("</table></body></html>")
-    out = Path(path)
-    out.write_text("\n".join(parts) + "\n", encoding="utf-8")
-    return out
+    return report.write_html_page(
+        path,
+        "unitscale transfer",
+        "unitscale transfer: learning-rate transfer, standard vs u-muP",
+        body,
+    )
