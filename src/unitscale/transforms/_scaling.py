@@ -26,7 +26,9 @@ tensor ops only, so they run under ``torch.compile``; the history tensors are bu
 transformed model's root module (``fp8_amax_history_<site>``, one per scaled rounding, named
 after its graph node), so they are saved in ``state_dict()``, move with ``.to()`` and are
 restored by ``load_state_dict()``; they are buffers, not a child module, so that containers
-that iterate their children (``nn.Sequential``) are not changed.
+that iterate their children (``nn.Sequential``) are not changed. A site is named after its node in
+the captured graph, so a graph recaptured for new input shapes keeps its histories; two
+graph pieces (around a TorchDynamo graph break) whose nodes have the same name share one.
 """
 
 from __future__ import annotations

@@ -409,11 +409,21 @@ class SimulateFormatPass(RewritePass):
         )
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
+        root = capture.owner_module if self.scaling == "delayed" else None
+        # Per-graph state, held by the pass only while this graph is rewritten (the pass
+        # itself stays configuration: it pickles and deep-copies).
+        self._sites = _Sites(gm, root, self.history_len)
+        try:
+            piece.data["simulate_format"] = self._rewrite(gm, piece)
+            piece.data["fp8_scaling"] = (self.scaling, *self._sites.counts)
+        finally:
+            del self._sites
+        return gm
+
+    def _rewrite(self, gm: fx.GraphModule, piece: Piece) -> list[tuple[str, str]]:
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
-        root = capture.owner_module if self.scaling == "delayed" else None
-        self._sites = _Sites(gm, root, self.history_len)
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
@@ -441,10 +451,7 @@ class SimulateFormatPass(RewritePass):
                     node.kwargs = {**node.kwargs, keyword: new}
             if slots:
                 self._quantise_output_grad(graph, node)
-        piece.data["simulate_format"] = quantised
-        piece.data["fp8_scaling"] = (self.scaling, *self._sites.counts)
-        del self._sites
-        return gm
+        return quantised
 
     def _quantise_output_grad(self, graph: fx.Graph, node: fx.Node) -> None:
         """Round the gradient arriving at ``node``'s output (what the matmul's backward reads)."""
