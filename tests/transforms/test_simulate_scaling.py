@@ -236,3 +236,17 @@ def test_delayed_histories_are_not_advanced_by_a_scale_monitor_replay() -> None:
             torch.testing.assert_close(
                 model.state_dict()[key], value, rtol=0, atol=0, equal_nan=True
             )
+
+
+def test_delayed_histories_travel_with_deepcopy_pickle_and_to() -> None:
+    import pickle
+
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scaling="delayed")
+    model(torch.randn(3, 4) * 50).sum().backward()
+    x = torch.randn(3, 4)
+    with torch.no_grad():  # reads the histories without recording
+        for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert torch.equal(copied(x), model(x))  # same histories: same scales
+        wide = copy.deepcopy(model).to(torch.float64)
+        assert wide.state_dict()["fp8_amax_history_input_scale"].dtype == torch.float64
+        assert torch.allclose(wide(x.double()).float(), model(x))
