@@ -1,13 +1,17 @@
 """Training runs that compare a plain model and its unit-scaled twin, in FP32 and simulated FP8.
 
-The library behind ``unitscale train``: :func:`train_runs` trains up to four runs of the
+The library behind ``unitscale train``: :func:`train_runs` trains up to six runs of the
 built-in GPT (:mod:`unitscale.models`) on the bundled text (:mod:`unitscale.data`), with the
 same initialisation, data order and seed:
 
 - ``plain-fp32``: the plain-PyTorch model;
 - ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (by default
   the ``"hardware"`` recipe: matmul operands in E4M3, the gradient of each matmul's output in
-  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling;
+  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling and no
+  per-tensor scales ("no scaling" in the table);
+- ``plain-fp8-tensorwise``: the same with ``scaling="tensorwise"``, torchao's default float8
+  training recipe (in the default run set), and ``plain-fp8-delayed`` with
+  ``scaling="delayed"`` (``--runs`` adds it): the baselines practitioners would run;
 - ``unit-scaled-fp32``: its unit-scaled twin;
 - ``unit-scaled-fp8``: the twin under ``simulate_fp8``, again with no loss scaling.
 
@@ -77,6 +81,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # configuration
     "RunKind",
     "RUN_KINDS",
+    "DEFAULT_RUNS",
     "RUN_NAMES",
     "MONITOR_METRICS",
     "TrainConfig",
@@ -140,6 +145,13 @@ class RunKind:
         """Whether the run simulates FP8 (it has a transform; drawn dashed)."""
         return self.transform is not None
 
+    @property
+    def scaling(self) -> str:
+        """The FP8 run's per-tensor scaling (``simulate_fp8``'s ``scaling``), "" for FP32."""
+        if self.transform is None:
+            return ""
+        return str(getattr(self.transform, "options", {}).get("scaling", "none"))
+
 
 class _SimulateFP8:
     """A run's transform: ``simulate_fp8`` with the config's recipe and ``options`` (e.g.
@@ -166,12 +178,20 @@ class _SimulateFP8:
 RUN_KINDS: tuple[RunKind, ...] = (
     RunKind("plain-fp32", "plain"),
     RunKind("plain-fp8", "plain", _SimulateFP8(), baseline="plain-fp32"),
+    # The recipes practitioners run on plain models, as baselines: torchao's default
+    # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
+    RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
+    RunKind("plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32"),
     RunKind("unit-scaled-fp32", "unit-scaled"),
     RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
 )
 
 #: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
 RUN_NAMES: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS)
+
+#: What ``unitscale train`` runs by default: every kind but ``plain-fp8-delayed`` (which
+#: ``--runs`` adds), so that the default run set stays within a few minutes on 2 cores.
+DEFAULT_RUNS: tuple[str, ...] = tuple(name for name in RUN_NAMES if name != "plain-fp8-delayed")
 
 _KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 
@@ -201,7 +221,8 @@ class TrainConfig:
         eval_every: held-out loss every this many steps (and at the end).
         eval_batches: batches in each evaluation (held-out and final training loss).
         monitor_every: record tensor scales every this many steps (None: no monitor).
-        runs: which of :data:`RUN_NAMES` to train, in that order.
+        runs: which of :data:`RUN_NAMES` to train, in that order (default
+            :data:`DEFAULT_RUNS`).
         compile_fp8: run the FP8 runs through :func:`unitscale.transforms.compile` (Inductor);
             ignored for monitored runs, which cannot be compiled.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key the FP8 runs use
@@ -226,7 +247,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     monitor_every: int | None = None
-    runs: tuple[str, ...] = RUN_NAMES
+    runs: tuple[str, ...] = DEFAULT_RUNS
     compile_fp8: bool = False
     fp8_recipe: str = "hardware"
 
@@ -589,12 +610,36 @@ def summary_rows(results: dict[str, RunResult]) -> list[tuple[str, ...]]:
                 _fmt(r.final_heldout_loss) + stopped,
                 versus,
                 f"{r.seconds:.0f}",
+                _SCALING_LABELS.get(_kind(name).scaling, _kind(name).scaling),
             )
         )
     return rows
 
 
-_HEADER = ("run", "peak lr", "final train loss", "final held-out loss", "vs FP32", "time (s)")
+_HEADER = (
+    "run",
+    "peak lr",
+    "final train loss",
+    "final held-out loss",
+    "vs FP32",
+    "time (s)",
+    "FP8 scales",
+)
+_SCALING_LABELS = {"none": "no scaling", "tensorwise": "tensorwise", "delayed": "delayed"}
+
+
+def scaled_fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
+    """Per FP8 run with per-tensor scales and its FP32 run: ``(train, held-out)`` gap."""
+    gaps = {}
+    for name, r in results.items():
+        kind = _kind(name)
+        fp32 = results.get(kind.baseline) if kind.baseline is not None else None
+        if kind.scaling not in ("", "none") and fp32 is not None:
+            gaps[name] = (
+                _relative(r.final_train_loss, fp32.final_train_loss),
+                _relative(r.final_heldout_loss, fp32.final_heldout_loss),
+            )
+    return gaps
 
 
 def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
@@ -629,6 +674,12 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
         lines.append(
             f"{family} in simulated FP8 vs FP32: held-out {_pct(heldout_gap)}, train "
             f"{_pct(train_gap)} ({verdict})"
+        )
+    for name, (train_gap, heldout_gap) in scaled_fp8_gaps(results).items():
+        kind = _kind(name)
+        lines.append(
+            f"{kind.family} in simulated FP8 with {kind.scaling} scaling ({name}) vs FP32: "
+            f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
     for name, r in results.items():
         if r.non_finite is not None:
