@@ -27,7 +27,7 @@ import os
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -145,10 +145,26 @@ class GraphPass:
         """
         return copy.copy(self)
 
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        """What, besides the graph, this pass's rewrite of ``piece`` depends on at the place
+        in the running call where the piece is about to run (None: nothing).
+
+        Dynamo may run one captured graph at several places of a call: the code of a layer
+        with a graph break inside, and its resume function, are compiled for the first
+        layer and reused for every other one (modules are inputs of its graphs, not
+        constants). Where a pass's rewrite depends on that place (``unit_scale``'s residual
+        weights depend on the depth), the core builds one variant of the piece per distinct
+        key, each rewritten and compiled for its own place. Called before each run of a
+        piece, while ``capture.trace`` holds the invocations that ran before it; must be
+        cheap.
+        """
+        return None
+
 
 @dataclass
 class Piece:
-    """One graph Dynamo captured (one per graph break and per recompilation)."""
+    """One graph Dynamo captured (one per graph break and per recompilation), as the pass
+    chain rewrote it; one more per variant (see :meth:`GraphPass.variant_key`)."""
 
     index: int
     #: The graph as Dynamo gave it (before any pass), with Dynamo's node meta.
@@ -325,19 +341,22 @@ class Capture:
             _placeholder_kind(node, value, params, buffers, arg_names)
             for node, value in zip(placeholders, example_inputs, strict=False)
         ]
-        original = copy.deepcopy(gm.graph)
-        piece = Piece(index=len(self.pieces), graph=original, placeholders=kinds)
-        self.pieces.append(piece)
-        for graph_pass in owner.passes:
-            gm = graph_pass.transform(gm, piece, self)
-        gm.recompile()
-        run: Callable[..., Any] = gm.forward
-        if owner.passes:
-            compiled = owner.passes[-1].compile_graph(gm, example_inputs, piece)
-            if compiled is not None:
-                run = compiled
+        passes = owner.passes
+        keyed = [p for p in passes if type(p).variant_key is not GraphPass.variant_key]
+        # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
+        template = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if keyed else None
+        first = self._build_piece(gm, kinds, example_inputs, passes)
+        variants = {self._variant_key(first[0], keyed): first}
 
         def invoke(*args: Any) -> Any:
+            piece, run = first
+            if keyed:
+                key = self._variant_key(first[0], keyed)
+                if key not in variants:
+                    assert template is not None
+                    fresh = fx.GraphModule(template, copy.deepcopy(template.graph))
+                    variants[key] = self._build_piece(fresh, kinds, example_inputs, passes)
+                piece, run = variants[key]
             produced = self.produced
             sources: list[tuple[int, int] | None] = []
             for arg in args:
@@ -358,6 +377,31 @@ class Capture:
             return out
 
         return invoke
+
+    def _build_piece(
+        self,
+        gm: fx.GraphModule,
+        kinds: list[tuple[str, str]],
+        example_inputs: Sequence[Any],
+        passes: Sequence[GraphPass],
+    ) -> tuple[Piece, Callable[..., Any]]:
+        """A new :class:`Piece` of ``gm`` (as Dynamo gave it) and what runs it: ``gm``
+        transformed by every pass, then compiled by the last one where it compiles."""
+        original = copy.deepcopy(gm.graph)
+        piece = Piece(index=len(self.pieces), graph=original, placeholders=list(kinds))
+        self.pieces.append(piece)
+        for graph_pass in passes:
+            gm = graph_pass.transform(gm, piece, self)
+        gm.recompile()
+        run: Callable[..., Any] = gm.forward
+        if passes:
+            compiled = passes[-1].compile_graph(gm, example_inputs, piece)
+            if compiled is not None:
+                run = compiled
+        return piece, run
+
+    def _variant_key(self, piece: Piece, keyed: Sequence[GraphPass]) -> Hashable:
+        return tuple(graph_pass.variant_key(piece, self) for graph_pass in keyed)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         owner = self.owner_ref()

@@ -9,7 +9,11 @@
    :func:`~unitscale.functional.residual_split`, and the add becomes
    :func:`~unitscale.functional.residual_add`. A branch that contains an attention op
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
-   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`).
+   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`). Adds are counted in
+   execution order over the whole call, across graph breaks; where Dynamo runs one captured
+   graph at several depths (a layer with a graph break inside: the code before the break and
+   its resume function are compiled once and reused for every layer), each depth runs a
+   variant of the graph rewritten with its own taus (:meth:`UnitScalePass.variant_key`).
 2. **Op replacement.** Every call of a function in ``unitscale.functional.torch_map``
    (updated with ``replace``) whose result is a floating-point tensor is replaced by its
    unit-scaled equivalent; ``Tensor`` methods are looked up as ``getattr(torch.Tensor, name)``.
@@ -40,10 +44,11 @@ weights (never the user's module) so that they have unit scale.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +59,7 @@ from torch import nn
 
 from ..capture import (
     Capture,
+    Invocation,
     Piece,
     Stage,
     TransformedModule,
@@ -263,6 +269,13 @@ class UnitScalePass(RewritePass):
         # Parameter name -> version when unit_scale returned, for parameters that may turn
         # out to be matmul weights (re-initialised at their first capture if unchanged).
         self._versions: dict[str, int] | None = None
+        # (the running call's trace, invocations counted, residual adds among them).
+        self._counted: tuple[list[Invocation], int, int] | None = None
+
+    def without_state(self) -> UnitScalePass:
+        clone = copy.copy(self)
+        clone._counted = None
+        return clone
 
     def __repr__(self) -> str:
         names = ", ".join(_op_name(k) for k in self.replace)
@@ -275,16 +288,36 @@ class UnitScalePass(RewritePass):
         mapping.update(self.replace)
         return mapping
 
+    # -- the place of a piece in the call ----------------------------------------------------
+    def _residual_adds_before(self, capture: Capture) -> int:
+        """How many residual adds the running call has run so far (in the pieces of
+        ``capture.trace``), counted incrementally: O(1) per piece over a call."""
+        trace = capture.trace
+        counted = self._counted
+        if counted is None or counted[0] is not trace or counted[1] > len(trace):
+            counted = (trace, 0, 0)
+        _, done, total = counted
+        for invocation in trace[done:]:
+            total += len(invocation.piece.data.get("unit_scale", {}).get("residual_adds", ()))
+        self._counted = (trace, len(trace), total)
+        return total
+
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        """The number of residual adds that ran before ``piece`` in this call, where
+        ``piece`` has residual adds: their taus follow the depth rule from there, so a
+        piece Dynamo reuses at another depth (a layer with a graph break inside, run for
+        every layer) is rewritten again with that depth's taus."""
+        if not piece.data.get("unit_scale", {}).get("residual_adds"):
+            return None
+        return self._residual_adds_before(capture)
+
     # -- the rewrite ------------------------------------------------------------------------
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
         # already ran in this call come first.
-        first_index = 1 + sum(
-            len(inv.piece.data.get("unit_scale", {}).get("residual_adds", ()))
-            for inv in capture.trace
-        )
+        first_index = 1 + self._residual_adds_before(capture)
         residual_adds = self._rewrite_residual_adds(graph, params, first_index)
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture)
         replaced = self._replace_ops(graph)
