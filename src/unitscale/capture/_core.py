@@ -98,6 +98,11 @@ class GraphPass:
     #: What to do instead when a pass of an earlier stage comes after this one (``{op}`` is
     #: that pass's transform).
     order_fix: ClassVar[str] = ""
+    #: Whether the pass can apply to the ops of one submodule only (:meth:`scoped`).
+    scopable: ClassVar[bool] = False
+    #: Qualified name of the submodule whose ops this pass transforms ("": every op). Set on
+    #: the passes of a transformed child when a transform of its parent absorbs it.
+    scope: str = ""
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
@@ -144,6 +149,36 @@ class GraphPass:
         Passes that hold runtime state override this.
         """
         return copy.copy(self)
+
+    def scoped(self, prefix: str) -> GraphPass:
+        """A copy of this pass, without runtime state, that transforms only the ops of the
+        submodule ``prefix`` (qualified name in the module the chain wraps). Only passes
+        that are :attr:`scopable` are scoped; they test each node with :meth:`scope_filter`."""
+        clone = self.without_state()
+        clone.scope = f"{prefix}.{self.scope}" if self.scope else prefix
+        return clone
+
+    def scope_filter(self, capture: Capture) -> Callable[[fx.Node], bool]:
+        """Whether a node is an op of :attr:`scope`: Dynamo's module stack of the node holds
+        that module or one inside it (every node is when the scope is "")."""
+        if not self.scope:
+            return lambda node: True
+        root = capture.owner_module.get_submodule(self.scope)
+        inside = {str(id(module)) for module in root.modules()}
+        names = {name for name, _ in capture.owner_module.named_modules()}
+        prefix = self.scope + "."
+
+        def in_scope(node: fx.Node) -> bool:
+            for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+                if str(key) in inside:
+                    return True
+                if not str(key).isdigit():  # keyed by path, not by id: the path's name
+                    name = _clean_module_path(str(path))
+                    if name in names and (name == self.scope or name.startswith(prefix)):
+                        return True
+            return False
+
+        return in_scope
 
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         """What, besides the graph, this pass's rewrite of ``piece`` depends on at the place
@@ -235,7 +270,12 @@ def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
         name = None
     if name is not None:
         return name
-    path = str(path)
+    return _clean_module_path(str(path))
+
+
+def _clean_module_path(path: str) -> str:
+    """A qualified module name from Dynamo's source path (``L['self'].blocks[0]`` ->
+    ``blocks.0``)."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
@@ -715,9 +755,15 @@ def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
+    A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
+    absorbed: its ops are captured with the rest of the model, its own passes transform
+    them alone, and ``new_pass`` transforms them with the rest
+    (:func:`_absorb_transformed_children`).
+
     Raises:
         CaptureError: ``module`` is not an ``nn.Module``, was compiled by ``torch.compile``,
-            or ``new_pass`` cannot follow its passes (:func:`check_order`).
+            ``new_pass`` cannot follow its passes (:func:`check_order`), or it holds a
+            transformed submodule that cannot be absorbed (the error names it).
     """
     if not isinstance(module, nn.Module):
         raise CaptureError(
@@ -732,7 +778,88 @@ def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedM
     for earlier in passes:
         check_order(earlier, new_pass, op)
     copied = copy.deepcopy(inner)
-    return TransformedModule(copied, (*(p.without_state() for p in passes), new_pass))
+    absorbed = _absorb_transformed_children(copied, new_pass, op)
+    # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
+    chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)
+    return TransformedModule(copied, (*chain, new_pass))
+
+
+def _absorb_transformed_children(
+    module: nn.Module, new_pass: GraphPass, op: str
+) -> list[GraphPass]:
+    """Replace, in place, each transformed submodule of ``module`` (a copy) by the module it
+    wraps, and return its passes scoped to its qualified name.
+
+    Dynamo cannot trace into a transformed module's own capture, so the parent's graphs
+    would stop at it (its ops neither recorded nor transformed by the parent's passes).
+    Absorbed, the child's ops are captured in the parent's graphs under its name, its own
+    passes transform them alone (:meth:`GraphPass.scoped`), and ``new_pass`` transforms
+    them with the rest of the model.
+
+    Raises:
+        CaptureError: a child that cannot be absorbed (see :func:`_check_child`).
+    """
+    absorbed: list[GraphPass] = []
+    while True:
+        found = next(
+            (
+                (name, sub)
+                for name, sub in module.named_modules(remove_duplicate=False)
+                if name and isinstance(sub, TransformedModule)
+            ),
+            None,
+        )
+        if found is None:
+            return absorbed
+        name, child = found
+        _check_child(name, child, new_pass, op)
+        owner_name, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attribute, child.module)
+        absorbed.extend(p.scoped(name) for p in child.passes)
+
+
+def _check_child(name: str, child: TransformedModule, new_pass: GraphPass, op: str) -> None:
+    """Raise unless the transformed child ``name`` can be absorbed by ``op`` of its parent:
+    its passes can apply to its own ops (not ``track_scales``, whose statistics are the
+    child's own, nor ``compile``, which applies to a whole model, last) and ``new_pass`` may
+    follow them (:func:`check_order`).
+
+    Raises:
+        CaptureError: naming the child and what to do instead.
+    """
+    where = f"unitscale.{op}: the submodule {name!r}"
+    plain = f"put the plain module at {name!r}"
+    for earlier in child.passes:
+        if earlier.stage is Stage.COMPILE:
+            raise CaptureError(
+                f"{where} {earlier.applied}; compile applies to the whole model, last: "
+                f"{plain} and compile the outer model, e.g. compile({op}(model))"
+                if op != "compile"
+                else f"{where} {earlier.applied}; compile(model) compiles it too: {plain}"
+            )
+        if earlier.stage is Stage.TRACK:
+            raise CaptureError(
+                f"{where} {earlier.applied}, whose statistics would miss the outer "
+                f"transform; {plain} and track the outer model last: "
+                f"track_scales({op}(model)) records the {name}.* ops"
+                if op != "track_scales"
+                else f"{where} {earlier.applied}; track_scales(model) records the {name}.* "
+                f"ops too: {plain}"
+            )
+        if type(new_pass) is type(earlier) and not new_pass.repeatable:
+            raise CaptureError(f"{where} {earlier.applied}; {op}(model) transforms it too: {plain}")
+        if new_pass.stage < earlier.stage:
+            raise CaptureError(
+                f"{where} {earlier.applied}, which {op} cannot follow "
+                f"({earlier.order_fix.format(op=op)}): {plain} and apply both transforms to "
+                "the outer model, in that order"
+            )
+        if not earlier.scopable:
+            raise CaptureError(
+                f"{where} {earlier.applied}, which cannot apply to a submodule: {plain} and "
+                "apply its transform to the outer model"
+            )
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

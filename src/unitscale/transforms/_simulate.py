@@ -248,6 +248,7 @@ class SimulateFormatPass(RewritePass):
     """
 
     stage = Stage.SIMULATE
+    scopable = True
     transform_name = "simulate_format"
     uncaptured_consequence = "their matmul-like ops run unquantised"
     applied = "already simulates a number format"
@@ -276,7 +277,10 @@ class SimulateFormatPass(RewritePass):
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
+        in_scope = self.scope_filter(capture)
         for node in list(graph.nodes):
+            if not in_scope(node):
+                continue
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
                 self._quantise_output_grad(graph, node)
@@ -303,7 +307,7 @@ class SimulateFormatPass(RewritePass):
                     node.kwargs = {**node.kwargs, keyword: new}
             if slots:
                 self._quantise_output_grad(graph, node)
-        piece.data["simulate_format"] = quantised
+        piece.data.setdefault("simulate_format", []).extend(quantised)
         return gm
 
     def _quantise_output_grad(self, graph: fx.Graph, node: fx.Node) -> None:
