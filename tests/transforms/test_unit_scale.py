@@ -294,6 +294,20 @@ def test_a_graph_break_inside_repeated_layers_gives_each_layer_its_own_tau(then:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_reused_graph_is_named_after_the_parameters_it_runs_with() -> None:
+    # The layers' graphs carry each layer's parameter names, and the warning about ops
+    # TorchDynamo ran eagerly (the head, after the loop it skipped) lists only those.
+    model = unit_scale(
+        nn.Sequential(*repeated_layers(graph_break=True, layers=3), nn.Linear(16, 4))
+    )
+    with pytest.warns(UserWarning, match=r"not transformed: the ops using 3\.weight, 3\.bias \("):
+        model(torch.randn(8, 16))
+    capture = model.capture
+    assert capture is not None
+    names = {name for p in capture.pieces for kind, name in p.placeholders if kind == "param"}
+    assert names == {name for name, _ in model.named_parameters() if not name.startswith("3.")}
+
+
 def test_ops_after_the_last_residual_add_are_unconstrained(ids: Tensor) -> None:
     model = track_scales(unit_scale(Net()))
     model(ids, ids).backward()

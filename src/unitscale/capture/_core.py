@@ -377,10 +377,14 @@ class Capture:
             buffers.setdefault(id(b), n)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         arg_names = _positional_names(module)
-        kinds = [
-            _placeholder_kind(node, value, params, buffers, arg_names)
-            for node, value in zip(placeholders, example_inputs, strict=False)
-        ]
+
+        def classify(values: Sequence[Any]) -> list[tuple[str, str]]:
+            return [
+                _placeholder_kind(node, value, params, buffers, arg_names)
+                for node, value in zip(placeholders, values, strict=False)
+            ]
+
+        kinds = classify(example_inputs)
         passes = owner.passes
         keyed = [p for p in passes if type(p).variant_key is not GraphPass.variant_key]
         # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
@@ -395,7 +399,8 @@ class Capture:
                 if key not in variants:
                     assert template is not None
                     fresh = fx.GraphModule(template, copy.deepcopy(template.graph))
-                    variants[key] = self._build_piece(fresh, kinds, example_inputs, passes)
+                    # Named after the parameters it runs with here (another layer's).
+                    variants[key] = self._build_piece(fresh, classify(args), example_inputs, passes)
                 piece, run = variants[key]
             produced = self.produced
             sources: list[tuple[int, int] | None] = []
