@@ -15,7 +15,11 @@ Design constraints:
 - the wrapper keeps the original's ``state_dict()`` keys, deep-copies and pickles (runtime
   state such as compiled code is rebuilt on the next call), moves with ``.to()`` and follows
   ``.train()``/``.eval()`` (Dynamo guards on both and recompiles);
-- per call the core does O(number of pieces) Python work, never per op.
+- per call the core does O(number of pieces) Python work, never per op;
+- transforms compose through nesting: a transformed submodule is absorbed into the copy
+  (its ops captured with the rest, its passes scoped to it), or refused by name;
+- where Dynamo runs one captured graph at several places of a call (a repeated layer with a
+  graph break inside), a pass whose rewrite depends on the place gets one variant per place.
 """
 
 from __future__ import annotations

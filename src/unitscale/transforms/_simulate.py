@@ -399,7 +399,8 @@ def simulate_format(
         FormatError: a format argument is neither an ``FPFormat`` nor a preset key.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
-            last), or TorchDynamo cannot capture it (at the first call).
+            last), or holds a submodule that is (the error names it); or TorchDynamo
+            cannot capture it (at the first call).
 
     Example:
         >>> from unitscale.formats import FPFormat

@@ -662,7 +662,8 @@ def unit_scale(
     Raises:
         UnknownOpError: a ``replace`` key is not in ``torch_map`` or a value is not callable.
         CaptureError: ``module`` is not a module, is compiled, tracked, already unit-scaled
-            or format-simulated; or TorchDynamo cannot capture it (at the first call).
+            or format-simulated, or holds a submodule that is (the error names it); or
+            TorchDynamo cannot capture it (at the first call).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
