@@ -840,22 +840,8 @@ def _check_child(name: str, child: TransformedModule, new_pass: GraphPass, op: s
     where = f"unitscale.{op}: the submodule {name!r}"
     plain = f"put the plain module at {name!r}"
     for earlier in child.passes:
-        if earlier.stage is Stage.COMPILE:
-            raise CaptureError(
-                f"{where} {earlier.applied}; compile applies to the whole model, last: "
-                f"{plain} and compile the outer model, e.g. compile({op}(model))"
-                if op != "compile"
-                else f"{where} {earlier.applied}; compile(model) compiles it too: {plain}"
-            )
-        if earlier.stage is Stage.TRACK:
-            raise CaptureError(
-                f"{where} {earlier.applied}, whose statistics would miss the outer "
-                f"transform; {plain} and track the outer model last: "
-                f"track_scales({op}(model)) records the {name}.* ops"
-                if op != "track_scales"
-                else f"{where} {earlier.applied}; track_scales(model) records the {name}.* "
-                f"ops too: {plain}"
-            )
+        if earlier.stage in (Stage.COMPILE, Stage.TRACK):
+            raise CaptureError(f"{where} {earlier.applied}; {_nested_fix(earlier, name, op)}")
         if type(new_pass) is type(earlier) and not new_pass.repeatable:
             raise CaptureError(f"{where} {earlier.applied}; {op}(model) transforms it too: {plain}")
         if new_pass.stage < earlier.stage:
@@ -869,6 +855,29 @@ def _check_child(name: str, child: TransformedModule, new_pass: GraphPass, op: s
                 f"{where} {earlier.applied}, which cannot apply to a submodule: {plain} and "
                 "apply its transform to the outer model"
             )
+
+
+def _nested_fix(earlier: GraphPass, name: str, op: str) -> str:
+    """What to do instead of ``op`` of a model whose submodule ``name`` is compiled or
+    tracked by ``earlier`` (neither can apply to a part of a model)."""
+    plain = f"put the plain module at {name!r}"
+    if earlier.stage is Stage.COMPILE:
+        if op == "compile":
+            return f"compile(model) compiles it too: {plain}"
+        if op == "track_scales":
+            return f"statistics cannot be gathered from compiled code: {plain}"
+        return f"compile applies to a whole model, last: {plain}, then compile({op}(model))"
+    if op == "track_scales":
+        return f"track_scales(model) records the {name}.* ops too: {plain}"
+    if op == "compile":
+        return (
+            "a tracked module cannot be compiled, its statistics are gathered in Python: "
+            f"{plain}, then compile the model (or track it, without compile)"
+        )
+    return (
+        "its statistics would miss the outer transform: "
+        f"{plain}, then track_scales({op}(model)) records the {name}.* ops"
+    )
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:
