@@ -324,3 +324,32 @@ def test_a_model_holding_a_transformed_child_copies_pickles_and_keeps_its_keys()
     for clone in (copy.deepcopy(result), pickle.loads(pickle.dumps(result))):
         assert list(clone.state_dict()) == keys
         assert torch.equal(clone(x), expected)
+
+
+class LoopWithBreak(nn.Module):
+    """Blocks in a loop with a graph break in it: TorchDynamo skips this frame and compiles
+    each block's forward as a frame of its own (whose own ops have no module stack)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+            print("", end="")
+        return x
+
+
+@pytest.mark.parametrize("parent", ["track_scales", "simulate_fp8"])
+def test_a_transformed_child_in_its_own_frame_is_transformed_whole(parent: str) -> None:
+    model = LoopWithBreak([Block(), unit_scale(Block())])
+    reference = LoopWithBreak([Block(), UnitBlock()])
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    result = PARENTS[parent](model)
+    expected = reference(x) if parent == "track_scales" else simulate_fp8(reference)(x)
+    assert torch.equal(result(x), expected)
+    if parent == "track_scales":
+        targets = [n.target for n in result.scales_graph().nodes]
+        assert targets.count(U.residual_add) == 1 and U.gelu in targets

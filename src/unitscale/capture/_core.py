@@ -162,10 +162,14 @@ class GraphPass:
         clone.scope = f"{prefix}.{self.scope}" if self.scope else prefix
         return clone
 
-    def scope_filter(self, capture: Capture) -> Callable[[fx.Node], bool]:
-        """Whether a node is an op of :attr:`scope`: Dynamo's module stack of the node holds
-        that module or one inside it (every node is when the scope is "")."""
-        if not self.scope:
+    def scope_filter(self, capture: Capture, piece: Piece) -> Callable[[fx.Node], bool]:
+        """Whether a node of ``piece`` is an op of :attr:`scope`: the piece is a frame of
+        that module (or of one inside it), or Dynamo's module stack of the node holds that
+        module or one inside it. Every node is when the scope is ""."""
+        frame = piece.frame_module
+        if not self.scope or (
+            frame is not None and (frame == self.scope or frame.startswith(self.scope + "."))
+        ):
             return lambda node: True
         root = capture.owner_module.get_submodule(self.scope)
         inside = {str(id(module)) for module in root.modules()}
@@ -212,6 +216,10 @@ class Piece:
     placeholders: list[tuple[str, str]]
     #: Free-form per-pass data (e.g. the tracking pass's slot of each node).
     data: dict[str, Any] = field(default_factory=dict)
+    #: Qualified name of the module whose ``forward`` (as ``self``) the captured frame runs:
+    #: "" for the wrapped module, a submodule's name where Dynamo compiled that module's
+    #: frame on its own (around a graph break), None where unknown.
+    frame_module: str | None = None
 
 
 @dataclass
@@ -284,6 +292,33 @@ def _clean_module_path(path: str) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     return path.lstrip(".")
+
+
+def _frame_module(graph: fx.Graph, kinds: Sequence[tuple[str, str]]) -> str | None:
+    """Qualified name of the module bound to ``self`` in the frame ``graph`` was captured
+    from, read off a parameter or buffer input: its qualified name less its path from
+    ``self`` (``blocks.1.norm.weight`` from ``L['self']._modules['norm']...`` is
+    ``blocks.1``). None where no input says (a frame without parameters)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, (kind, name) in zip(placeholders, kinds, strict=False):
+        if kind not in ("param", "buffer"):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        text = getattr(source, "name", None)
+        text = text() if callable(text) else text
+        if not isinstance(text, str) or not text.startswith("L['self']"):
+            continue
+        relative = re.sub(
+            r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", text[len("L['self']") :]
+        )
+        if not re.fullmatch(r"(\.\w+)+", relative):
+            continue
+        relative = relative[1:]
+        if name == relative:
+            return ""
+        if name.endswith("." + relative):
+            return name[: -len(relative) - 1]
+    return None
 
 
 def _source_name(source: Any, arg_names: Sequence[str]) -> str | None:
@@ -438,6 +473,7 @@ class Capture:
         transformed by every pass, then compiled by the last one where it compiles."""
         original = copy.deepcopy(gm.graph)
         piece = Piece(index=len(self.pieces), graph=original, placeholders=list(kinds))
+        piece.frame_module = _frame_module(gm.graph, kinds)
         self.pieces.append(piece)
         for graph_pass in passes:
             gm = graph_pass.transform(gm, piece, self)

@@ -277,7 +277,7 @@ class SimulateFormatPass(RewritePass):
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
-        in_scope = self.scope_filter(capture)
+        in_scope = self.scope_filter(capture, piece)
         for node in list(graph.nodes):
             if not in_scope(node):
                 continue

@@ -336,7 +336,7 @@ class UnitScalePass(RewritePass):
         # Residual adds are counted in execution order across graph breaks: the pieces that
         # already ran in this call come first.
         first_index = 1 + self._residual_adds_before(capture)
-        in_scope = self.scope_filter(capture)
+        in_scope = self.scope_filter(capture, piece)
         residual_adds = self._rewrite_residual_adds(graph, params, first_index, in_scope)
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
