@@ -411,6 +411,56 @@ def test_c_stochastic_kernel_matches_the_hashed_pytorch_path_and_compiled(fmt: F
     assert_same_bits(fmt.quantise(x, generator=torch.Generator().manual_seed(9)), expected)
 
 
+@needs_c
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_an_error_inside_the_c_kernel_surfaces(rounding: str) -> None:
+    # Only unavailability (decided before the call) falls back; an error inside the kernel
+    # path is a bug, not a reason to quietly take the slower path.
+    fmt = dataclasses.replace(E4M3, rounding=rounding)
+    bug = RuntimeError("a bug inside the kernel path")
+    with mock.patch.object(_native.rounding, rounding, side_effect=bug):
+        with pytest.raises(RuntimeError, match="a bug inside the kernel path"):
+            fmt.quantise(torch.randn(64))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_kernel_that_cannot_be_built_falls_back_to_the_same_results(rounding: str) -> None:
+    fmt = dataclasses.replace(E4M3, rounding=rounding)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 100
+    expected = _kernels._quantise(fmt, x, torch.Generator().manual_seed(5), allow_c=False)
+    unbuilt = _native.NativeRounding()
+    with (
+        mock.patch.object(_cbuild, "compiler", return_value=None),
+        mock.patch.object(_kernels, "rounding", unbuilt),
+    ):
+        out = fmt.quantise(x, generator=torch.Generator().manual_seed(5))
+    assert not unbuilt.available() and "no C compiler" in unbuilt._library.failure
+    assert_same_bits(out, expected)
+
+
+# vmap's own note that in-place clamp_ has no batching rule (the PyTorch path uses it).
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_the_c_kernel_is_never_given_tensors_without_memory_of_their_own() -> None:
+    # torch.func's wrappers (vmap, grad) have no storage and functionalize's pointer is not
+    # the values' memory: decided before the call, they take the PyTorch ops.
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(6)) * 10
+    nearest = NEAREST["e4m3"]
+    called = AssertionError("the C kernel was called")
+    with (
+        mock.patch.object(_native.rounding, "nearest", side_effect=called),
+        mock.patch.object(_native.rounding, "stochastic", side_effect=called),
+    ):
+        expected = _kernels._quantise(nearest, x, None, allow_c=False)
+        assert_same_bits(torch.vmap(nearest.quantise)(x), expected)
+        assert_same_bits(torch.func.functionalize(nearest.quantise)(x), expected)
+        gradient = torch.func.grad(lambda t: (nearest.quantise(t) * t).sum())(x[0])
+        assert_same_bits(gradient, expected[0])  # the rounding is a constant to grad
+        rounded = torch.vmap(E4M3.quantise, randomness="different")(x)
+        # Stochastic rounding: a value of the format (rounding it again keeps it) next to x.
+        assert_same_bits(_kernels._quantise(nearest, rounded, None, allow_c=False), rounded)
+        assert ((rounded - x).abs() <= x.abs() / 8 + 2**-9).all()
+
+
 def test_float64_is_rounded_once() -> None:
     # Just above the tie between 1.0 and 1.125, by less than float32 can hold: the correct
     # rounding is up. torch's float64 cast rounds through float32 and lands on the tie.

@@ -274,6 +274,47 @@ def test_uncaptured_frame_warning_says_what_was_not_transformed(transform: objec
         assert "re-initialised" not in message
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(F.gelu(self.norm(x)))
+
+
+class _BlocksWithBreak(nn.Module):
+    """TorchDynamo skips ``forward`` and compiles each block's forward as a frame of its own,
+    whose own ops (the gelu, the add) carry no module stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            print("", end="")
+        return x
+
+
+def test_the_ops_of_a_block_in_its_own_frame_are_named_after_it() -> None:
+    tracked = track_scales(_BlocksWithBreak())
+    tracked(torch.randn(2, 4))
+    graph = tracked.scales_graph()
+    paths = {n.name: n.meta["module_path"] for n in graph.nodes if n.op == "call_function"}
+    assert paths == {
+        "layer_norm": "blocks.0.norm",
+        "gelu": "blocks.0",
+        "linear": "blocks.0.up",
+        "add": "blocks.0",
+        "layer_norm_1": "blocks.1.norm",
+        "gelu_1": "blocks.1",
+        "linear_1": "blocks.1.up",
+        "add_1": "blocks.1",
+    }
+
+
 # -- variable-length batches -----------------------------------------------------------------
 def test_variable_lengths_do_not_recompile_per_length() -> None:
     from unitscale.experiments.models import GPTConfig, plain_gpt

@@ -16,7 +16,7 @@ from unitscale.capture import Stage, TransformedModule
 from unitscale.errors import CaptureError
 from unitscale.formats import E4M3, E5M2
 from unitscale.models import GPTConfig, plain_gpt
-from unitscale.transforms import compile, simulate_fp8, track_scales, unit_scale
+from unitscale.transforms import compile, simulate_format, simulate_fp8, track_scales, unit_scale
 from unitscale.transforms._simulate import quantise_operand
 
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
@@ -175,3 +175,181 @@ def test_transformed_module_behaves_like_a_module(name: str) -> None:
     for key, value in original.state_dict().items():
         assert torch.equal(value, state_before[key]), key
     assert torch.equal(original(ids), out_before)
+
+
+# -- a transformed child inside a model transformed again --------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.up(torch.nn.functional.gelu(self.norm(x)))
+
+
+class UnitBlock(Block):
+    """What ``unit_scale(Block())`` computes, written with unitscale.functional."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        residual, skip = U.residual_split(x, 0.5)
+        h = U.gelu(U.layer_norm(residual, (16,), self.norm.weight, self.norm.bias))
+        return U.residual_add(U.linear(h, self.up.weight, self.up.bias), skip, 0.5)
+
+
+class Outer(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.block = block
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.block(self.inp(x)))
+
+
+CHILDREN: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "unit_scale": unit_scale,
+    "simulate_fp8": simulate_fp8,
+    "simulate_format": lambda m: simulate_format(m, "e4m3", "e5m2"),
+    "track_scales": track_scales,
+    "compile": compile,
+}
+PARENTS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "track_scales": track_scales,
+    "simulate_fp8": simulate_fp8,
+    "unit_scale": unit_scale,
+    "compile": compile,
+}
+# (child, parent) pairs that cannot compose, and what the error says to do.
+REFUSED = {
+    **{("track_scales", p): r"put the plain module at 'block'" for p in PARENTS},
+    **{("compile", p): r"put the plain module at 'block'" for p in PARENTS},
+    ("unit_scale", "unit_scale"): r"unit_scale\(model\) transforms it too",
+    ("simulate_fp8", "unit_scale"): r"unit-scale first",
+    ("simulate_format", "unit_scale"): r"unit-scale first",
+}
+
+
+def nested(child: str) -> Outer:
+    return Outer(CHILDREN[child](Block()))
+
+
+def block_nodes(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
+    return {n.name: n for n in graph.nodes if n.meta.get("module_path", "").startswith("block")}
+
+
+@pytest.mark.parametrize("child", list(CHILDREN))
+@pytest.mark.parametrize("parent", list(PARENTS))
+def test_a_transformed_child_composes_or_the_error_names_it(child: str, parent: str) -> None:
+    model = nested(child)
+    if (child, parent) in REFUSED:
+        with pytest.raises(CaptureError, match=rf"the submodule 'block'.*{REFUSED[child, parent]}"):
+            PARENTS[parent](model)
+        return
+    transformed_model = PARENTS[parent](model)
+    assert isinstance(model.block, TransformedModule)  # the user's model is not touched
+    tracked = (
+        transformed_model
+        if parent == "track_scales"
+        else track_scales(transformed_model)
+        if parent != "compile"
+        else None
+    )
+    if tracked is None:  # compile: one graph, the block's ops (as transformed) inside it
+        x = torch.randn(4, 16)
+        out = transformed_model(x)
+        if child != "simulate_format":  # (its stochastic rounding draws other random bits)
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+        capture = transformed_model.capture
+        assert capture is not None and len(capture.pieces) == 1
+        return
+    tracked(torch.randn(4, 16)).sum().backward()
+    inside = block_nodes(tracked.scales_graph())
+    targets = {n.target for n in inside.values()}
+    assert {"block.norm.weight", "block.up.weight"} <= {
+        n.meta["clean_name"] for n in inside.values()
+    }
+    floats = [n for n in inside.values() if n.meta["outputs_float_tensor"]]
+    assert floats and all(n.meta["metrics"].fwd is not None for n in floats)
+    if child == "unit_scale":  # the child's own transform applies to its ops alone
+        assert {U.residual_split, U.residual_add, U.linear, U.gelu} <= targets
+        outside = [n for n in tracked.scales_graph().nodes if n.meta.get("module_path") == "out"]
+        assert U.linear not in {n.target for n in outside}
+    rounded = [n for n in inside.values() if n.target is quantise_operand]
+    if child != "unit_scale" or parent == "simulate_fp8":  # operands of block.up's matmul
+        assert {n.args[0].meta["clean_name"] for n in rounded} >= {"block.up.weight"}
+    else:
+        assert not rounded
+
+
+def test_a_unit_scaled_child_is_unit_scaled_then_rounded_like_by_hand() -> None:
+    # simulate_fp8 of a model holding unit_scale(block): the block's ops are unit-scaled
+    # (alone, as unit_scale(block) does) and every matmul's operands, the block's included,
+    # are rounded: bit for bit what simulate_fp8 of the model written by hand computes.
+    model = Outer(unit_scale(Block()))
+    reference = Outer(UnitBlock())
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(model.block(x), reference.block(x), rtol=0, atol=0)
+    for a, b in zip(
+        outputs_and_grads(simulate_fp8(model), x),
+        outputs_and_grads(simulate_fp8(reference), x),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_compile_of_a_model_holding_a_unit_scaled_child_matches_by_hand() -> None:
+    model = Outer(unit_scale(Block()))
+    reference = Outer(UnitBlock())
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    for a, b in zip(
+        outputs_and_grads(compile(model), x), outputs_and_grads(reference, x), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_holding_a_transformed_child_copies_pickles_and_keeps_its_keys() -> None:
+    model = Outer(unit_scale(Block()))
+    keys = list(Outer(Block()).state_dict())
+    result = simulate_fp8(model)
+    assert list(result.state_dict()) == keys
+    x = torch.randn(4, 16)
+    expected = result(x)
+    for clone in (copy.deepcopy(result), pickle.loads(pickle.dumps(result))):
+        assert list(clone.state_dict()) == keys
+        assert torch.equal(clone(x), expected)
+
+
+class LoopWithBreak(nn.Module):
+    """Blocks in a loop with a graph break in it: TorchDynamo skips this frame and compiles
+    each block's forward as a frame of its own (whose own ops have no module stack)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+            print("", end="")
+        return x
+
+
+@pytest.mark.parametrize("parent", ["track_scales", "simulate_fp8"])
+def test_a_transformed_child_in_its_own_frame_is_transformed_whole(parent: str) -> None:
+    model = LoopWithBreak([Block(), unit_scale(Block())])
+    reference = LoopWithBreak([Block(), UnitBlock()])
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    result = PARENTS[parent](model)
+    expected = reference(x) if parent == "track_scales" else simulate_fp8(reference)(x)
+    assert torch.equal(result(x), expected)
+    if parent == "track_scales":
+        targets = [n.target for n in result.scales_graph().nodes]
+        assert targets.count(U.residual_add) == 1 and U.gelu in targets

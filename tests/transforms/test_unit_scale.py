@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import unitscale.functional as U
+from unitscale import transforms
 from unitscale.errors import CaptureError, UnsupportedArgumentError
 from unitscale.functional import masked_scaled_dot_product_attention
 from unitscale.models import GPTConfig, plain_gpt
@@ -232,6 +233,79 @@ def test_graph_breaks_continue_the_depth_rule_or_warn(
         UserWarning, match=r"unit_scale: 1 floating-point output\(s\) of BreakInLoop"
     ):
         model(ids, ids)
+
+
+class BrokenLayer(nn.Module):
+    """Two residual adds with a graph break between them (optional): Dynamo compiles the
+    code before the break and the resume function after it once, then runs both for every
+    layer (modules are inputs to its graphs, not constants)."""
+
+    def __init__(self, width: int, graph_break: bool) -> None:
+        super().__init__()
+        self.graph_break = graph_break
+        self.attn_norm, self.mix = nn.LayerNorm(width), nn.Linear(width, width)
+        self.mlp_norm, self.up = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.mix(F.softmax(self.attn_norm(x), dim=-1))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + self.up(F.gelu(self.mlp_norm(x)))
+
+
+def repeated_layers(graph_break: bool, layers: int = 4) -> nn.Module:
+    return nn.Sequential(*(BrokenLayer(16, graph_break) for _ in range(layers)))
+
+
+def taus_that_ran(model: nn.Module) -> list[float]:
+    """The tau of every residual add the last call ran, in execution order."""
+    capture = model.capture
+    assert capture is not None
+    return [
+        tau
+        for invocation in capture.last_trace
+        for _, _, tau in invocation.piece.data["unit_scale"]["residual_adds"]
+    ]
+
+
+@pytest.mark.parametrize("then", ["eager", "compile"])
+def test_a_graph_break_inside_repeated_layers_gives_each_layer_its_own_tau(then: str) -> None:
+    # Each layer's residual adds must get the depth rule's tau for their place in the call,
+    # exactly as without the break: same taus, same outputs and gradients.
+    whole = unit_scale(repeated_layers(graph_break=False))
+    broken = unit_scale(repeated_layers(graph_break=True))
+    broken.load_state_dict(whole.state_dict())
+    if then == "compile":
+        whole, broken = transforms.compile(whole), transforms.compile(broken)
+    x = torch.randn(8, 16)
+    results = []
+    for model in (whole, broken):
+        for _ in range(2):  # the second call reuses the compiled pieces
+            x_in = x.clone().requires_grad_()
+            model(x_in).square().sum().backward()
+            results.append((x_in.grad, *[p.grad.clone() for p in model.parameters()]))
+            model.zero_grad()
+    expected = [ResidualTau().tau("attention" if k % 2 else "mlp", k) for k in range(1, 9)]
+    assert len(set(expected)) == 8  # the rule differs per layer: the test can tell them apart
+    assert taus_that_ran(whole) == pytest.approx(expected)
+    assert taus_that_ran(broken) == pytest.approx(expected)
+    torch.testing.assert_close(whole(x), broken(x), rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1], results[3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_reused_graph_is_named_after_the_parameters_it_runs_with() -> None:
+    # The layers' graphs carry each layer's parameter names, and the warning about ops
+    # TorchDynamo ran eagerly (the head, after the loop it skipped) lists only those.
+    model = unit_scale(
+        nn.Sequential(*repeated_layers(graph_break=True, layers=3), nn.Linear(16, 4))
+    )
+    with pytest.warns(UserWarning, match=r"not transformed: the ops using 3\.weight, 3\.bias \("):
+        model(torch.randn(8, 16))
+    capture = model.capture
+    assert capture is not None
+    names = {name for p in capture.pieces for kind, name in p.placeholders if kind == "param"}
+    assert names == {name for name, _ in model.named_parameters() if not name.startswith("3.")}
 
 
 def test_ops_after_the_last_residual_add_are_unconstrained(ids: Tensor) -> None:

@@ -15,7 +15,11 @@ Design constraints:
 - the wrapper keeps the original's ``state_dict()`` keys, deep-copies and pickles (runtime
   state such as compiled code is rebuilt on the next call), moves with ``.to()`` and follows
   ``.train()``/``.eval()`` (Dynamo guards on both and recompiles);
-- per call the core does O(number of pieces) Python work, never per op.
+- per call the core does O(number of pieces) Python work, never per op;
+- transforms compose through nesting: a transformed submodule is absorbed into the copy
+  (its ops captured with the rest, its passes scoped to it), or refused by name;
+- where Dynamo runs one captured graph at several places of a call (a repeated layer with a
+  graph break inside), a pass whose rewrite depends on the place gets one variant per place.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import os
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -98,6 +102,11 @@ class GraphPass:
     #: What to do instead when a pass of an earlier stage comes after this one (``{op}`` is
     #: that pass's transform).
     order_fix: ClassVar[str] = ""
+    #: Whether the pass can apply to the ops of one submodule only (:meth:`scoped`).
+    scopable: ClassVar[bool] = False
+    #: Qualified name of the submodule whose ops this pass transforms ("": every op). Set on
+    #: the passes of a transformed child when a transform of its parent absorbs it.
+    scope: str = ""
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
@@ -145,10 +154,60 @@ class GraphPass:
         """
         return copy.copy(self)
 
+    def scoped(self, prefix: str) -> GraphPass:
+        """A copy of this pass, without runtime state, that transforms only the ops of the
+        submodule ``prefix`` (qualified name in the module the chain wraps). Only passes
+        that are :attr:`scopable` are scoped; they test each node with :meth:`scope_filter`."""
+        clone = self.without_state()
+        clone.scope = f"{prefix}.{self.scope}" if self.scope else prefix
+        return clone
+
+    def scope_filter(self, capture: Capture, piece: Piece) -> Callable[[fx.Node], bool]:
+        """Whether a node of ``piece`` is an op of :attr:`scope`: the piece is a frame of
+        that module (or of one inside it), or Dynamo's module stack of the node holds that
+        module or one inside it. Every node is when the scope is ""."""
+        frame = piece.frame_module
+        if not self.scope or (
+            frame is not None and (frame == self.scope or frame.startswith(self.scope + "."))
+        ):
+            return lambda node: True
+        root = capture.owner_module.get_submodule(self.scope)
+        inside = {str(id(module)) for module in root.modules()}
+        names = {name for name, _ in capture.owner_module.named_modules()}
+        prefix = self.scope + "."
+
+        def in_scope(node: fx.Node) -> bool:
+            for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+                if str(key) in inside:
+                    return True
+                if not str(key).isdigit():  # keyed by path, not by id: the path's name
+                    name = _clean_module_path(str(path))
+                    if name in names and (name == self.scope or name.startswith(prefix)):
+                        return True
+            return False
+
+        return in_scope
+
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        """What, besides the graph, this pass's rewrite of ``piece`` depends on at the place
+        in the running call where the piece is about to run (None: nothing).
+
+        Dynamo may run one captured graph at several places of a call: the code of a layer
+        with a graph break inside, and its resume function, are compiled for the first
+        layer and reused for every other one (modules are inputs of its graphs, not
+        constants). Where a pass's rewrite depends on that place (``unit_scale``'s residual
+        weights depend on the depth), the core builds one variant of the piece per distinct
+        key, each rewritten and compiled for its own place. Called before each run of a
+        piece, while ``capture.trace`` holds the invocations that ran before it; must be
+        cheap.
+        """
+        return None
+
 
 @dataclass
 class Piece:
-    """One graph Dynamo captured (one per graph break and per recompilation)."""
+    """One graph Dynamo captured (one per graph break and per recompilation), as the pass
+    chain rewrote it; one more per variant (see :meth:`GraphPass.variant_key`)."""
 
     index: int
     #: The graph as Dynamo gave it (before any pass), with Dynamo's node meta.
@@ -157,6 +216,10 @@ class Piece:
     placeholders: list[tuple[str, str]]
     #: Free-form per-pass data (e.g. the tracking pass's slot of each node).
     data: dict[str, Any] = field(default_factory=dict)
+    #: Qualified name of the module whose ``forward`` (as ``self``) the captured frame runs:
+    #: "" for the wrapped module, a submodule's name where Dynamo compiled that module's
+    #: frame on its own (around a graph break), None where unknown.
+    frame_module: str | None = None
 
 
 @dataclass
@@ -219,11 +282,43 @@ def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
         name = None
     if name is not None:
         return name
-    path = str(path)
+    return _clean_module_path(str(path))
+
+
+def _clean_module_path(path: str) -> str:
+    """A qualified module name from Dynamo's source path (``L['self'].blocks[0]`` ->
+    ``blocks.0``)."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     return path.lstrip(".")
+
+
+def _frame_module(graph: fx.Graph, kinds: Sequence[tuple[str, str]]) -> str | None:
+    """Qualified name of the module bound to ``self`` in the frame ``graph`` was captured
+    from, read off a parameter or buffer input: its qualified name less its path from
+    ``self`` (``blocks.1.norm.weight`` from ``L['self']._modules['norm']...`` is
+    ``blocks.1``). None where no input says (a frame without parameters)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, (kind, name) in zip(placeholders, kinds, strict=False):
+        if kind not in ("param", "buffer"):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        text = getattr(source, "name", None)
+        text = text() if callable(text) else text
+        if not isinstance(text, str) or not text.startswith("L['self']"):
+            continue
+        relative = re.sub(
+            r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", text[len("L['self']") :]
+        )
+        if not re.fullmatch(r"(\.\w+)+", relative):
+            continue
+        relative = relative[1:]
+        if name == relative:
+            return ""
+        if name.endswith("." + relative):
+            return name[: -len(relative) - 1]
+    return None
 
 
 def _source_name(source: Any, arg_names: Sequence[str]) -> str | None:
@@ -321,23 +416,31 @@ class Capture:
             buffers.setdefault(id(b), n)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         arg_names = _positional_names(module)
-        kinds = [
-            _placeholder_kind(node, value, params, buffers, arg_names)
-            for node, value in zip(placeholders, example_inputs, strict=False)
-        ]
-        original = copy.deepcopy(gm.graph)
-        piece = Piece(index=len(self.pieces), graph=original, placeholders=kinds)
-        self.pieces.append(piece)
-        for graph_pass in owner.passes:
-            gm = graph_pass.transform(gm, piece, self)
-        gm.recompile()
-        run: Callable[..., Any] = gm.forward
-        if owner.passes:
-            compiled = owner.passes[-1].compile_graph(gm, example_inputs, piece)
-            if compiled is not None:
-                run = compiled
+
+        def classify(values: Sequence[Any]) -> list[tuple[str, str]]:
+            return [
+                _placeholder_kind(node, value, params, buffers, arg_names)
+                for node, value in zip(placeholders, values, strict=False)
+            ]
+
+        kinds = classify(example_inputs)
+        passes = owner.passes
+        keyed = [p for p in passes if type(p).variant_key is not GraphPass.variant_key]
+        # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
+        template = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if keyed else None
+        first = self._build_piece(gm, kinds, example_inputs, passes)
+        variants = {self._variant_key(first[0], keyed): first}
 
         def invoke(*args: Any) -> Any:
+            piece, run = first
+            if keyed:
+                key = self._variant_key(first[0], keyed)
+                if key not in variants:
+                    assert template is not None
+                    fresh = fx.GraphModule(template, copy.deepcopy(template.graph))
+                    # Named after the parameters it runs with here (another layer's).
+                    variants[key] = self._build_piece(fresh, classify(args), example_inputs, passes)
+                piece, run = variants[key]
             produced = self.produced
             sources: list[tuple[int, int] | None] = []
             for arg in args:
@@ -358,6 +461,32 @@ class Capture:
             return out
 
         return invoke
+
+    def _build_piece(
+        self,
+        gm: fx.GraphModule,
+        kinds: list[tuple[str, str]],
+        example_inputs: Sequence[Any],
+        passes: Sequence[GraphPass],
+    ) -> tuple[Piece, Callable[..., Any]]:
+        """A new :class:`Piece` of ``gm`` (as Dynamo gave it) and what runs it: ``gm``
+        transformed by every pass, then compiled by the last one where it compiles."""
+        original = copy.deepcopy(gm.graph)
+        piece = Piece(index=len(self.pieces), graph=original, placeholders=list(kinds))
+        piece.frame_module = _frame_module(gm.graph, kinds)
+        self.pieces.append(piece)
+        for graph_pass in passes:
+            gm = graph_pass.transform(gm, piece, self)
+        gm.recompile()
+        run: Callable[..., Any] = gm.forward
+        if passes:
+            compiled = passes[-1].compile_graph(gm, example_inputs, piece)
+            if compiled is not None:
+                run = compiled
+        return piece, run
+
+    def _variant_key(self, piece: Piece, keyed: Sequence[GraphPass]) -> Hashable:
+        return tuple(graph_pass.variant_key(piece, self) for graph_pass in keyed)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         owner = self.owner_ref()
@@ -671,9 +800,15 @@ def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
+    A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
+    absorbed: its ops are captured with the rest of the model, its own passes transform
+    them alone, and ``new_pass`` transforms them with the rest
+    (:func:`_absorb_transformed_children`).
+
     Raises:
         CaptureError: ``module`` is not an ``nn.Module``, was compiled by ``torch.compile``,
-            or ``new_pass`` cannot follow its passes (:func:`check_order`).
+            ``new_pass`` cannot follow its passes (:func:`check_order`), or it holds a
+            transformed submodule that cannot be absorbed (the error names it).
     """
     if not isinstance(module, nn.Module):
         raise CaptureError(
@@ -688,7 +823,97 @@ def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedM
     for earlier in passes:
         check_order(earlier, new_pass, op)
     copied = copy.deepcopy(inner)
-    return TransformedModule(copied, (*(p.without_state() for p in passes), new_pass))
+    absorbed = _absorb_transformed_children(copied, new_pass, op)
+    # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
+    chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)
+    return TransformedModule(copied, (*chain, new_pass))
+
+
+def _absorb_transformed_children(
+    module: nn.Module, new_pass: GraphPass, op: str
+) -> list[GraphPass]:
+    """Replace, in place, each transformed submodule of ``module`` (a copy) by the module it
+    wraps, and return its passes scoped to its qualified name.
+
+    Dynamo cannot trace into a transformed module's own capture, so the parent's graphs
+    would stop at it (its ops neither recorded nor transformed by the parent's passes).
+    Absorbed, the child's ops are captured in the parent's graphs under its name, its own
+    passes transform them alone (:meth:`GraphPass.scoped`), and ``new_pass`` transforms
+    them with the rest of the model.
+
+    Raises:
+        CaptureError: a child that cannot be absorbed (see :func:`_check_child`).
+    """
+    absorbed: list[GraphPass] = []
+    while True:
+        found = next(
+            (
+                (name, sub)
+                for name, sub in module.named_modules(remove_duplicate=False)
+                if name and isinstance(sub, TransformedModule)
+            ),
+            None,
+        )
+        if found is None:
+            return absorbed
+        name, child = found
+        _check_child(name, child, new_pass, op)
+        owner_name, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attribute, child.module)
+        absorbed.extend(p.scoped(name) for p in child.passes)
+
+
+def _check_child(name: str, child: TransformedModule, new_pass: GraphPass, op: str) -> None:
+    """Raise unless the transformed child ``name`` can be absorbed by ``op`` of its parent:
+    its passes can apply to its own ops (not ``track_scales``, whose statistics are the
+    child's own, nor ``compile``, which applies to a whole model, last) and ``new_pass`` may
+    follow them (:func:`check_order`).
+
+    Raises:
+        CaptureError: naming the child and what to do instead.
+    """
+    where = f"unitscale.{op}: the submodule {name!r}"
+    plain = f"put the plain module at {name!r}"
+    for earlier in child.passes:
+        if earlier.stage in (Stage.COMPILE, Stage.TRACK):
+            raise CaptureError(f"{where} {earlier.applied}; {_nested_fix(earlier, name, op)}")
+        if type(new_pass) is type(earlier) and not new_pass.repeatable:
+            raise CaptureError(f"{where} {earlier.applied}; {op}(model) transforms it too: {plain}")
+        if new_pass.stage < earlier.stage:
+            raise CaptureError(
+                f"{where} {earlier.applied}, which {op} cannot follow "
+                f"({earlier.order_fix.format(op=op)}): {plain} and apply both transforms to "
+                "the outer model, in that order"
+            )
+        if not earlier.scopable:
+            raise CaptureError(
+                f"{where} {earlier.applied}, which cannot apply to a submodule: {plain} and "
+                "apply its transform to the outer model"
+            )
+
+
+def _nested_fix(earlier: GraphPass, name: str, op: str) -> str:
+    """What to do instead of ``op`` of a model whose submodule ``name`` is compiled or
+    tracked by ``earlier`` (neither can apply to a part of a model)."""
+    plain = f"put the plain module at {name!r}"
+    if earlier.stage is Stage.COMPILE:
+        if op == "compile":
+            return f"compile(model) compiles it too: {plain}"
+        if op == "track_scales":
+            return f"statistics cannot be gathered from compiled code: {plain}"
+        return f"compile applies to a whole model, last: {plain}, then compile({op}(model))"
+    if op == "track_scales":
+        return f"track_scales(model) records the {name}.* ops too: {plain}"
+    if op == "compile":
+        return (
+            "a tracked module cannot be compiled, its statistics are gathered in Python: "
+            f"{plain}, then compile the model (or track it, without compile)"
+        )
+    return (
+        "its statistics would miss the outer transform: "
+        f"{plain}, then track_scales({op}(model)) records the {name}.* ops"
+    )
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

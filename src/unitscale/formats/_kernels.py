@@ -72,10 +72,9 @@ def _quantise(
     bound = fmt._bounds[x.dtype]
     if fmt.rounding == "nearest":
         if allow_c and _c_nearest_applies(fmt, x) and rounding.available():
-            try:
-                return rounding.nearest(x, 23 - fmt.mantissa_bits, bound, fmt._min_normal_exponent)
-            except RuntimeError:  # no storage to read (a functorch wrapper): the ops below
-                pass
+            # No exception is caught here: whether the kernel applies is decided above, so
+            # an error from it is a bug to surface, not a reason to fall back.
+            return rounding.nearest(x, 23 - fmt.mantissa_bits, bound, fmt._min_normal_exponent)
         native = fmt.torch_dtype
         if (
             allow_native
@@ -96,12 +95,7 @@ def _quantise(
         # logical order only, so a copy in float32 rounds the same.
         x32 = x.to(torch.float32).contiguous()
         seeds = _draw_seeds(x.device, generator)
-        try:
-            y = rounding.stochastic(x32, drop, bound, fmt._min_normal_exponent, seeds)
-        except RuntimeError:  # no storage to read (a functorch wrapper): the ops below
-            pass
-        else:
-            return y.to(x.dtype)
+        return rounding.stochastic(x32, drop, bound, fmt._min_normal_exponent, seeds).to(x.dtype)
     return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
 
 
@@ -113,12 +107,21 @@ def _c_nearest_applies(fmt: FPFormat, x: Tensor) -> bool:
 
 def _c_kernel_takes(x: Tensor) -> bool:
     """Whether the C kernels can round ``x`` (in float32; the stochastic one in any layout):
-    a plain float32, float16 or bfloat16 CPU tensor, outside compilation."""
+    a plain float32, float16 or bfloat16 CPU tensor with memory of its own, outside
+    compilation.
+
+    Decided before any call, so that the kernel path never needs to catch an error: the
+    wrappers of ``torch.func`` (``vmap``, ``grad``: no storage, ``data_ptr()`` raises) and of
+    ``functionalize`` (its pointer is not the values' memory: the kernel would read and write
+    the wrong memory) take the PyTorch ops, which those transforms see through.
+    """
     return (
         type(x) is Tensor
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+        and not torch._is_functional_tensor(x)
     )
 
 
@@ -132,8 +135,11 @@ def _cast_saturates(device: torch.device, dtype: torch.dtype, max_value: float) 
     known = _CAST_SATURATES.get(key)
     if known is None:
         big = [max_value * 1.0001, max_value * 1.07, max_value * 1.2, 1e30, math.inf]
-        probe = torch.tensor(big + [-v for v in big] + [math.nan], device=device)
-        cast = probe.to(dtype).float().tolist()
+        # Outside any torch.func transform the caller runs under (functionalize's tensors
+        # have no values to read back).
+        with torch._C._DisableFuncTorch():
+            probe = torch.tensor(big + [-v for v in big] + [math.nan], device=device)
+            cast = probe.to(dtype).float().tolist()
         n = len(big)
         known = (
             cast[:n] == [max_value] * n

@@ -795,7 +795,10 @@ def _build(
                 last_outputs = fx.node.map_arg(outs, lookup)
             else:
                 new = graph.node_copy(node, lookup)
-                _set_meta(new, node, k, relocate(module_path_of(node, module_names)))
+                # An op of a submodule's own frame (Dynamo compiled its forward alone, around
+                # a graph break) has no module stack: it belongs to that frame's module.
+                path = module_path_of(node, module_names) or piece.frame_module or ""
+                _set_meta(new, node, k, relocate(path))
                 new.meta["clean_name"] = new.name
                 new.meta["requires_grad"] = False
                 env[node] = new

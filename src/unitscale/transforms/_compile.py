@@ -113,7 +113,8 @@ def compile(module: nn.Module) -> TransformedModule:
     Raises:
         CaptureError: ``module`` is not a module; is already compiled (by this function or
             by ``torch.compile``); or is tracked by ``track_scales``, whose statistics cannot
-            be gathered from compiled code (compile the untracked module instead).
+            be gathered from compiled code (compile the untracked module instead); or holds
+            a submodule that is tracked or compiled (the error names it).
 
     Example:
         >>> import torch

@@ -380,6 +380,7 @@ class SimulateFormatPass(RewritePass):
     """
 
     stage = Stage.SIMULATE
+    scopable = True
     transform_name = "simulate_format"
     uncaptured_consequence = "their matmul-like ops run unquantised"
     applied = "already simulates a number format"
@@ -414,17 +415,21 @@ class SimulateFormatPass(RewritePass):
         # itself stays configuration: it pickles and deep-copies).
         self._sites = _Sites(gm, root, self.history_len)
         try:
-            piece.data["simulate_format"] = self._rewrite(gm, piece)
+            # extend: a nested child's own pass may already have rounded its ops here.
+            piece.data.setdefault("simulate_format", []).extend(self._rewrite(gm, piece, capture))
             piece.data["fp8_scaling"] = (self.scaling, *self._sites.counts)
         finally:
             del self._sites
         return gm
 
-    def _rewrite(self, gm: fx.GraphModule, piece: Piece) -> list[tuple[str, str]]:
+    def _rewrite(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> list[tuple[str, str]]:
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
+        in_scope = self.scope_filter(capture, piece)
         for node in list(graph.nodes):
+            if not in_scope(node):
+                continue
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
                 self._quantise_output_grad(graph, node)
@@ -640,7 +645,8 @@ def simulate_format(
             ``scaling``/``history_len`` is not supported.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
-            last), or TorchDynamo cannot capture it (at the first call).
+            last), or holds a submodule that is (the error names it); or TorchDynamo
+            cannot capture it (at the first call).
 
     Example:
         >>> from unitscale.formats import FPFormat

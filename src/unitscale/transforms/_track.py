@@ -21,14 +21,17 @@ def track_scales(module: nn.Module) -> TransformedModule:
     whose nodes carry ``meta["metrics"]`` and the meta described in DESIGN.md section 3.
 
     Args:
-        module: any ``torch.nn.Module`` that runs eagerly.
+        module: any ``torch.nn.Module`` that runs eagerly. A submodule transformed on its
+            own (``model.block = unit_scale(model.block)``) is tracked with the rest, as
+            transformed, under its own name.
 
     Returns:
         The tracked copy.
 
     Raises:
-        CaptureError: ``module`` is not a module, or TorchDynamo cannot capture it (raised
-            at the first call).
+        CaptureError: ``module`` is not a module; holds a submodule that is tracked or
+            compiled (the error names it: track the whole model instead); or TorchDynamo
+            cannot capture it (raised at the first call).
 
     Example:
         >>> import torch

@@ -9,7 +9,11 @@
    :func:`~unitscale.functional.residual_split`, and the add becomes
    :func:`~unitscale.functional.residual_add`. A branch that contains an attention op
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
-   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`).
+   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`). Adds are counted in
+   execution order over the whole call, across graph breaks; where Dynamo runs one captured
+   graph at several depths (a layer with a graph break inside: the code before the break and
+   its resume function are compiled once and reused for every layer), each depth runs a
+   variant of the graph rewritten with its own taus (:meth:`UnitScalePass.variant_key`).
 2. **Op replacement.** Every call of a function in ``unitscale.functional.torch_map``
    (updated with ``replace``) whose result is a floating-point tensor is replaced by its
    unit-scaled equivalent; ``Tensor`` methods are looked up as ``getattr(torch.Tensor, name)``.
@@ -40,10 +44,11 @@ weights (never the user's module) so that they have unit scale.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +59,7 @@ from torch import nn
 
 from ..capture import (
     Capture,
+    Invocation,
     Piece,
     Stage,
     TransformedModule,
@@ -234,8 +240,10 @@ class UnitScalePass(RewritePass):
     """Make every captured graph unit-scaled (see the module docstring for the three steps).
 
     Reads: node targets, Dynamo's ``example_value`` meta, which placeholders are parameters.
-    Writes: rewritten graphs; ``piece.data["unit_scale"]``, a dict with ``"replaced"``
-    (node names) and ``"residual_adds"`` (``(node name, kind, tau)``) in graph order.
+    Writes: rewritten graphs; ``piece.data["unit_scale"]`` (:attr:`data_key`), a dict with
+    ``"replaced"`` (node names) and ``"residual_adds"`` (``(node name, kind, tau)``) in graph
+    order. Scoped to a submodule (a unit-scaled child absorbed by a transform of its parent),
+    it rewrites that submodule's ops only, as ``unit_scale`` of the child alone would.
 
     Args:
         replace: extra or overriding entries for ``unitscale.functional.torch_map``.
@@ -243,6 +251,7 @@ class UnitScalePass(RewritePass):
     """
 
     stage = Stage.REWRITE
+    scopable = True
     transform_name = "unit_scale"
     uncaptured_consequence = (
         "the ops computing them are not unit-scaled (move the graph break, e.g. a "
@@ -263,6 +272,28 @@ class UnitScalePass(RewritePass):
         # Parameter name -> version when unit_scale returned, for parameters that may turn
         # out to be matmul weights (re-initialised at their first capture if unchanged).
         self._versions: dict[str, int] | None = None
+        # (the running call's trace, invocations counted, residual adds among them).
+        self._counted: tuple[list[Invocation], int, int] | None = None
+
+    def without_state(self) -> UnitScalePass:
+        clone = copy.copy(self)
+        clone._counted = None
+        return clone
+
+    def scoped(self, prefix: str) -> UnitScalePass:
+        """This pass for the submodule ``prefix`` only: its parameter names gain the prefix."""
+        clone = super().scoped(prefix)
+        assert isinstance(clone, UnitScalePass)
+        clone.reinitialised = [f"{prefix}.{name}" for name in self.reinitialised]
+        if self._versions is not None:
+            clone._versions = {f"{prefix}.{k}": v for k, v in self._versions.items()}
+        return clone
+
+    @property
+    def data_key(self) -> str:
+        """Where this pass writes in ``piece.data``: ``"unit_scale"``, or
+        ``"unit_scale[<scope>]"`` for a pass scoped to a submodule."""
+        return f"unit_scale[{self.scope}]" if self.scope else "unit_scale"
 
     def __repr__(self) -> str:
         names = ", ".join(_op_name(k) for k in self.replace)
@@ -275,21 +306,42 @@ class UnitScalePass(RewritePass):
         mapping.update(self.replace)
         return mapping
 
+    # -- the place of a piece in the call ----------------------------------------------------
+    def _residual_adds_before(self, capture: Capture) -> int:
+        """How many residual adds the running call has run so far (in the pieces of
+        ``capture.trace``), counted incrementally: O(1) per piece over a call."""
+        trace = capture.trace
+        counted = self._counted
+        if counted is None or counted[0] is not trace or counted[1] > len(trace):
+            counted = (trace, 0, 0)
+        _, done, total = counted
+        for invocation in trace[done:]:
+            total += len(invocation.piece.data.get(self.data_key, {}).get("residual_adds", ()))
+        self._counted = (trace, len(trace), total)
+        return total
+
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        """The number of residual adds that ran before ``piece`` in this call, where
+        ``piece`` has residual adds: their taus follow the depth rule from there, so a
+        piece Dynamo reuses at another depth (a layer with a graph break inside, run for
+        every layer) is rewritten again with that depth's taus."""
+        if not piece.data.get(self.data_key, {}).get("residual_adds"):
+            return None
+        return self._residual_adds_before(capture)
+
     # -- the rewrite ------------------------------------------------------------------------
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
         # already ran in this call come first.
-        first_index = 1 + sum(
-            len(inv.piece.data.get("unit_scale", {}).get("residual_adds", ()))
-            for inv in capture.trace
-        )
-        residual_adds = self._rewrite_residual_adds(graph, params, first_index)
-        weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture)
-        replaced = self._replace_ops(graph)
+        first_index = 1 + self._residual_adds_before(capture)
+        in_scope = self.scope_filter(capture, piece)
+        residual_adds = self._rewrite_residual_adds(graph, params, first_index, in_scope)
+        weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
+        replaced = self._replace_ops(graph, in_scope)
         if residual_adds:
-            self._unconstrain_after(residual_adds[-1])
+            self._unconstrain_after(residual_adds[-1], in_scope)
         graph.lint()
         # One line per rewritten node, in graph (execution) order.
         taus = {r.node: r.node.args[2] for r in residual_adds}
@@ -301,7 +353,7 @@ class UnitScalePass(RewritePass):
                 )
             elif node in rewritten:
                 logger.info("unit scaling function: %s", node.name)
-        piece.data["unit_scale"] = {
+        piece.data[self.data_key] = {
             "replaced": [n.name for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
@@ -309,12 +361,18 @@ class UnitScalePass(RewritePass):
         return gm
 
     def _rewrite_residual_adds(
-        self, graph: fx.Graph, params: set[fx.Node], first_index: int
+        self,
+        graph: fx.Graph,
+        params: set[fx.Node],
+        first_index: int,
+        in_scope: Callable[[fx.Node], bool],
     ) -> list[_ResidualAdd]:
         from .. import functional as U
 
         found: list[_ResidualAdd] = []
         for node in list(graph.nodes):
+            if not in_scope(node):
+                continue
             residual = _as_residual_add(node, params)
             if residual is None:
                 continue
@@ -366,6 +424,7 @@ class UnitScalePass(RewritePass):
         piece: Piece,
         params: set[fx.Node],
         capture: Capture,
+        in_scope: Callable[[fx.Node], bool],
     ) -> list[str]:
         """``x @ W`` with a 2-D parameter ``W`` becomes ``linear(x, W.t())``: a weight, scaled
         and re-initialised as ``nn.Linear``'s is (not as a second activation). Returns the
@@ -376,6 +435,8 @@ class UnitScalePass(RewritePass):
         found: list[str] = []
         for node in list(graph.nodes):
             if not _is_matmul(node) or len(node.args) != 2 or node.kwargs:
+                continue
+            if not in_scope(node):
                 continue
             left, right = node.args
             value = example_value(right)
@@ -411,12 +472,14 @@ class UnitScalePass(RewritePass):
             with torch.no_grad():
                 parameter.normal_(0.0, 1.0)
 
-    def _replace_ops(self, graph: fx.Graph) -> list[fx.Node]:
+    def _replace_ops(self, graph: fx.Graph, in_scope: Callable[[fx.Node], bool]) -> list[fx.Node]:
         from .. import functional as U
 
         mapping = self.mapping()
         replaced: list[fx.Node] = []
         for node in list(graph.nodes):
+            if not in_scope(node):
+                continue
             if node.op == "call_function":
                 key: Any = node.target
             elif node.op == "call_method":
@@ -438,7 +501,7 @@ class UnitScalePass(RewritePass):
             replaced.append(node)
         return replaced
 
-    def _unconstrain_after(self, last: _ResidualAdd) -> None:
+    def _unconstrain_after(self, last: _ResidualAdd, in_scope: Callable[[fx.Node], bool]) -> None:
         seen: set[fx.Node] = set()
         stack = list(last.node.users)
         while stack:
@@ -447,6 +510,8 @@ class UnitScalePass(RewritePass):
                 continue
             seen.add(node)
             stack.extend(node.users)
+            if not in_scope(node):
+                continue
             if node.op == "call_function" and callable(node.target):
                 if _accepts_constraint(node.target):
                     node.kwargs = {**node.kwargs, "constraint": None}
@@ -597,7 +662,8 @@ def unit_scale(
     Raises:
         UnknownOpError: a ``replace`` key is not in ``torch_map`` or a value is not callable.
         CaptureError: ``module`` is not a module, is compiled, tracked, already unit-scaled
-            or format-simulated; or TorchDynamo cannot capture it (at the first call).
+            or format-simulated, or holds a submodule that is (the error names it); or
+            TorchDynamo cannot capture it (at the first call).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
