@@ -156,6 +156,17 @@ def test_default_run_writes_every_output_and_a_summary(
     assert unit[1] < plain[1] / 2
     assert "worst in E4M3, plain:" in run.stdout
     assert re.search(r"\(gradient\): \d+\.\d% underflow in E4M3", run.stdout)
+    # The key bias's gradient (zero but for rounding noise) is no false alarm (issue 28.11).
+    assert "qkv.bias" not in run.stdout
+    # The tensors column counts the rows of the pruned table: values and gradients.
+    table = [r for r in rows if r["model"] == "unit-scaled"]
+    assert unit[0] <= len(table) and plain[0] <= len(rows) - len(table)
+    # It ends with a one-line conclusion naming the model with fewer tensors at risk.
+    last = run.stdout.splitlines()[-1]
+    assert last == (
+        f"conclusion: in E4M3, unit-scaled has the fewest tensors at risk "
+        f"({unit[1] + unit[2]} of {unit[0]}; plain {plain[1] + plain[2]} of {plain[0]})."
+    )
 
 
 def test_same_seed_gives_byte_identical_tables(
