@@ -77,6 +77,4 @@ def test_llama_rotary_embedding_names_the_function_not_a_global() -> None:
     assert {"apply_rotary_pos_emb.q_embed", "apply_rotary_pos_emb.k_embed"} <= set(rotary)
     # q * cos, the first sub-expression of q_embed's line, reads as q_embed's mul.
     assert "apply_rotary_pos_emb.q_embed.mul" in rotary
-    assert {node.meta["module_path"] for node in rotary.values()} == {
-        "model.layers.0.self_attn"
-    }
+    assert {node.meta["module_path"] for node in rotary.values()} == {"model.layers.0.self_attn"}

@@ -197,8 +197,9 @@ def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
     Example:
         >>> from unitscale.analysis import FormatRisk, RiskSummary
         >>> def risk(n, under): return RiskSummary(n, {"e4m3": FormatRisk("e4m3", under, 0)}, {})
-        >>> conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))])
-        'conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain 77 of 120).'
+        >>> print(conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))]))
+        conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain
+        77 of 120).
         >>> conclusion([("mine", risk(10, 0))])
         'conclusion: in E4M3, mine has no tensor at risk (of 10).'
     """
