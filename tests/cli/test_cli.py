@@ -205,14 +205,15 @@ def test_user_factory_forward_only(tmp_path: Path) -> None:
     assert "batch 2 x 16, seed 3, forward" in run.stdout
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert f"wrote {len(written)} files to out/: " in run.stdout and len(written) == 6
-    assert sorted(run.stdout.rsplit(": ", 1)[1].strip().split(", ")) == written
+    wrote = next(line for line in run.stdout.splitlines() if line.startswith("wrote "))
+    assert sorted(wrote.split(": ", 1)[1].split(", ")) == written
 
 
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [
         (["analyse", "--batch-size", "0"], 2, r"argument --batch-size: '0' must be at least 1"),
-        (["analyse", "--model", "nowhere.py:make"], 1, r"file 'nowhere.py' does not exist"),
+        (["analyse", "--model", "nowhere.py:make"], 2, r"file 'nowhere.py' does not exist"),
         (["analyse", "--model", "mine.py:broken"], 1, r"the factory failed: RuntimeError: weights"),
     ],
 )
@@ -246,11 +247,11 @@ def test_bad_input_fails_with_one_line(
         ),
         (["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
         (["analyse", "--seq-len", "x"], 2, r"'x' is not an integer"),
-        (["analyse", "--model", "hf:not-a-model"], 1, r"unknown Hugging Face model type"),
-        (["analyse", "--model", "weird"], 1, r"expected 'builtin', 'hf:<model_type>' or"),
-        (["analyse", "--model", "mine.py:absent"], 1, r"has no function 'absent'"),
+        (["analyse", "--model", "hf:not-a-model"], 2, r"unknown Hugging Face model type"),
+        (["analyse", "--model", "weird"], 2, r"expected 'builtin', 'hf:<model_type>' or"),
+        (["analyse", "--model", "mine.py:absent"], 2, r"has no function 'absent'"),
         (["analyse", "--model", "mine.py:needs_width"], 1, r"factory failed: TypeError"),
-        (["analyse", "--text", "missing.txt"], 1, r"text file 'missing.txt' does not exist"),
+        (["analyse", "--text", "missing.txt"], 2, r"text file 'missing.txt' does not exist"),
     ],
 )
 def test_more_bad_input_in_process(
