@@ -64,7 +64,7 @@ def plot(
     One row per tensor, in graph (execution) order from top to bottom, labelled with its module
     path and variable (parameters by their qualified name, in green: weights, parameters of two
     or more dimensions, drawn as diamonds; biases and norm scales, vectors, as squares; see
-    :func:`parameter_marker`). Forward values
+    ``parameter_marker``). Forward values
     are blue, gradients orange; the x-axis is log2 of ``metric``. Error bars span
     ``abs_min``..``abs_max``; arrows follow the data flow (forward: input to output;
     backward: output gradient to input gradient). Vertical guides mark the smallest subnormal
