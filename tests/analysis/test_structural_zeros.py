@@ -7,6 +7,8 @@ the verdict. The rule: non-zero elements with ``|g| <= STRUCTURAL_ZERO_RTOL * rm
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -56,11 +58,20 @@ def test_risk_summary_takes_structural_zeros_out_of_parameter_gradients_only() -
     ]
 
 
-def test_the_key_bias_gradient_is_not_the_unit_scaled_models_worst_tensor() -> None:
+@pytest.fixture(scope="module")
+def unit_scaled_step() -> torch.nn.Module:
+    """A tracked unit-scaled GPT (fused QKV projection with a bias) after one step."""
     config = GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16)
     tracked = track_scales(unit_scaled_gpt(config, 0))
-    ids = torch.randint(0, 256, (4, 16))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     tracked(ids, labels=ids).backward()
+    return tracked
+
+
+def test_the_key_bias_gradient_is_not_the_unit_scaled_models_worst_tensor(
+    unit_scaled_step: torch.nn.Module,
+) -> None:
+    tracked = unit_scaled_step
     zeros = structural_zeros(tracked)
     assert zeros["blocks.0.attn.qkv.bias"] == pytest.approx(1 / 3)  # the key third
     assert zeros["blocks.0.attn.qkv.weight"] == 0.0
@@ -80,3 +91,26 @@ def test_risk_summary_of_a_graph_prints_readably() -> None:
     assert "E4M3: " in text and "E5M2: " in text and "RiskSummary(" not in text
     with pytest.raises(AnalysisError, match="expected a table from graph_to_dataframe"):
         risk_summary([1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_the_report_leaves_structural_zeros_out_of_underflow(
+    unit_scaled_step: torch.nn.Module, tmp_path: Path
+) -> None:
+    import json
+    import re
+
+    from unitscale.analysis import write_report
+
+    def bias_gradient(**kwargs: object) -> dict[str, float]:
+        path = write_report(unit_scaled_step.scales_graph(), tmp_path / "r.html", **kwargs)  # type: ignore[attr-defined]
+        page = path.read_text()
+        data = json.loads(re.search(r'id="unitscale-data">(.*?)</script>', page, re.S)[1])  # type: ignore[index]
+        rows = data["models"][0]["rows"]
+        return next(r for r in rows if r["name"] == "blocks.0.attn.qkv.bias")["bwd"]
+
+    before = bias_gradient()
+    assert before["underflow_e4m3"] > 0.3 and "structural_zeros" not in before
+    after = bias_gradient(structural_zeros=structural_zeros(unit_scaled_step))
+    assert after["structural_zeros"] == pytest.approx(1 / 3)
+    assert after["underflow_e4m3"] == pytest.approx(max(0.0, before["underflow_e4m3"] - 1 / 3))
+    assert after["underflow_e4m3"] < 0.01

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     written.append(_side_by_side(images, out / "scales_side_by_side.png"))
     progress("writing the HTML report")
     title = f"unitscale analyse: {args.model}"
-    written.append(write_report(graphs, out / "report.html", title=title))
+    noise = {entry.name: structural for entry, _, _, _, structural in tables}
+    written.append(write_report(graphs, out / "report.html", title=title, structural_zeros=noise))
 
     lines = [
         f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
