@@ -287,11 +287,7 @@ def _loss_of(output: Any, labels: Tensor | None, name: str) -> Tensor:
         loss = output.get("loss")
     if loss is None and isinstance(output, (tuple, list)):
         if len(output) != 1:
-            raise CommandError(
-                f"model {name!r} returned a {type(output).__name__} of {len(output)}: the "
-                "command cannot tell which is the loss or the logits; return the loss (a "
-                "scalar), an output with .loss, or the (batch, seq, vocab) logits alone"
-            )
+            raise CommandError(_tuple_message(name, output))
         output = output[0]
     if loss is None:
         logits = getattr(output, "logits", output)
@@ -365,6 +361,57 @@ def with_loss(model: nn.Module, name: str) -> nn.Module:
     return model
 
 
+def _check_byte_model(model: nn.Module, name: str) -> None:
+    """Refuse, before any capture, a model the command cannot feed or read.
+
+    One eager forward of two tokens, the smallest and the largest byte, in eval mode (no
+    batch-norm statistics move), without gradients and with the RNG state put back: a
+    vocabulary under 256 (an IndexError, or logits that cover fewer tokens) or an output of
+    several elements is refused here, with its reason, rather than from inside a captured
+    forward (TorchDynamo keeps a frame that raised in its cache, which would change how
+    later captures of the same code go). Other failures are left to the real step, which
+    reports them with their context.
+
+    Raises:
+        CommandError: for a vocabulary under 256 or an ambiguous tuple output.
+    """
+    ids = torch.tensor([[0, BYTE_VOCAB - 1]])
+    values = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    accepted = _batch_arguments(model.forward)
+    training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            if accepted is None:
+                output = model(ids)
+            else:
+                output = model(**{k: values[k] for k in accepted})
+        except IndexError as exc:
+            message = str(exc).splitlines()[0] if str(exc) else "IndexError"
+            raise CommandError(_vocab_message(name, f"IndexError: {message}")) from exc
+        except Exception:  # the step itself reports it, with its context
+            return
+        finally:
+            model.train(training)
+    if getattr(output, "loss", None) is not None:
+        return
+    if isinstance(output, (tuple, list)):
+        if len(output) != 1:
+            raise CommandError(_tuple_message(name, output))
+        output = output[0]
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, Tensor) and logits.dim() == 3 and logits.shape[-1] < BYTE_VOCAB:
+        raise CommandError(_vocab_message(name, f"its logits cover {logits.shape[-1]} tokens"))
+
+
+def _tuple_message(name: str, output: tuple[Any, ...] | list[Any]) -> str:
+    return (
+        f"model {name!r} returned a {type(output).__name__} of {len(output)}: the command "
+        "cannot tell which is the loss or the logits; return the loss (a scalar), an output "
+        "with .loss, or the (batch, seq, vocab) logits alone"
+    )
+
+
 def _call_factory(spec: str, label: str, factory: Callable[[], Any], seed: int) -> nn.Module:
     try:
         model = _seeded(seed, factory)
@@ -377,6 +424,7 @@ def _call_factory(spec: str, label: str, factory: Callable[[], Any], seed: int) 
         raise CommandError(
             f"--model {spec!r}: the factory returned {type(model).__name__}, not a torch.nn.Module"
         )
+    _check_byte_model(model, label)
     return with_loss(model, label)
 
 
