@@ -7,7 +7,13 @@ format or argument concerned and say what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["AnalysisError", "CaptureError", "UnitScaleError", "UnsupportedArgumentError"]
+__all__ = [
+    "AnalysisError",
+    "CaptureError",
+    "MonitorError",
+    "UnitScaleError",
+    "UnsupportedArgumentError",
+]
 
 
 class UnitScaleError(Exception):
@@ -35,3 +41,10 @@ class CaptureError(UnitScaleError, RuntimeError):
 
 class AnalysisError(UnitScaleError, ValueError):
     """A graph or an argument given to an analysis function cannot be used."""
+
+
+class MonitorError(UnitScaleError, ValueError):
+    """A :class:`~unitscale.tracking.ScaleMonitor` was built or used the wrong way, or its
+    table cannot be presented (a metric not kept, a missing optional package). Here so that
+    the monitor (``tracking``) and the heatmap and TensorBoard export (``analysis``) share it
+    without importing each other; re-exported by :mod:`unitscale.tracking`."""

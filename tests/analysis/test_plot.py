@@ -151,7 +151,10 @@ def test_legend_explains_every_mark_and_the_title_counts_as_the_summary(
     for label in (
         "forward (value)",
         "backward (grad)",
-        "weight",
+        "weight (matrix)",
+        "bias or norm scale (vector)",
+        "data flow (forward)",
+        "gradient flow (backward)",
         "whisker: abs min..max",
         "smallest subnormal",
         "smallest normal",
@@ -189,3 +192,36 @@ def test_zero_markers_are_explained_only_when_drawn() -> None:
 
     assert "mean_abs = 0 (left edge)" in labels(True)
     assert "mean_abs = 0 (left edge)" not in labels(False)
+
+
+def test_weights_biases_and_norms_have_their_own_markers(
+    tracked_gpt: tuple[Graph, dict],
+) -> None:
+    """Diamonds mark weights (matrices) only; biases and norm scales (vectors) are squares,
+    each explained in the legend (issue 28 item 15)."""
+    graph, params = tracked_gpt
+    ax = plotted(graph)
+    drawn = {c.get_gid(): len(c.get_offsets()) for c in ax.collections if c.get_gid()}  # type: ignore[attr-defined]
+    df = graph_to_dataframe(graph)
+    parameters = df[df.weight & (df.direction == "fwd")]
+    matrices = sum(
+        shape.count(",") >= 1 and not shape.endswith(",)") for shape in parameters["shape"]
+    )
+    vectors = len(parameters) - matrices
+    assert matrices > 0 and vectors > 0  # the GPT has both: linear weights, biases, norms
+    assert drawn["weight-fwd"] == drawn["weight-bwd"] == matrices
+    # Every bias and norm scale has a gradient (at initialisation their values are 0 or 1).
+    assert drawn["vector-parameter-bwd"] == vectors
+    assert len(parameters) == len(params)
+
+
+def test_the_legend_shows_the_arrows_only_when_drawn(chain_graph: Callable[..., Graph]) -> None:
+    graph = chain_graph([(1.0, 0.5), (2.0, 1.0), (4.0, 2.0)])
+
+    def labels(**kwargs: object) -> list[str]:
+        ax = plotted(graph, prune_same_scale=False, **kwargs)
+        return [t.get_text() for t in ax.get_legend().get_texts()]  # type: ignore[attr-defined]
+
+    assert {"data flow (forward)", "gradient flow (backward)"} <= set(labels())
+    assert not {"data flow (forward)", "gradient flow (backward)"} & set(labels(show_arrows=False))
+    assert "weight (matrix)" not in labels()  # no parameter in this graph

@@ -156,6 +156,17 @@ def test_default_run_writes_every_output_and_a_summary(
     assert unit[1] < plain[1] / 2
     assert "worst in E4M3, plain:" in run.stdout
     assert re.search(r"\(gradient\): \d+\.\d% underflow in E4M3", run.stdout)
+    # The key bias's gradient (zero but for rounding noise) is no false alarm (issue 28.11).
+    assert "qkv.bias" not in run.stdout
+    # The tensors column counts the rows of the pruned table: values and gradients.
+    table = [r for r in rows if r["model"] == "unit-scaled"]
+    assert unit[0] <= len(table) and plain[0] <= len(rows) - len(table)
+    # It ends with a one-line conclusion naming the model with fewer tensors at risk.
+    last = run.stdout.splitlines()[-1]
+    assert last == (
+        f"conclusion: in E4M3, unit-scaled has the fewest tensors at risk "
+        f"({unit[1] + unit[2]} of {unit[0]}; plain {plain[1] + plain[2]} of {plain[0]})."
+    )
 
 
 def test_same_seed_gives_byte_identical_tables(
@@ -194,14 +205,15 @@ def test_user_factory_forward_only(tmp_path: Path) -> None:
     assert "batch 2 x 16, seed 3, forward" in run.stdout
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert f"wrote {len(written)} files to out/: " in run.stdout and len(written) == 6
-    assert sorted(run.stdout.rsplit(": ", 1)[1].strip().split(", ")) == written
+    wrote = next(line for line in run.stdout.splitlines() if line.startswith("wrote "))
+    assert sorted(wrote.split(": ", 1)[1].split(", ")) == written
 
 
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [
         (["analyse", "--batch-size", "0"], 2, r"argument --batch-size: '0' must be at least 1"),
-        (["analyse", "--model", "nowhere.py:make"], 1, r"file 'nowhere.py' does not exist"),
+        (["analyse", "--model", "nowhere.py:make"], 2, r"file 'nowhere.py' does not exist"),
         (["analyse", "--model", "mine.py:broken"], 1, r"the factory failed: RuntimeError: weights"),
     ],
 )
@@ -235,11 +247,11 @@ def test_bad_input_fails_with_one_line(
         ),
         (["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
         (["analyse", "--seq-len", "x"], 2, r"'x' is not an integer"),
-        (["analyse", "--model", "hf:not-a-model"], 1, r"unknown Hugging Face model type"),
-        (["analyse", "--model", "weird"], 1, r"expected 'builtin', 'hf:<model_type>' or"),
-        (["analyse", "--model", "mine.py:absent"], 1, r"has no function 'absent'"),
+        (["analyse", "--model", "hf:not-a-model"], 2, r"unknown Hugging Face model type"),
+        (["analyse", "--model", "weird"], 2, r"expected 'builtin', 'hf:<model_type>' or"),
+        (["analyse", "--model", "mine.py:absent"], 2, r"has no function 'absent'"),
         (["analyse", "--model", "mine.py:needs_width"], 1, r"factory failed: TypeError"),
-        (["analyse", "--text", "missing.txt"], 1, r"text file 'missing.txt' does not exist"),
+        (["analyse", "--text", "missing.txt"], 2, r"text file 'missing.txt' does not exist"),
     ],
 )
 def test_more_bad_input_in_process(

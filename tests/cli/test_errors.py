@@ -75,7 +75,7 @@ def test_an_out_folder_that_cannot_be_created_fails_before_the_work(
 ) -> None:
     (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
-    assert main([command, "--out", str(tmp_path / "a-file" / "out")]) == 1
+    assert main([command, "--out", str(tmp_path / "a-file" / "out")]) == 2  # a bad option
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"unitscale {command}: error: --out '{tmp_path / 'a-file' / 'out'}' cannot be created: "
@@ -115,7 +115,7 @@ def test_corpus_errors_use_the_command_terms(
     (tmp_path / "short.txt").write_text("short text")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
-    assert main(["analyse", *args]) == 1
+    assert main(["analyse", *args]) == 2  # about --text and --seq-len: a usage error
     assert _errors(capsys.readouterr().err) == [expected]
 
 
@@ -152,3 +152,100 @@ def test_missing_plotting_extra_is_named_before_any_work(
     err = capsys.readouterr().err
     assert f"unitscale {command} needs pandas: pip install 'unitscale[analysis]'" in err
     assert not out.exists()
+
+
+# -- issue 28 item 14: what the command feeds a factory's model, and usage errors -------------
+MODELS = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=256, embedded=256):
+        super().__init__()
+        self.emb = nn.Embedding(embedded, 16)
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.emb(input_ids)))
+
+
+class Pair(Tiny):
+    def forward(self, input_ids):
+        logits = super().forward(input_ids)
+        return logits, logits.mean()
+
+
+def pair():
+    return Pair()
+
+
+def small_head():
+    return Tiny(vocab=128)
+
+
+def small_embedding():
+    return Tiny(vocab=100, embedded=100)
+"""
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected"),
+    [
+        (
+            "pair",
+            "model 'models.pair' returned a tuple of 2: the command cannot tell which is the "
+            "loss or the logits; return the loss (a scalar), an output with .loss, or the "
+            "(batch, seq, vocab) logits alone",
+        ),
+        (
+            "small_head",  # bytes of the bundled text are mostly ASCII: no IndexError either
+            "model 'models.small_head': its logits cover 128 tokens; the command feeds byte "
+            "tokens 0-255 (input_ids and labels), so the model needs a vocabulary of at least 256",
+        ),
+        (
+            "small_embedding",
+            "model 'models.small_embedding': IndexError: index out of range in self; the "
+            "command feeds byte tokens 0-255 (input_ids and labels), so the model needs a "
+            "vocabulary of at least 256",
+        ),
+    ],
+)
+def test_a_factory_model_the_command_cannot_feed_is_refused_with_the_reason(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    factory: str,
+    expected: str,
+) -> None:
+    (tmp_path / "models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
+    args = ["analyse", "--model", f"models.py:{factory}", "--batch-size", "2", "--seq-len", "16"]
+    assert main(args) == 1
+    assert _errors(capsys.readouterr().err) == [f"unitscale analyse: error: {expected}"]
+    assert not (tmp_path / "unitscale-report").exists()
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("nosuch", "expected 'builtin', 'hf:<model_type>' or 'path/to/file.py:factory'"),
+        ("missing.py:build", "file 'missing.py' does not exist"),
+        ("models.py:nosuch", "models.py has no function 'nosuch'"),
+    ],
+)
+def test_a_bad_model_option_is_a_usage_error(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    spec: str,
+    reason: str,
+) -> None:
+    (tmp_path / "models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
+    assert main(["analyse", "--model", spec]) == 2
+    assert _errors(capsys.readouterr().err) == [
+        f"unitscale analyse: error: --model {spec!r}: {reason}"
+    ]

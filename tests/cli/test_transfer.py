@@ -60,7 +60,7 @@ def test_out_that_is_a_file_is_refused_before_work(
 ) -> None:
     target = tmp_path / "results.txt"
     target.write_text("keep me")
-    assert main(["transfer", "--quick", "--out", str(target)]) == 1
+    assert main(["transfer", "--quick", "--out", str(target)]) == 2  # a bad option
     line = _error(capsys)
     assert f"--out {str(target)!r} exists and is not a folder" in line
     assert target.read_text() == "keep me"
@@ -71,7 +71,7 @@ def test_out_that_cannot_be_created_is_refused(
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["transfer", "--quick", "--out", str(blocker / "sub")]) == 1
+    assert main(["transfer", "--quick", "--out", str(blocker / "sub")]) == 2
     assert "cannot be created" in _error(capsys)
 
 

@@ -15,7 +15,14 @@ from .dataframe import graph_to_dataframe
 from .heatmap import scale_heatmap
 from .plot import plot
 from .report import write_report
-from .risk import RISK_FRACTION, FormatRisk, RiskSummary, WorstTensor, risk_summary
+from .risk import (
+    RISK_FRACTION,
+    FormatRisk,
+    RiskSummary,
+    WorstTensor,
+    risk_summary,
+    structural_zeros,
+)
 from .tensorboard import tensorboard_available, write_scalars
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
@@ -38,4 +45,5 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "RiskSummary",
     "WorstTensor",
     "risk_summary",
+    "structural_zeros",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, cast
 
-from ..tracking.monitor import MonitorError
+from ..errors import MonitorError
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -62,7 +62,9 @@ def plot(
     """Plot the forward and backward scale of every tensor in a tracked graph.
 
     One row per tensor, in graph (execution) order from top to bottom, labelled with its module
-    path and variable (parameters by their qualified name, drawn as diamonds). Forward values
+    path and variable (parameters by their qualified name, in green: weights, parameters of two
+    or more dimensions, drawn as diamonds; biases and norm scales, vectors, as squares; see
+    ``parameter_marker``). Forward values
     are blue, gradients orange; the x-axis is log2 of ``metric``. Error bars span
     ``abs_min``..``abs_max``; arrows follow the data flow (forward: input to output;
     backward: output gradient to input gradient). Vertical guides mark the smallest subnormal
@@ -196,6 +198,7 @@ def plot(
                     alpha=0.45,
                 )
 
+    arrows = {"fwd": False, "bwd": False}  # which directions drew an arrow (for the legend)
     if show_arrows:
         weights = {r.node for r in rows if r.weight}
         for row in rows:
@@ -211,6 +214,7 @@ def plot(
                         continue
                     if direction == "bwd":  # gradients flow from a node back to its inputs
                         start, end = end, start
+                    arrows[direction] = True
                     ax.add_patch(
                         FancyArrowPatch(
                             start,
@@ -225,23 +229,25 @@ def plot(
                         )
                     )
 
+    markers = [parameter_marker(r) for r in rows]
     for direction in ("fwd", "bwd"):
-        for weight, marker in ((False, "o"), (True, "D")):
+        for marker in ("o", "D", "s"):
             xy = [
                 points[(r.node, direction)]
-                for r in rows
-                if r.weight == weight and (r.node, direction) in points
+                for r, m in zip(rows, markers, strict=True)
+                if m == marker and (r.node, direction) in points
             ]
             if xy:
                 ax.scatter(
                     [p[0] for p in xy],
                     [p[1] for p in xy],
-                    s=14 if not weight else 16,
+                    s=14 if marker == "o" else 16,
                     marker=marker,
                     color=_COLOURS[direction],
-                    edgecolors="black" if weight else "none",
+                    edgecolors="none" if marker == "o" else "black",
                     linewidths=0.4,
                     zorder=3,
+                    gid=f"{_MARKER_KINDS[marker]}-{direction}",
                 )
     if zeros:
         ax.scatter(
@@ -271,7 +277,7 @@ def plot(
     ax.set_axisbelow(True)
     ax.set_xlabel(f"{metric} (log2 scale)", fontsize=9)
 
-    handles = _legend_handles(metric, show_error_bars, bool(zeros), any(r.weight for r in rows))
+    handles = _legend_handles(metric, show_error_bars, bool(zeros), set(markers), arrows)
     legend = ax.legend(
         handles=handles,
         loc="lower left",
@@ -298,25 +304,67 @@ def plot(
 
 #: The legend entry whose text is green, like the labels of parameter rows.
 _PARAMETER_LABEL = "green label: parameter"
+#: What each marker stands for (also the ``gid`` of its scatter, with the direction).
+_MARKER_KINDS = {"o": "tensor", "D": "weight", "s": "vector-parameter"}
 
 
-def _legend_handles(metric: str, error_bars: bool, zeros: bool, parameters: bool) -> list[Any]:
+def parameter_marker(row: TensorRow) -> str:
+    """The marker of ``row``: ``"D"`` for a weight (a parameter of two or more dimensions:
+    a matrix, an embedding table, a convolution kernel), ``"s"`` for a vector parameter (a
+    bias or a norm's scale), ``"o"`` for every other tensor.
+
+    Example:
+        >>> from unitscale.tracking import TensorRow
+        >>> [parameter_marker(TensorRow("n", "n", "", "", w, s, "float32"))
+        ...  for w, s in ((True, "(4, 8)"), (True, "(8,)"), (False, "(4, 8)"))]
+        ['D', 's', 'o']
+    """
+    if not row.weight:
+        return "o"
+    dimensions = row.shape.strip("()").rstrip(",").split(",") if row.shape else []
+    return "D" if len(dimensions) >= 2 else "s"
+
+
+def _legend_handles(
+    metric: str, error_bars: bool, zeros: bool, markers: set[str], arrows: dict[str, bool]
+) -> list[Any]:
     """The legend: every mark, line style and colour the plot uses, as the HTML report does."""
     from matplotlib.lines import Line2D
 
     handles = [
         Line2D([], [], marker="o", linestyle="", color=_COLOURS["fwd"], label="forward (value)"),
         Line2D([], [], marker="o", linestyle="", color=_COLOURS["bwd"], label="backward (grad)"),
-        Line2D(
-            [],
-            [],
-            marker="D",
-            linestyle="",
-            color="white",
-            markeredgecolor="black",
-            label="weight",
-        ),
     ]
+    parameter_kinds = (("D", "weight (matrix)"), ("s", "bias or norm scale (vector)"))
+    for marker, label in parameter_kinds:
+        if marker in markers:
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    marker=marker,
+                    linestyle="",
+                    color="white",
+                    markeredgecolor="black",
+                    label=label,
+                )
+            )
+    flows = (("fwd", "data flow (forward)"), ("bwd", "gradient flow (backward)"))
+    for direction, label in flows:
+        if arrows[direction]:  # a line with an arrowhead, as the arrows are drawn
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color=_COLOURS[direction],
+                    linewidth=0.8,
+                    alpha=0.6,
+                    marker=">" if direction == "fwd" else "<",
+                    markersize=4,
+                    markevery=[1],
+                    label=label,
+                )
+            )
     if error_bars:
         handles.append(Line2D([], [], color="0.4", linewidth=0.8, label="whisker: abs min..max"))
     if zeros:
@@ -332,6 +380,6 @@ def _legend_handles(metric: str, error_bars: bool, zeros: bool, parameters: bool
         Line2D([], [], color="0.3", linestyle=":", linewidth=0.8, label="smallest normal"),
         Line2D([], [], color="0.3", linestyle="-", linewidth=0.8, label="largest"),
     ]
-    if parameters:
+    if markers - {"o"}:
         handles.append(Line2D([], [], linestyle="", label=_PARAMETER_LABEL))
     return handles

@@ -39,15 +39,21 @@ def _json_number(value: float) -> float | str:
     return value
 
 
-def _record_json(rec: ScaleRecord | None) -> dict[str, Any] | None:
+def _record_json(rec: ScaleRecord | None, structural: float = 0.0) -> dict[str, Any] | None:
     if rec is None:
         return None
     out: dict[str, Any] = {k: _json_number(v) for k, v in rec.metrics.items()}
     out["tensor_type"] = rec.tensor_type
+    if structural > 0:  # a parameter gradient's rounding noise is no underflow risk
+        out["structural_zeros"] = structural
+        for key, value in rec.metrics.items():
+            if key.startswith("underflow_"):
+                out[key] = max(0.0, value - structural)
     return out
 
 
-def _row_json(row: TensorRow) -> dict[str, Any]:
+def _row_json(row: TensorRow, structural: Mapping[str, float]) -> dict[str, Any]:
+    gradient_noise = structural.get(row.name, 0.0) if row.weight else 0.0
     return {
         "node": row.node,
         "label": row.label,
@@ -59,7 +65,7 @@ def _row_json(row: TensorRow) -> dict[str, Any]:
         "dtype": row.dtype,
         "sources": row.sources,
         "fwd": _record_json(row.fwd),
-        "bwd": _record_json(row.bwd),
+        "bwd": _record_json(row.bwd, gradient_noise),
     }
 
 
@@ -68,6 +74,7 @@ def write_report(
     path: str | os.PathLike[str],
     title: str = "unitscale: tensor scales",
     prune_same_scale: bool = True,
+    structural_zeros: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write an interactive, self-contained HTML report of tracked scales.
 
@@ -84,6 +91,11 @@ def write_report(
         title: page title.
         prune_same_scale: hide tensors whose scale equals their single input's in both
             directions (as :func:`unitscale.analysis.plot` does).
+        structural_zeros: the fraction of each parameter's gradient that is structural zeros
+            (:func:`unitscale.analysis.structural_zeros`), ``{parameter: fraction}`` for one
+            graph or ``{model name: {parameter: fraction}}`` for several: the report's
+            underflow of those gradients leaves them out, as
+            :func:`~unitscale.analysis.risk_summary` does, and shows the fraction.
 
     Returns:
         The path written.
@@ -107,10 +119,13 @@ def write_report(
     graphs = {"model": graph} if isinstance(graph, Graph) else dict(graph)
     if not graphs:
         raise AnalysisError("write_report: no graph given; pass a graph or {name: graph}")
+    noise = structural_zeros or {}
+    by_model = {"model": noise} if isinstance(graph, Graph) else noise
     models = []
     for name, g in graphs.items():
         rows = prepare_rows(g, prune_same_scale, f"write_report (model {name!r})")
-        models.append({"name": str(name), "rows": [_row_json(r) for r in rows]})
+        structural = by_model.get(name) or {}
+        models.append({"name": str(name), "rows": [_row_json(r, structural) for r in rows]})
     guide_labels = {k.lower() for k in FORMAT_GUIDES}
     formats = {
         key: {

@@ -6,6 +6,7 @@ separate from presentation); the command's summary and the report use the same r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,8 +14,16 @@ from ..errors import AnalysisError
 
 if TYPE_CHECKING:
     import pandas as pd
+    from torch import fx, nn
 
-__all__ = ["RISK_FRACTION", "FormatRisk", "RiskSummary", "WorstTensor", "risk_summary"]
+__all__ = [
+    "RISK_FRACTION",
+    "FormatRisk",
+    "RiskSummary",
+    "WorstTensor",
+    "risk_summary",
+    "structural_zeros",
+]
 
 #: A tensor counts as underflowing in a format when more than this fraction of its values
 #: would round to zero; any overflowing value counts (it saturates or becomes Inf).
@@ -74,26 +83,48 @@ class RiskSummary:
     formats: dict[str, FormatRisk]
     worst: dict[str, list[WorstTensor]]
 
+    def __str__(self) -> str:
+        lines = [f"{self.tensors} tensors (values and gradients)"]
+        for key, risk in self.formats.items():
+            lines.append(
+                f"{key.upper()}: {risk.underflow} underflow (more than "
+                f"{_percent(RISK_FRACTION)} of values flushed to zero), "
+                f"{risk.overflow} overflow"
+            )
+            lines += [f"  {tensor}" for tensor in self.worst.get(key, [])]
+        return "\n".join(lines)
+
 
 def risk_summary(
-    df: pd.DataFrame,
+    df: pd.DataFrame | fx.Graph,
     formats: tuple[str, ...] = ("e4m3", "e5m2"),
     threshold: float = RISK_FRACTION,
     worst: int = 3,
+    structural_zeros: Mapping[str, float] | None = None,
 ) -> RiskSummary:
     """Count the tensors that would underflow or overflow in each format, and find the worst.
 
+    Structural zeros are not a risk: a parameter gradient's elements that are rounding noise
+    of a mathematically zero value (``|g| <= STRUCTURAL_ZERO_RTOL * rms(g)``, see
+    :func:`unitscale.tracking.structural_zero_fraction`; the key bias of a fused QKV
+    projection is the common case) lose nothing when flushed to zero. Given their fractions,
+    a parameter gradient's underflow counts as ``max(0, underflow - structural)``.
+
     Args:
-        df: a table from :func:`unitscale.analysis.graph_to_dataframe`.
+        df: a table from :func:`unitscale.analysis.graph_to_dataframe`, or the tracked
+            graph itself (``tracked.scales_graph()``), which is tabulated first.
         formats: format keys to assess.
         threshold: underflow fraction above which a tensor counts.
         worst: how many of the most affected tensors to keep per format.
+        structural_zeros: per parameter name (``named_parameters()``), the fraction of its
+            gradient that is structural zeros, as :func:`structural_zeros` gives.
 
     Returns:
         A :class:`RiskSummary`.
 
     Raises:
-        AnalysisError: for a format the table has no columns for.
+        AnalysisError: for a format the table has no columns for, or an argument that is
+            neither a table nor a tracked graph.
 
     Example:
         >>> import pandas as pd
@@ -103,7 +134,22 @@ def risk_summary(
         >>> s = risk_summary(df, formats=("e4m3",))
         >>> s.formats["e4m3"].underflow, str(s.worst["e4m3"][0])
         (1, 'm: b (gradient): 50.0% underflow in E4M3')
+        >>> print(s)
+        2 tensors (values and gradients)
+        E4M3: 1 underflow (more than 1.0% of values flushed to zero), 0 overflow
+          m: b (gradient): 50.0% underflow in E4M3
     """
+    from torch.fx import Graph
+
+    from .dataframe import graph_to_dataframe
+
+    if isinstance(df, Graph):
+        df = graph_to_dataframe(df)
+    if not all(hasattr(df, column) for column in ("columns", "direction", "name")):
+        raise AnalysisError(
+            f"risk_summary: expected a table from graph_to_dataframe() or a tracked graph "
+            f"(tracked.scales_graph()), got {type(df).__name__}"
+        )
     counts: dict[str, FormatRisk] = {}
     worst_by_format: dict[str, list[WorstTensor]] = {}
     for key in formats:
@@ -113,13 +159,14 @@ def risk_summary(
                 f"risk_summary: the table has no {under_col!r}/{over_col!r} columns; known "
                 "formats are e4m3, e5m2, fp16 and bf16"
             )
-        under = df[under_col] > threshold
+        underflow = _without_structural_zeros(df, under_col, structural_zeros or {})
+        under = underflow > threshold
         over = df[over_col] > 0
         counts[key] = FormatRisk(key, int(under.sum()), int(over.sum()))
         at_risk = df[under | over]
         # Overflow first (it breaks training outright), then the underflow fraction; the
         # stable sort keeps graph order among ties, so the result is deterministic.
-        ranked = at_risk.assign(_o=at_risk[over_col], _u=at_risk[under_col]).sort_values(
+        ranked = at_risk.assign(_o=at_risk[over_col], _u=underflow[under | over]).sort_values(
             ["_o", "_u"], ascending=False, kind="stable"
         )
         worst_by_format[key] = [
@@ -135,9 +182,43 @@ def risk_summary(
                 ranked.module,
                 ranked.weight,
                 ranked.direction,
-                ranked[under_col],
+                ranked._u,
                 ranked[over_col],
                 strict=True,
             )
         ][:worst]
     return RiskSummary(len(df), counts, worst_by_format)
+
+
+def _without_structural_zeros(
+    df: pd.DataFrame, column: str, structural: Mapping[str, float]
+) -> pd.Series:
+    """``df[column]`` with each parameter gradient's structural zeros taken out."""
+    if not structural:
+        return df[column]
+    gradients = (df.direction == "bwd") & df.weight
+    fractions = df.name.map(structural).where(gradients, 0.0).fillna(0.0)
+    return (df[column] - fractions).clip(lower=0.0)
+
+
+def structural_zeros(module: nn.Module) -> dict[str, float]:
+    """Per parameter of ``module`` with a gradient, the fraction of ``param.grad`` that is
+    structural zeros (:func:`unitscale.tracking.structural_zero_fraction`): the argument
+    :func:`risk_summary` takes. Read after the backward pass of the step whose scales are
+    assessed (``.grad`` accumulates over steps until it is zeroed).
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer(torch.ones(1, 2)).sum().backward()
+        >>> layer.bias.grad[0] = 1e-9  # rounding noise of a zero gradient
+        >>> structural_zeros(layer)
+        {'weight': 0.0, 'bias': 0.5}
+    """
+    from ..tracking import structural_zero_fraction
+
+    return {
+        name: structural_zero_fraction(param.grad)
+        for name, param in module.named_parameters()
+        if param.grad is not None
+    }

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..tracking.monitor import MonitorError, MonitorRecord
+from ..errors import MonitorError
+
+if TYPE_CHECKING:
+    from ..tracking import MonitorRecord
 
 __all__ = ["summary_writer", "tensorboard_available", "write_scalars"]
 

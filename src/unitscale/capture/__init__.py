@@ -25,6 +25,7 @@ from ._core import (
     warn_user,
 )
 from ._eager import trace_eagerly
+from ._naming import function_name, readable_name
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # transformed modules and their passes
@@ -41,9 +42,11 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "trace_eagerly",
     # helpers for passes
     "example_value",
+    "function_name",
     "identifier",
     "is_float_node",
     "iter_tensors",
     "module_path_of",
+    "readable_name",
     "warn_user",
 ]

@@ -275,13 +275,20 @@ def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    key, (path, _cls) = list(stack.items())[-1]
-    try:
-        name = module_names.get(int(key))
-    except (TypeError, ValueError):
-        name = None
-    if name is not None:
-        return name
+    for key, (path, _cls) in reversed(list(stack.items())):
+        try:
+            name = module_names.get(int(key))
+        except (TypeError, ValueError):
+            name = None
+        if name is not None:
+            return name
+        # A module reached through a global (``G['__import_...'].apply_rotary_pos_emb``:
+        # transformers wraps some functions in a module of its own) is not one of the model's
+        # modules: the op belongs to the innermost module of the model that called it.
+        if not str(path).startswith("G["):
+            break
+    else:
+        return ""
     return _clean_module_path(str(path))
 
 

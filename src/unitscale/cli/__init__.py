@@ -6,7 +6,9 @@ one, write the module and append its name to :data:`SUBCOMMANDS`. Subcommand mod
 heavy libraries inside ``run`` so that ``unitscale --help`` stays fast.
 
 Failures are one line on stderr and a non-zero exit status, never a traceback (set
-``UNITSCALE_DEBUG=1`` to see one): bad options exit 2, errors while working exit 1.
+``UNITSCALE_DEBUG=1`` to see one): bad options exit 2, whether argparse finds them or the
+subcommand does (an :class:`OptionError`: a malformed ``--model``, a missing file, an
+``--out`` that is a file, a text too short for ``--seq-len``); errors while working exit 1.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import NoReturn
 from .._version import __version__
 from ..errors import UnitScaleError
 
-__all__ = ["SUBCOMMANDS", "CommandError", "build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "CommandError", "OptionError", "build_parser", "main"]
 
 #: Subcommand modules under ``unitscale.cli``, in the order ``--help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("analyse", "train", "transfer")
@@ -30,6 +32,11 @@ SUBCOMMANDS: tuple[str, ...] = ("analyse", "train", "transfer")
 
 class CommandError(UnitScaleError):
     """A subcommand cannot do its work; the message is shown as one line."""
+
+
+class OptionError(CommandError):
+    """An option's value cannot work (the subcommand found it): exit status 2, as for any
+    bad option, with the option named in the message."""
 
 
 class UsageError(Exception):
@@ -143,4 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         print(f"unitscale {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        # A corpus error is about --text, --seq-len or --batch-size (no import: see _one_line).
+        usage = isinstance(exc, OptionError) or type(exc).__name__ == "CorpusError"
+        return 2 if usage else 1

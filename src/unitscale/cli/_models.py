@@ -12,8 +12,11 @@ Calling convention of a factory's model: it is called with the keyword arguments
 none of them by name. ``input_ids`` is ``(batch, seq)`` int64 bytes; ``labels`` are the
 next-token targets, already shifted (``labels[:, t]`` is ``input_ids[:, t + 1]`` of the
 same text window). The loss is the output if it is a scalar, else its ``loss`` (attribute or
-key), else the mean cross-entropy of its logits (``(batch, seq, vocab)``, or the first
-element of a tuple) against ``labels``. That loss is computed *inside* the module that is
+key), else the mean cross-entropy of its logits (``(batch, seq, vocab)``, alone or as the only
+element of a tuple) against ``labels``. A tuple of several outputs is refused: which of them
+is the loss or the logits cannot be told from their values. Tokens are bytes (0-255), so
+the model's vocabulary must have at least 256 entries; a smaller one is refused with that
+reason. That loss is computed *inside* the module that is
 tracked and unit-scaled (:func:`with_loss`): the plain model gets ``F.cross_entropy``, its
 twin the unit-scaled ``U.cross_entropy``, exactly as if the model returned its own loss.
 
@@ -42,9 +45,10 @@ from torch import Tensor, nn
 
 from ..experiments.data import Batch
 from ..experiments.models import GPTConfig
-from . import CommandError
+from . import CommandError, OptionError
 
 __all__ = [
+    "BYTE_VOCAB",
     "HF_OBJECTIVES",
     "NamedModel",
     "call_model",
@@ -100,6 +104,8 @@ HF_OBJECTIVES: dict[str, str] = {
 #: absent from text; models whose config names a mask token in the vocabulary use it).
 MASK_FRACTION = 0.15
 MASK_TOKEN = 0
+#: The command's tokens are bytes (ids 0-255): a model needs at least this vocabulary.
+BYTE_VOCAB = 256
 
 
 @dataclass
@@ -209,7 +215,7 @@ def hf_model(model_type: str, seq_len: int, seed: int) -> nn.Module:
     try:
         config = transformers.AutoConfig.for_model(model_type)
     except (ValueError, KeyError) as exc:
-        raise CommandError(
+        raise OptionError(
             f"--model hf:{model_type}: unknown Hugging Face model type {model_type!r}; use a "
             "model_type such as gpt2, llama, bert or t5"
         ) from exc
@@ -219,7 +225,7 @@ def hf_model(model_type: str, seq_len: int, seed: int) -> nn.Module:
     try:
         return _seeded(seed, partial(auto.from_config, config))
     except ValueError as exc:  # no head of this kind for the model type
-        raise CommandError(
+        raise OptionError(
             f"--model hf:{model_type}: {model_type} is a {objective} model type but has no "
             f"{objective} head in transformers; supported: decoder-only (causal LM, e.g. gpt2, "
             "llama), encoder-only (masked LM, e.g. bert, roberta), encoder-decoder (seq2seq, "
@@ -231,16 +237,17 @@ def load_factory(spec: str) -> tuple[str, Callable[[], Any]]:
     """Import ``path/to/file.py:factory`` and return ``(label, factory)``.
 
     Raises:
-        CommandError: for a malformed spec, a missing file, an import error or a missing name.
+        OptionError: for a malformed spec, a missing file or a missing name.
+        CommandError: when importing the file fails.
     """
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name.isidentifier():
-        raise CommandError(
+        raise OptionError(
             f"--model {spec!r}: expected 'builtin', 'hf:<model_type>' or 'path/to/file.py:factory'"
         )
     path = Path(path_text)
     if not path.is_file():
-        raise CommandError(f"--model {spec!r}: file {path_text!r} does not exist")
+        raise OptionError(f"--model {spec!r}: file {path_text!r} does not exist")
     module_name = f"_unitscale_user_{path.stem}_{abs(hash(path.resolve()))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
@@ -256,7 +263,7 @@ def load_factory(spec: str) -> tuple[str, Callable[[], Any]]:
         ) from exc
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise CommandError(f"--model {spec!r}: {path_text} has no function {name!r}")
+        raise OptionError(f"--model {spec!r}: {path_text} has no function {name!r}")
     return f"{path.stem}.{name}", factory
 
 
@@ -278,7 +285,9 @@ def _loss_of(output: Any, labels: Tensor | None, name: str) -> Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
+    if loss is None and isinstance(output, (tuple, list)):
+        if len(output) != 1:
+            raise CommandError(_tuple_message(name, output))
         output = output[0]
     if loss is None:
         logits = getattr(output, "logits", output)
@@ -290,6 +299,10 @@ def _loss_of(output: Any, labels: Tensor | None, name: str) -> Tensor:
             and logits.dim() == 3
             and logits.shape[:2] == labels.shape
         ):
+            if logits.shape[-1] < BYTE_VOCAB:
+                raise CommandError(
+                    _vocab_message(name, f"its logits cover {logits.shape[-1]} tokens")
+                )
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         else:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
@@ -300,6 +313,13 @@ def _loss_of(output: Any, labels: Tensor | None, name: str) -> Tensor:
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         raise CommandError(f"model {name!r}: its loss is not a scalar tensor")
     return loss
+
+
+def _vocab_message(name: str, found: str) -> str:
+    return (
+        f"model {name!r}: {found}; the command feeds byte tokens 0-255 (input_ids and "
+        f"labels), so the model needs a vocabulary of at least {BYTE_VOCAB}"
+    )
 
 
 def with_loss(model: nn.Module, name: str) -> nn.Module:
@@ -341,6 +361,57 @@ def with_loss(model: nn.Module, name: str) -> nn.Module:
     return model
 
 
+def _check_byte_model(model: nn.Module, name: str) -> None:
+    """Refuse, before any capture, a model the command cannot feed or read.
+
+    One eager forward of two tokens, the smallest and the largest byte, in eval mode (no
+    batch-norm statistics move), without gradients and with the RNG state put back: a
+    vocabulary under 256 (an IndexError, or logits that cover fewer tokens) or an output of
+    several elements is refused here, with its reason, rather than from inside a captured
+    forward (TorchDynamo keeps a frame that raised in its cache, which would change how
+    later captures of the same code go). Other failures are left to the real step, which
+    reports them with their context.
+
+    Raises:
+        CommandError: for a vocabulary under 256 or an ambiguous tuple output.
+    """
+    ids = torch.tensor([[0, BYTE_VOCAB - 1]])
+    values = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    accepted = _batch_arguments(model.forward)
+    training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            if accepted is None:
+                output = model(ids)
+            else:
+                output = model(**{k: values[k] for k in accepted})
+        except IndexError as exc:
+            message = str(exc).splitlines()[0] if str(exc) else "IndexError"
+            raise CommandError(_vocab_message(name, f"IndexError: {message}")) from exc
+        except Exception:  # the step itself reports it, with its context
+            return
+        finally:
+            model.train(training)
+    if getattr(output, "loss", None) is not None:
+        return
+    if isinstance(output, (tuple, list)):
+        if len(output) != 1:
+            raise CommandError(_tuple_message(name, output))
+        output = output[0]
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, Tensor) and logits.dim() == 3 and logits.shape[-1] < BYTE_VOCAB:
+        raise CommandError(_vocab_message(name, f"its logits cover {logits.shape[-1]} tokens"))
+
+
+def _tuple_message(name: str, output: tuple[Any, ...] | list[Any]) -> str:
+    return (
+        f"model {name!r} returned a {type(output).__name__} of {len(output)}: the command "
+        "cannot tell which is the loss or the logits; return the loss (a scalar), an output "
+        "with .loss, or the (batch, seq, vocab) logits alone"
+    )
+
+
 def _call_factory(spec: str, label: str, factory: Callable[[], Any], seed: int) -> nn.Module:
     try:
         model = _seeded(seed, factory)
@@ -353,6 +424,7 @@ def _call_factory(spec: str, label: str, factory: Callable[[], Any], seed: int) 
         raise CommandError(
             f"--model {spec!r}: the factory returned {type(model).__name__}, not a torch.nn.Module"
         )
+    _check_byte_model(model, label)
     return with_loss(model, label)
 
 
@@ -392,7 +464,7 @@ def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
     if spec.startswith("hf:"):
         model_type = spec[3:]
         if not model_type:
-            raise CommandError("--model hf:<model_type>: give a model type, e.g. hf:gpt2")
+            raise OptionError("--model hf:<model_type>: give a model type, e.g. hf:gpt2")
         model = hf_model(model_type, seq_len, seed)
         base = NamedModel(model_type, model, hf_objective(model.config))
     else:
@@ -429,7 +501,7 @@ def objective_batch(objective: str, batch: Batch, config: Any = None) -> dict[st
     if objective == "seq2seq":
         half = ids.shape[1] // 2
         if half < 1:
-            raise CommandError("--seq-len must be at least 2 for an encoder-decoder model")
+            raise OptionError("--seq-len must be at least 2 for an encoder-decoder model")
         return {
             "input_ids": ids[:, :half].contiguous(),
             "attention_mask": mask[:, :half].contiguous(),
@@ -443,7 +515,7 @@ def call_model(entry: NamedModel, model: nn.Module, batch: Batch) -> Tensor:
 
     Raises:
         CommandError: when the output is not a loss (a factory's model: nor logits of
-            shape ``(batch, seq, vocab)``).
+            shape ``(batch, seq, vocab)``), or the model's vocabulary is under 256 bytes.
     """
     owner = entry.forward_owner
     if entry.objective == "batch":
@@ -451,8 +523,12 @@ def call_model(entry: NamedModel, model: nn.Module, batch: Batch) -> Tensor:
     else:
         values = objective_batch(entry.objective, batch, getattr(owner, "config", None))
     accepted = _batch_arguments(owner.forward)
-    if accepted is None:
-        output = model(values["input_ids"])
-    else:
-        output = model(**{k: v for k, v in values.items() if k in accepted})
+    try:
+        if accepted is None:
+            output = model(values["input_ids"])
+        else:
+            output = model(**{k: v for k, v in values.items() if k in accepted})
+    except IndexError as exc:  # an embedding or a loss given a byte beyond its vocabulary
+        message = str(exc).splitlines()[0] if str(exc) else "IndexError"
+        raise CommandError(_vocab_message(entry.name, f"IndexError: {message}")) from exc
     return _loss_of(output, None, entry.name)

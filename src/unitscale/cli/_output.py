@@ -59,13 +59,13 @@ def check_out_folder(text: str, option: str = "--out") -> Path:
     created), so that a path the command cannot create fails now, not after the work.
 
     Raises:
-        CommandError: when the folder exists as a file, is not writable, or cannot be created.
+        OptionError: when the folder exists as a file, is not writable, or cannot be created.
 
     Example:
         >>> check_out_folder("report").name
         'report'
     """
-    from . import CommandError
+    from . import OptionError as CommandError  # a bad --out: exit status 2
 
     out = Path(text)
     if out.exists():

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from ..analysis import RiskSummary
+
 from ._args import positive_int
 from ._output import Progress, check_out_folder, require_analysis_extra, slug
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["HELP", "add_parser", "conclusion", "run"]
 
 DEFAULT_OUT = "unitscale-report"
 #: The one-line summary ``unitscale --help`` lists.
@@ -99,17 +101,17 @@ def run(args: argparse.Namespace) -> int:
     progress(f"building {args.model} model(s)")
     with quiet_transformers(enabled=args.model != "builtin"):
         tables = _track_models(args, batch, progress)
-    graphs = {entry.name: graph for entry, _, _, graph in tables}
+    graphs = {entry.name: graph for entry, _, _, graph, _ in tables}
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     csv_path = out / "scales.csv"
-    pd.concat([t for _, _, t, _ in tables], ignore_index=True).to_csv(
+    pd.concat([t for _, _, t, _, _ in tables], ignore_index=True).to_csv(
         csv_path, index=False, lineterminator="\n"
     )
     written.append(csv_path)
     images = []
-    for entry, _, _, graph in tables:
+    for entry, _, _, graph, _ in tables:
         progress(f"{entry.name}: plotting")
         figure = cast("Figure", plot(graph, title=entry.name).figure)
         png = out / f"scales_{slug(entry.name, 'model')}.png"
@@ -119,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     written.append(_side_by_side(images, out / "scales_side_by_side.png"))
     progress("writing the HTML report")
     title = f"unitscale analyse: {args.model}"
-    written.append(write_report(graphs, out / "report.html", title=title))
+    noise = {entry.name: structural for entry, _, _, _, structural in tables}
+    written.append(write_report(graphs, out / "report.html", title=title, structural_zeros=noise))
 
     lines = [
         f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
@@ -129,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
         f"{'E5M2 under':>12}{'E5M2 over':>11}",
     ]
     summaries = []
-    for entry, loss_value, _, graph in tables:
+    for entry, loss_value, _, graph, structural in tables:
         kept = graph_to_dataframe(prune_same_scale_tensors(graph))
-        summary = risk_summary(kept)
+        summary = risk_summary(kept, structural_zeros=structural)
         summaries.append((entry.name, summary))
         e4, e5 = summary.formats["e4m3"], summary.formats["e5m2"]
         lines.append(
@@ -140,9 +143,11 @@ def run(args: argparse.Namespace) -> int:
         )
     lines += [
         "",
-        "tensors: values and gradients (views with the same scale counted once); 'under' "
-        "counts those with more than 1% of values flushed to zero, 'over' those with any value "
-        "beyond the format's range.",
+        "tensors: the values and gradients tracked (an op's output and its gradient count "
+        "as two), leaving out ops whose one float input has the same scale both ways (views, "
+        "copies, casts); 'under' counts those with more than 1% of values flushed to zero "
+        "(not counting structural zeros: parameter-gradient elements at rounding noise, "
+        "|g| <= 2**-20 rms(g)), 'over' those with any value beyond the format's range.",
     ]
     for name, summary in summaries:
         for key in ("e4m3", "e5m2"):
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 lines += [f"  {w}" for w in worst]
     written.append(out / "summary.txt")
     lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
+    lines.append(conclusion(summaries))
     text = "\n".join(lines) + "\n"
     written[-1].write_text(text, encoding="utf-8")
     sys.stdout.write(text)
@@ -163,7 +169,7 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
     """Build the models and track one step of each: ``(entry, loss, table, graph)`` each."""
     import torch
 
-    from ..analysis import graph_to_dataframe
+    from ..analysis import graph_to_dataframe, structural_zeros
     from ..transforms import track_scales
     from ._models import call_model, resolve_models
 
@@ -181,8 +187,43 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
         graph = tracked.scales_graph()
         table = graph_to_dataframe(graph)
         table.insert(0, "model", entry.name)
-        tables.append((entry, float(loss.detach()), table, graph))
+        structural = {} if args.forward_only else structural_zeros(tracked)
+        tables.append((entry, float(loss.detach()), table, graph, structural))
     return tables
+
+
+def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
+    """The summary's last line: which model has the fewest tensors at risk in E4M3.
+
+    Example:
+        >>> from unitscale.analysis import FormatRisk, RiskSummary
+        >>> def risk(n, under): return RiskSummary(n, {"e4m3": FormatRisk("e4m3", under, 0)}, {})
+        >>> print(conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))]))
+        conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain
+        77 of 120).
+        >>> conclusion([("mine", risk(10, 0))])
+        'conclusion: in E4M3, mine has no tensor at risk (of 10).'
+    """
+
+    def at_risk(summary: RiskSummary) -> int:
+        e4m3 = summary.formats["e4m3"]
+        return e4m3.underflow + e4m3.overflow
+
+    ranked = sorted(summaries, key=lambda item: at_risk(item[1]))
+    (best, summary), others = ranked[0], ranked[1:]
+    if not others:
+        count = at_risk(summary)
+        if count == 0:
+            return f"conclusion: in E4M3, {best} has no tensor at risk (of {summary.tensors})."
+        return f"conclusion: in E4M3, {best} has {count} of {summary.tensors} tensors at risk."
+    if at_risk(summary) == at_risk(others[0][1]):
+        tied = ", ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in ranked)
+        return f"conclusion: in E4M3, no model has fewer tensors at risk than another ({tied})."
+    rest = "; ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in others)
+    return (
+        f"conclusion: in E4M3, {best} has the fewest tensors at risk "
+        f"({at_risk(summary)} of {summary.tensors}; {rest})."
+    )
 
 
 def _render(figure: Figure, path: Path, dpi: int = 100) -> Any:

@@ -48,6 +48,7 @@ from ..tracking import METRIC_NAMES, MonitorError, NonFiniteReport, ScaleMonitor
 from . import IntegrationError
 
 if TYPE_CHECKING:
+    import pandas as pd
     from matplotlib.figure import Figure
 
 __all__ = ["ScaleMonitorCallback"]
@@ -55,6 +56,10 @@ __all__ = ["ScaleMonitorCallback"]
 OnNonFinite = Literal["warn", "raise", "ignore", "stop"]
 
 _UNSET = object()
+
+#: Arguments the ``Trainer`` adds to the model's call that are bookkeeping, not data: left
+#: out of the callback's CSV and heatmaps.
+TRAINER_ARGUMENTS: tuple[str, ...] = ("num_items_in_batch",)
 
 
 class _ForwardRedirect:
@@ -106,7 +111,11 @@ class ScaleMonitorCallback(TrainerCallback):
     the end of training it writes, to ``output_dir``, ``scales.csv`` (the long table of
     :meth:`ScaleMonitor.table <unitscale.tracking.ScaleMonitor.table>`) and a heatmap per
     metric in ``heatmaps`` and direction (``scales_<metric>_fwd.png``, ``..._bwd.png``).
-    The monitor stays available as :attr:`monitor` (``callback.monitor.table()``).
+    The file and the heatmaps show the model's tensors: the arguments the Trainer adds to the
+    model's call (``TRAINER_ARGUMENTS`` of ``unitscale.integrations.hf``:
+    ``num_items_in_batch``, the count the loss is divided by, is not data, and its "gradient"
+    means nothing) are left out (:meth:`model_table`). The monitor stays available as
+    :attr:`monitor` (``callback.monitor.table()``, every recorded tensor).
 
     Losses and gradients are those of the same run without the callback (the monitored
     module's outputs are bit-identical to the model's). The model is not copied; during
@@ -289,12 +298,18 @@ class ScaleMonitorCallback(TrainerCallback):
             return
         if not monitor.recorded_steps:
             return
+        from ..analysis import scale_heatmap
+
         out = self._out(args)
-        self.written.append(monitor.to_csv(out / "scales.csv"))
+        table = self.model_table()
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "scales.csv", index=False, lineterminator="\n")
+        self.written.append(out / "scales.csv")
         for metric in self.heatmaps:
             for direction, what in (("fwd", "values"), ("bwd", "gradients")):
                 try:
-                    ax = monitor.heatmap(metric, direction, title=f"{metric} of tensor {what}")
+                    title = f"{metric} of tensor {what}"
+                    ax = scale_heatmap(table, metric, direction, title=title)
                 except MonitorError:  # no records in that direction (e.g. forward-only)
                     continue
                 figure = cast("Figure", ax.figure)
@@ -304,6 +319,19 @@ class ScaleMonitorCallback(TrainerCallback):
                 import matplotlib.pyplot as plt
 
                 plt.close(figure)
+
+    def model_table(self) -> pd.DataFrame:
+        """The monitor's table without the Trainer's own arguments (``TRAINER_ARGUMENTS``):
+        what the CSV and heatmaps show.
+
+        Raises:
+            IntegrationError: before training started (no monitor yet).
+        """
+        if self.monitor is None:
+            raise IntegrationError("ScaleMonitorCallback.model_table: call trainer.train() first")
+        table = self.monitor.table()
+        trainer_input = (table["op"] == "input") & table["tensor"].isin(TRAINER_ARGUMENTS)
+        return table[~trainer_input].reset_index(drop=True)
 
     # -- helpers -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -2,7 +2,13 @@
 :class:`ScaleMonitor` (statistics during training, non-finite localisation)."""
 
 from ._recorder import TrackScalesPass, build_scales_graph
-from .metrics import FORMAT_KEYS, FORMAT_RANGES, Metrics
+from .metrics import (
+    FORMAT_KEYS,
+    FORMAT_RANGES,
+    STRUCTURAL_ZERO_RTOL,
+    Metrics,
+    structural_zero_fraction,
+)
 from .monitor import (
     LONG_COLUMNS,
     MonitorError,
@@ -22,6 +28,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "FORMAT_RANGES",
     "METRIC_NAMES",
     "Metrics",
+    "STRUCTURAL_ZERO_RTOL",
+    "structural_zero_fraction",
     # recording
     "TrackScalesPass",
     "build_scales_graph",

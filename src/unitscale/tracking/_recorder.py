@@ -41,6 +41,7 @@ from ..capture import (
     is_float_node,
     iter_tensors,
     module_path_of,
+    readable_name,
     trace_eagerly,
     warn_user,
 )
@@ -729,6 +730,7 @@ def _build(
     plan: list[_PlanEntry] = []
     last_outputs: Any = ()
     input_names: set[str] = set()
+    function_names: set[str] = set()  # names of ops of inlined functions, kept unique
 
     for k, invocation in enumerate(trace):
         piece = invocation.piece
@@ -799,7 +801,7 @@ def _build(
                 # a graph break) has no module stack: it belongs to that frame's module.
                 path = module_path_of(node, module_names) or piece.frame_module or ""
                 _set_meta(new, node, k, relocate(path))
-                new.meta["clean_name"] = new.name
+                new.meta["clean_name"] = _function_scoped(node, new.name, function_names)
                 new.meta["requires_grad"] = False
                 env[node] = new
                 slot = slots.get(node.name)
@@ -817,6 +819,20 @@ def _build(
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
     _read_stats(pending, (group, replicated) if distributed else None)
     return graph, plan
+
+
+def _function_scoped(node: fx.Node, name: str, taken: set[str]) -> str:
+    """``name``, or for an op of an inlined function its readable ``function.variable``
+    name (:func:`unitscale.capture.readable_name`) made unique with a ``_1``, ``_2`` suffix."""
+    readable = readable_name(node, name)
+    if readable == name:
+        return name
+    unique, count = readable, 0
+    while unique in taken:
+        count += 1
+        unique = f"{readable}_{count}"
+    taken.add(unique)
+    return unique
 
 
 def _invocation_kinds(

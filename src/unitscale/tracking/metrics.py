@@ -41,7 +41,15 @@ from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
 from ._cpu_stats import SMALL, Pending, SmallBatch, cpu_stats, native_stats
 
-__all__ = ["FORMAT_KEYS", "FORMAT_RANGES", "Metrics", "stats_to_data", "tensor_stats"]
+__all__ = [
+    "FORMAT_KEYS",
+    "FORMAT_RANGES",
+    "STRUCTURAL_ZERO_RTOL",
+    "Metrics",
+    "stats_to_data",
+    "structural_zero_fraction",
+    "tensor_stats",
+]
 
 #: ``key -> (smallest positive subnormal, largest finite value)`` of the formats whose
 #: under/overflow tracking reports: the presets of :mod:`unitscale.formats`.
@@ -55,6 +63,37 @@ _OVERFLOW_ABOVE = tuple(rng[1] for rng in FORMAT_RANGES.values())
 # Layout of the vector produced by tensor_stats (after the format counts).
 _FIELDS = ("sum_abs", "mean", "var", "abs_max", "abs_min", "nan_count", "inf_count")
 _N_STATS = len(_FIELDS) + 2 * len(FORMAT_KEYS)
+
+
+#: A non-zero element is a *structural zero* when ``|x| <= STRUCTURAL_ZERO_RTOL * rms(x)``:
+#: a value about 8 float32 roundings (2**-23 each) below the tensor's own scale is what
+#: rounding leaves of a quantity that is mathematically zero (the gradient of an attention
+#: key's bias, which softmax cancels: 1e-6 against 2.8 for the query's), not a signal a
+#: low-precision format could lose.
+STRUCTURAL_ZERO_RTOL = 2.0**-20
+
+
+def structural_zero_fraction(x: Tensor) -> float:
+    """The fraction of the elements of ``x`` that are structural zeros: non-zero, and at
+    most :data:`STRUCTURAL_ZERO_RTOL` times the root mean square of ``x``.
+
+    Exact zeros are not counted (they are not underflow either). Where the threshold lies
+    below a format's underflow bound, every structural zero underflows, so the fraction of
+    values at risk of underflow is ``max(0, underflow - structural)``; where it lies above,
+    every underflowing value is a structural zero and that difference is 0 as well.
+
+    Example:
+        >>> g = torch.tensor([3.0, -2.0, 1e-7, 0.0])  # rms 1.8: 1e-7 is rounding noise
+        >>> structural_zero_fraction(g)
+        0.25
+    """
+    if x.numel() == 0:
+        return 0.0
+    with torch.no_grad():
+        magnitude = x.detach().abs().double()
+        rms = magnitude.square().mean().sqrt()
+        noise = (magnitude > 0) & (magnitude <= STRUCTURAL_ZERO_RTOL * rms)
+        return float(noise.sum()) / x.numel()
 
 
 def _count(mask: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from .._lazy_dynamo import is_optimized_module
 from ..capture import GraphPass, Stage, TransformedModule, iter_tensors
-from ..errors import UnitScaleError
+from ..errors import MonitorError, UnitScaleError
 from . import _distributed
 from ._recorder import TrackScalesPass
 from .metrics import Metrics
@@ -79,10 +79,6 @@ LONG_COLUMNS: tuple[str, ...] = (
 )
 
 OnNonFinite = Literal["warn", "raise", "ignore"]
-
-
-class MonitorError(UnitScaleError, ValueError):
-    """A :class:`ScaleMonitor` was built or used the wrong way."""
 
 
 class NonFiniteWarning(RuntimeWarning):
