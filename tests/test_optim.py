@@ -33,7 +33,9 @@ def expected_scale(name: str, param: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
 def test_each_parameter_gets_its_rule(optimiser: type[torch.optim.Optimizer]) -> None:
-    model = us.TransformerDecoder(64, depth=4, heads=4, vocab_size=100, bias=True, mup=True)
+    model = us.TransformerDecoder(
+        64, depth=4, heads=4, vocab_size=100, bias=True, trainable_norms=True
+    )
     opt = optimiser(model.parameters(), lr=0.5)  # type: ignore[call-arg]
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     assert len(lr_of) == len(list(model.parameters()))
