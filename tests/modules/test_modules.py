@@ -175,9 +175,7 @@ def _case(name: str, shape: str) -> tuple[nn.Module, Callable[[], Tensor], tuple
         return us.MHSA(hidden, heads, constraint=None, mup=False), make, (), 4
     assert name == "TransformerLayer"
     return (
-        us.TransformerLayer(
-            hidden, heads, attn_tau=0.3, mlp_tau=0.3, constraint=None, mup=False
-        ),
+        us.TransformerLayer(hidden, heads, attn_tau=0.3, mlp_tau=0.3, constraint=None, mup=False),
         make,
         (),
         4,

@@ -155,15 +155,15 @@ def linear_readout(
     ``mup=True`` (default) is u-μP's readout (paper, Table 3 / Section 4: μP's ``1/fan_in``
     output multiplier, the rest unit-scaled), described below. ``mup=False`` is plain unit
     scaling: the same op and ideal scales as :func:`linear`; only the default constraint
-    differs. The backward pass of the whole network starts here, so ``to_grad_input_scale`` keeps the
-    gradient that enters the network unit (``1/sqrt(fan_out)`` for both directions, a true
-    gradient), and lets the output (the logits) take std ``sqrt(fan_in / fan_out)``: below 1
-    when the vocabulary is larger than the hidden size, so the initial predictions are close
-    to uniform. Weight and bias gradients are scaled by ``1/sqrt(batch)`` as in
-    :func:`linear`.
+    differs. The backward pass of the whole network starts here, so
+    ``to_grad_input_scale`` keeps the gradient that enters the network unit
+    (``1/sqrt(fan_out)`` for both directions, a true gradient), and lets the output (the
+    logits) take std ``sqrt(fan_in / fan_out)``: below 1 when the vocabulary is larger than
+    the hidden size, so the initial predictions are close to uniform. Weight and bias
+    gradients are scaled by ``1/sqrt(batch)`` as in :func:`linear`.
 
-    u-μP (``mup=True``): output multiplier ``1/fan_in`` (μP's, not unit
-    scaling's ``1/sqrt(fan_in)``) and input-gradient scale ``1/sqrt(fan_out)``, untied
+    u-μP (``mup=True``): output multiplier ``1/fan_in`` (μP's, not unit scaling's
+    ``1/sqrt(fan_in)``) and input-gradient scale ``1/sqrt(fan_out)``, untied
     (``constraint`` is not used). The readout's input is correlated with its weight after
     a few steps (the body learns along ``W^T``), so ``W x`` grows like ``fan_in``, not
     ``sqrt(fan_in)``: only a ``1/fan_in`` multiplier keeps the logits' *change* independent
