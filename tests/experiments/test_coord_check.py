@@ -3,7 +3,7 @@ depth; the standard parametrisation does not.
 
 Setup (both parametrisations): a fixed batch of 4 x 32 tokens, vocabulary 128, heads of
 width 32, 3 optimiser steps at one learning rate for every size. u-μP:
-``TransformerDecoder(mup=True)`` with ``unitscale.optim.AdamW(lr=0.3)``. Standard
+``TransformerDecoder()`` (u-μP by default) with ``unitscale.optim.AdamW(lr=0.3)``. Standard
 parametrisation: :class:`unitscale.models.PlainGPT` (GPT-2's N(0, 0.02) initialisation) with
 ``torch.optim.AdamW(lr=1e-2)``.
 
@@ -42,8 +42,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def umup_records(widths: list[int], depths: list[int], layers: Any) -> list[dict[str, Any]]:
     return coord_data(
-        lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB, mup=True),
-        lambda m: us.optim.AdamW(m.parameters(), lr=0.3),
+        lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB),
+        lambda m: us.optim.AdamW(m.parameters(), lr=0.3, weight_decay=0.0),
         lambda m, b: m(*b),
         _batch(),
         widths,
