@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..constraints import apply_constraint
 from ..scale import scale_bwd, scale_fwd_bwd
-from ._nonlinear import Constraint, _finish, _prescale, _reject, _rsqrt, _single
+from ._base import Constraint, _finish, _prescale, _reject, _rsqrt, _single
 from ._shared import broadcast_along_batch, shared_rsqrt, shared_size
 
 # --------------------------------------------------------------------------------------------
