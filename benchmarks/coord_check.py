@@ -3,9 +3,10 @@
 Collects :func:`unitscale.coord_check.coord_data` for three setups, each trained a few steps
 at one learning rate for every size, on one fixed batch (4 x 32 tokens, vocabulary 256):
 
-* ``u-muP``: ``unitscale.TransformerDecoder(mup=True)`` + ``unitscale.optim.AdamW(lr=0.3)``;
+* ``u-muP``: ``unitscale.TransformerDecoder()`` (u-μP by default) +
+  ``unitscale.optim.AdamW(lr=0.3, weight_decay=0)``;
 * ``unit-scaled + torch AdamW``: the unit-scaled decoder without u-μP
-  (``TransformerDecoder()``) + ``torch.optim.AdamW(lr=0.01)``;
+  (``TransformerDecoder(mup=False)``) + ``torch.optim.AdamW(lr=0.01)``;
 * ``SP``: the standard parametrisation, :class:`unitscale.models.PlainGPT` (GPT-2 init) +
   ``torch.optim.AdamW(lr=0.01)``;
 
@@ -57,12 +58,12 @@ def collect(steps: int) -> list[dict[str, Any]]:
     """Coordinate-check records of every setup, each tagged with ``setup`` and ``column``."""
     setups: dict[str, tuple[Any, Any, Any]] = {
         "u-muP": (
-            lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB, mup=True),
-            lambda m: us.optim.AdamW(m.parameters(), lr=0.3),
+            lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB),
+            lambda m: us.optim.AdamW(m.parameters(), lr=0.3, weight_decay=0.0),
             lambda m, b: m(*b),
         ),
         "unit-scaled + torch AdamW": (
-            lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB),
+            lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB, mup=False),
             lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
             lambda m, b: m(*b),
         ),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +23,11 @@ from unitscale.optim import (
 )
 
 
+def effective_lrs(opt: torch.optim.Optimizer) -> dict[int, float]:
+    """Parameter id -> the rate it steps at: its group's base ``lr`` times ``lr_scale``."""
+    return {id(p): g["lr"] * g["lr_scale"] for g in opt.param_groups for p in g["params"]}
+
+
 def expected_scale(name: str, param: torch.Tensor) -> float:
     """The rule, written out independently of the implementation."""
     depth = getattr(param, "mup_scaling_depth", None) or 1
@@ -33,9 +41,11 @@ def expected_scale(name: str, param: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
 def test_each_parameter_gets_its_rule(optimiser: type[torch.optim.Optimizer]) -> None:
-    model = us.TransformerDecoder(64, depth=4, heads=4, vocab_size=100, bias=True, mup=True)
+    model = us.TransformerDecoder(
+        64, depth=4, heads=4, vocab_size=100, bias=True, trainable_norms=True
+    )
     opt = optimiser(model.parameters(), lr=0.5)  # type: ignore[call-arg]
-    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    lr_of = effective_lrs(opt)
     assert len(lr_of) == len(list(model.parameters()))
     for name, param in model.named_parameters():
         assert lr_of[id(param)] == pytest.approx(0.5 * expected_scale(name, param)), name
@@ -62,7 +72,7 @@ def test_untagged_parameter_is_an_error_naming_it() -> None:
     with pytest.raises(UntaggedParameterError, match=r"allow_untagged=True"):
         SGD(model.parameters(), lr=0.1)
     opt = Adam(model.parameters(), lr=0.1, allow_untagged=True)
-    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    lr_of = effective_lrs(opt)
     assert lr_of[id(model[1].weight)] == 0.1 and lr_of[id(model[0].weight)] == 0.05
 
 
@@ -76,14 +86,16 @@ def test_group_dicts_keep_their_options() -> None:
         lr=4.0,
         betas=(0.8, 0.9),
     )
-    lrs = sorted(g["lr"] for g in opt.param_groups)
+    lrs = sorted(effective_lrs(opt).values())
     assert lrs == pytest.approx([1.0 / 4, 4.0 / 8])
     assert all(g["betas"] == (0.8, 0.9) for g in opt.param_groups)
 
 
-def _shrink_per_step(optimiser: type[torch.optim.Optimizer], lr: float, **kwargs: float) -> float:
+def _shrink_per_step(
+    optimiser: type[torch.optim.Optimizer], lr: float, fan_in: int = 64, **kwargs: float
+) -> float:
     """Relative shrink of a weight in one step with a zero gradient (decay only)."""
-    layer = us.Linear(64, 64, bias=False)
+    layer = us.Linear(fan_in, 64, bias=False, dtype=torch.float64)
     before = layer.weight.detach().clone()
     opt = optimiser(layer.parameters(), lr=lr, weight_decay=0.01, **kwargs)  # type: ignore[call-arg]
     layer.weight.grad = torch.zeros_like(layer.weight)
@@ -92,11 +104,14 @@ def _shrink_per_step(optimiser: type[torch.optim.Optimizer], lr: float, **kwargs
 
 
 @pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
-def test_independent_weight_decay_does_not_depend_on_lr(
+def test_independent_weight_decay_does_not_depend_on_the_factor(
     optimiser: type[torch.optim.Optimizer],
 ) -> None:
-    shrinks = [_shrink_per_step(optimiser, lr) for lr in (1e-3, 0.1, 10.0)]
-    assert shrinks == pytest.approx([0.01] * 3, rel=1e-4)
+    # lr * weight_decay per step, as torch's decay at the base rate, whatever the u-muP
+    # factor (here 1/sqrt(fan_in)): width does not change the decay.
+    for lr in (1e-3, 0.1, 10.0):
+        shrinks = [_shrink_per_step(optimiser, lr, fan_in) for fan_in in (16, 256)]
+        assert shrinks == pytest.approx([lr * 0.01] * 2, rel=1e-4)
 
 
 def test_coupled_weight_decay_follows_torch() -> None:
@@ -122,7 +137,7 @@ def test_scheduler_scales_independent_decay_with_the_schedule() -> None:
 @pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
 def test_mup_decoder_trains(optimiser: type[torch.optim.Optimizer]) -> None:
     model = us.TransformerDecoder(32, depth=2, heads=4, vocab_size=64, mup=True)
-    opt = optimiser(model.parameters(), lr=0.05 if optimiser is SGD else 0.3)  # type: ignore[call-arg]
+    opt = optimiser(model.parameters(), lr=0.05 if optimiser is SGD else 0.3, weight_decay=0.0)  # type: ignore[call-arg]
     tokens = torch.randint(0, 64, (8, 33))
     losses = []
     for _ in range(15):
@@ -143,3 +158,117 @@ def test_optimiser_state_dict_round_trip() -> None:
     again = AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     again.load_state_dict(opt.state_dict())
     assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+# --------------------------------------------------------------------------------------------
+# drop-in for torch.optim: positional arguments, defaults, schedulers, hand-set rates
+# --------------------------------------------------------------------------------------------
+
+TORCH_TWIN = {Adam: torch.optim.Adam, AdamW: torch.optim.AdamW, SGD: torch.optim.SGD}
+
+
+@pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
+def test_defaults_are_torchs(optimiser: type[torch.optim.Optimizer]) -> None:
+    ours = optimiser(us.Linear(4, 4).parameters())  # type: ignore[call-arg]
+    theirs = TORCH_TWIN[optimiser](nn.Linear(4, 4).parameters())  # type: ignore[index]
+    mine = {k: v for k, v in ours.defaults.items() if k != "decoupled_weight_decay"}
+    assert mine == {k: v for k, v in theirs.defaults.items() if k != "decoupled_weight_decay"}
+
+
+def test_positional_arguments_are_torchs() -> None:
+    layer = us.Linear(16, 16, bias=False)
+    sgd = SGD(layer.parameters(), 0.1, 0.9)
+    assert sgd.param_groups[0]["momentum"] == 0.9 and sgd.param_groups[0]["weight_decay"] == 0
+    # a zero gradient and no weight decay: the weight does not move (issue 26: 0.9 was
+    # taken as weight decay and the norm fell from 12.0 to 1.2)
+    before = layer.weight.detach().clone()
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    sgd.step()
+    assert torch.equal(layer.weight.detach(), before)
+    adamw = AdamW(layer.parameters(), 1e-3, (0.9, 0.95))
+    assert adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    assert (
+        adamw.param_groups[0]["weight_decay"]
+        == torch.optim.AdamW([before]).defaults["weight_decay"]
+    )
+    adam = Adam(layer.parameters(), 1e-3, (0.8, 0.9), 1e-6, 0.0, True)
+    assert adam.param_groups[0]["eps"] == 1e-6 and adam.param_groups[0]["amsgrad"]
+    with pytest.raises(TypeError):
+        SGD(layer.parameters(), 0.1, 0.9, 0.0, 0.0, False, True)  # maximize is keyword-only
+
+
+def _two_group_model() -> nn.Module:
+    return nn.Sequential(us.Linear(16, 32, bias=False), us.Linear(64 // 2, 8, bias=False))
+
+
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+    ],
+)
+def test_schedulers_keep_the_per_parameter_ratios(make_scheduler: Callable[[Any], Any]) -> None:
+    model = _two_group_model()
+    opt = SGD(model.parameters(), lr=0.4)
+    scheduler = make_scheduler(opt)
+    expected_ratio = (1 / math.sqrt(16)) / (1 / math.sqrt(32))
+    for _ in range(5):
+        for layer in model:
+            layer.weight.grad = torch.ones_like(layer.weight)
+        before = [layer.weight.detach().clone() for layer in model]
+        base = opt.param_groups[0]["lr"]
+        opt.step()
+        scheduler.step()
+        # the step moved each weight by its own rate: base * factor (SGD, unit gradient)
+        moves = [
+            (b - layer.weight.detach()).mean().item()
+            for b, layer in zip(before, model, strict=True)
+        ]
+        assert moves == pytest.approx([base / math.sqrt(16), base / math.sqrt(32)], rel=1e-5)
+        assert moves[0] / moves[1] == pytest.approx(expected_ratio, rel=1e-5)
+    assert opt.param_groups[0]["lr"] < 0.4  # the schedule did act
+
+
+def test_hand_set_lr_keeps_the_per_parameter_scales() -> None:
+    model = _two_group_model()
+    opt = SGD(model.parameters(), lr=1.0)
+    for group in opt.param_groups:
+        group["lr"] = 0.05
+    for layer in model:
+        layer.weight.grad = torch.ones_like(layer.weight)
+    before = [layer.weight.detach().clone() for layer in model]
+    opt.step()
+    moves = [
+        (b - layer.weight.detach()).mean().item() for b, layer in zip(before, model, strict=True)
+    ]
+    assert moves == pytest.approx([0.05 / math.sqrt(16), 0.05 / math.sqrt(32)], rel=1e-5)
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.05]  # the step restores them
+
+
+@pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
+def test_step_equals_torch_with_per_parameter_groups(
+    optimiser: type[torch.optim.Optimizer],
+) -> None:
+    torch.manual_seed(0)
+    model = us.TransformerDecoder(32, depth=2, heads=4, vocab_size=50, trainable_norms=True)
+    twin = copy.deepcopy(model)
+    ours = optimiser(model.parameters(), 0.3, weight_decay=0.01)  # type: ignore[call-arg]
+    # torch's class with one group per parameter at lr * factor, decay / factor
+    rule = lr_scale_func_sgd if optimiser is SGD else lr_scale_func_adam
+    extra = {} if optimiser is not Adam else {"decoupled_weight_decay": True}
+    theirs = TORCH_TWIN[optimiser](  # type: ignore[index]
+        [
+            {"params": [p], "lr": 0.3 * rule(p), "weight_decay": 0.01 / rule(p)}
+            for p in twin.parameters()
+        ],
+        **extra,
+    )
+    ids = torch.randint(0, 50, (2, 17))
+    for _ in range(3):
+        for net, opt in ((model, ours), (twin, theirs)):
+            opt.zero_grad()
+            net(ids[:, :-1], ids[:, 1:]).backward()
+            opt.step()
+    for (name, mine), theirs_p in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs_p, msg=name)

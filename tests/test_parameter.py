@@ -69,7 +69,7 @@ def test_every_module_tags_its_parameters(name: str) -> None:
 
 
 def test_decoder_tags_types_and_depth() -> None:
-    model = us.TransformerDecoder(8, depth=3, heads=2, vocab_size=10)
+    model = us.TransformerDecoder(8, depth=3, heads=2, vocab_size=10, trainable_norms=True)
     found = tags(model)
     assert found["embedding.weight"] == ("weight", None)
     assert found["readout.weight"] == ("output", None)
@@ -211,7 +211,9 @@ def test_unit_scale_tags_a_transformers_model() -> None:
     model = unit_scale(transformers.GPT2LMHeadModel(config))
     found = tags(model)
     assert_all_tagged(model)
-    assert found["transformer.wte.weight"][0] == "output"  # tied to lm_head
+    # unit_scale unties lm_head from wte: u-muP's readout and embedding differ
+    assert found["transformer.wte.weight"] == ("weight", None)
+    assert found["lm_head.weight"] == ("output", None)
     assert found["transformer.h.1.attn.c_attn.weight"] == ("weight", 3)
     assert found["transformer.h.0.ln_1.weight"] == ("norm", 3)
     assert found["transformer.ln_f.bias"] == ("bias", None)
@@ -267,3 +269,15 @@ def test_depth_containers_set_depth_and_follow_appends() -> None:
     seq.append(nn.Linear(4, 4))
     assert {d for _, d in tags(seq).values()} == {3}
     assert torch.equal(seq(torch.ones(1, 4)), seq[2](seq[1](seq[0](torch.ones(1, 4)))))
+
+
+def test_plain_readout_is_not_tagged_as_a_mup_readout() -> None:
+    # A plain unit-scaled readout (1/sqrt(fan_in)) is applied like a hidden weight: u-muP
+    # optimisers must give it the weight rule, not the u-muP readout's lr x 1.
+    plain = us.TransformerDecoder(8, depth=2, heads=2, vocab_size=10, mup=False)
+    assert plain.readout.weight.mup_type == "weight"  # type: ignore[attr-defined]
+    opt = us.optim.AdamW(plain.parameters(), lr=1.0)
+    lr_of = {id(p): g["lr"] * g.get("lr_scale", 1.0) for g in opt.param_groups for p in g["params"]}
+    assert lr_of[id(plain.readout.weight)] == pytest.approx(1 / 8**0.5)
+    mup = us.TransformerDecoder(8, depth=2, heads=2, vocab_size=10)
+    assert mup.readout.weight.mup_type == "output"  # type: ignore[attr-defined]

@@ -121,9 +121,9 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """FSDP2's ``torch.distributed.fsdp.fully_shard(module, **kwargs)``, keeping u-μP tags.
 
     ``fully_shard`` replaces each parameter by a sharded ``DTensor`` parameter, which does
-    not carry the original's attributes; this copies ``mup_type`` and
-    ``mup_scaling_depth`` onto the new parameters by name, so ``unitscale.optim`` works on
-    the sharded model (fan-ins are read from the global shape). Gradients need nothing
+    not carry the original's attributes; this copies ``mup_type``, ``mup_scaling_depth``
+    (and ``fan_in_dim`` where set) onto the new parameters by name, so ``unitscale.optim``
+    works on the sharded model (fan-ins are read from the global shape). Gradients need nothing
     more: FSDP2's reduce-scatter averages them, as unit-scaled ops expect.
 
     Args:
@@ -138,12 +138,14 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     except ImportError:  # pragma: no cover - torch < 2.6 kept it private
         from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
     tags = {
-        name: (param.mup_type, param.mup_scaling_depth)  # type: ignore[attr-defined]
+        name: (param.mup_type, param.mup_scaling_depth, getattr(param, "fan_in_dim", None))  # type: ignore[attr-defined]
         for name, param in module.named_parameters()
         if has_mup_tags(param)
     }
     sharded: Any = torch_fully_shard(module, **kwargs)
     for name, param in module.named_parameters():
         if name in tags:
-            param.mup_type, param.mup_scaling_depth = tags[name]  # type: ignore[attr-defined]
+            param.mup_type, param.mup_scaling_depth, fan_in_dim = tags[name]  # type: ignore[attr-defined]
+            if fan_in_dim is not None:
+                param.fan_in_dim = fan_in_dim  # type: ignore[attr-defined]
     return sharded

@@ -9,26 +9,35 @@ found on a small model is the best one for a large model.
 Fan-in: for a weight, ``prod(shape[1:])``: an ``nn.Linear`` weight's ``in_features``, a
 convolution's ``in_channels/groups * kernel``, and an embedding's ``embedding_dim`` (for an
 embedding this is the width it writes, which gives u-μP's embedding rule, see
-:func:`lr_scale_func_adam`).
+:func:`lr_scale_func_adam`). A weight stored ``(in, out)`` (transformers' ``Conv1D``) says
+so with the attribute ``fan_in_dim = 0``, which :func:`unitscale.unit_scale` sets.
 
-How it works: :func:`scaled_parameters` turns the parameters into torch parameter groups,
-one per distinct learning rate, so the optimisers are torch's own (``foreach``/``fused``
-included) and a step costs the same as torch's. Weight decay is *independent* of the learning
-rate by default: each group's ``weight_decay`` is divided by its learning rate, so that
-torch's decoupled update ``p -= lr_group * wd_group * p`` shrinks every parameter by
-``weight_decay`` per step whatever ``lr`` and the rule are (and a learning-rate schedule,
-which multiplies ``lr_group``, scales the decay with it, as it should: Wortsman et al. 2023).
+How it works: :class:`Adam`, :class:`AdamW` and :class:`SGD` are torch's classes with the
+same positional arguments and defaults (bound against torch's own signature). The parameters
+are put into torch parameter groups, one per distinct rule factor: each group's ``"lr"`` is
+the *base* learning rate, its ``"lr_scale"`` the factor, and ``step()`` runs torch's step with
+``lr * lr_scale``. So a learning-rate scheduler, or a hand-written ``group["lr"] = ...``,
+sets the base rate and every parameter keeps its ratio to it. The optimiser state and
+``state_dict`` are torch's (``foreach``/``fused`` included).
 
-Design constraints: drop-in for ``torch.optim``'s classes (same positional arguments,
-``state_dict`` and schedulers work); a parameter without tags is an error naming it unless
-``allow_untagged=True`` (then it gets ``lr`` unscaled).
+Weight decay is *independent of the u-μP factor* by default: every parameter shrinks by
+``lr * weight_decay`` per step (``lr`` the base rate, as scheduled), whatever its factor, as
+torch's decoupled decay shrinks a parameter trained at the base rate; so the decay does not
+change with width or depth when the factors do. ``step()`` passes torch
+``weight_decay / lr_scale`` for that (``group["weight_decay"]`` shows the value given).
+``independent_weight_decay=False``: torch's coefficient on the parameter's own rate.
+
+Design constraints: drop-in for ``torch.optim``'s classes (same positional arguments and
+defaults, ``state_dict`` and schedulers work); a parameter without tags is an error naming
+it unless ``allow_untagged=True`` (then it gets ``lr`` unscaled).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -57,7 +66,11 @@ class UntaggedParameterError(UnitScaleError, ValueError):
 
 
 def _fan_in(param: Tensor) -> int:
-    return math.prod(param.shape[1:]) if param.dim() >= 2 else 1
+    if param.dim() < 2:
+        return 1
+    if getattr(param, "fan_in_dim", None) == 0:  # stored (in, out): transformers' Conv1D
+        return int(param.shape[0])
+    return math.prod(param.shape[1:])
 
 
 def _depth_scale(param: Tensor) -> float:
@@ -211,9 +224,9 @@ def scaled_parameters(
         lr_scale_func: the rule, e.g. :func:`lr_scale_func_adam`.
         lr: base learning rate (required unless every group dict has one).
         weight_decay: decay per step (independent) or torch's coefficient (not).
-        independent_weight_decay: divide each group's ``weight_decay`` by its learning
-            rate, so that a decoupled optimiser (AdamW, SGD without momentum) shrinks every
-            parameter by ``weight_decay`` per step whatever its learning rate.
+        independent_weight_decay: divide each group's ``weight_decay`` by its factor, so
+            that a decoupled optimiser (AdamW, SGD without momentum) shrinks every
+            parameter by ``lr * weight_decay`` per step whatever its u-μP factor.
         allow_untagged: give untagged parameters the base ``lr`` instead of raising.
 
     Returns:
@@ -246,7 +259,7 @@ def scaled_parameters(
             group_lr = float(base_lr) * scale
             decay = float(base_decay)
             if independent_weight_decay and decay:
-                decay = decay / group_lr if group_lr else 0.0
+                decay = decay / scale if scale else 0.0
             key = (group_lr, decay, *sorted((k, repr(v)) for k, v in options.items()))
             if key not in out:
                 out[key] = {"params": [], "lr": group_lr, "weight_decay": decay, **options}
@@ -254,140 +267,162 @@ def scaled_parameters(
     return list(out.values())
 
 
-def _groups(
+def _mup_groups(
     params: Iterable[Any],
-    lr: float,
-    weight_decay: float,
+    lr_scale_func: LRScaleFunc,
+    lr: Any,
+    weight_decay: Any,
     independent_weight_decay: bool,
     allow_untagged: bool,
-    lr_scale_func: LRScaleFunc,
 ) -> list[dict[str, Any]]:
-    return scaled_parameters(
-        params, lr_scale_func, lr, weight_decay, independent_weight_decay, allow_untagged
-    )
+    """Groups of one factor each: ``"lr"`` the base rate, ``"lr_scale"`` the factor."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for group in _named(params):
+        options = {k: v for k, v in group.items() if k != "params"}
+        options.setdefault("independent_weight_decay", independent_weight_decay)
+        for name, param in group["params"]:
+            if has_mup_tags(param):
+                scale = float(lr_scale_func(param))
+            elif allow_untagged:
+                scale = 1.0
+            else:
+                raise _untagged(param, None if name.startswith("#") else name)
+            key = (scale, *sorted((k, repr(v)) for k, v in options.items()))
+            if key not in out:
+                out[key] = {"params": [], **options, "lr_scale": scale}
+            out[key]["params"].append(param)
+    return list(out.values())
 
 
-class AdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` with u-μP learning rates (:func:`lr_scale_func_adam`).
+def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's own ``step`` without the hook wrapper torch may have put on it (the subclass's
+    ``step`` gets its own, so hooks run once)."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
 
-    Args:
-        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
-        lr: base learning rate; each parameter gets ``lr * lr_scale_func_adam(p)``.
-        weight_decay: with ``independent_weight_decay`` (default) every parameter shrinks
-            by this fraction per step whatever its learning rate; otherwise torch's
-            coefficient (multiplied by the parameter's learning rate).
-        independent_weight_decay: see ``weight_decay``.
-        allow_untagged: give untagged parameters ``lr`` instead of raising.
-        kwargs: the rest of ``torch.optim.AdamW``'s arguments (betas, eps, fused...).
 
-    Raises:
-        UntaggedParameterError: a parameter has no u-μP tags.
+class _ScaledOptimizer:
+    """The u-μP part shared by :class:`Adam`, :class:`AdamW` and :class:`SGD` (a mixin in
+    front of the torch class): binding torch's arguments, the groups, the scaled step."""
 
-    Example:
-        >>> import unitscale as us
-        >>> opt = AdamW(us.Linear(64, 8, bias=False).parameters(), lr=0.8)
-        >>> opt.param_groups[0]["lr"]  # 0.8 / sqrt(64)
-        0.1
-    """
+    _torch_class: ClassVar[Any]  # the torch optimiser class this one extends
+    _rule: ClassVar[Any]  # staticmethod: the LRScaleFunc
+    param_groups: list[dict[str, Any]]
 
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        *,
+        *args: Any,
         independent_weight_decay: bool = True,
         allow_untagged: bool = False,
         **kwargs: Any,
     ) -> None:
-        groups = _groups(
-            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_adam
+        bound = inspect.signature(self._torch_class.__init__).bind(self, params, *args, **kwargs)
+        bound.apply_defaults()
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "params")}
+        lr, weight_decay = options.pop("lr"), options.pop("weight_decay")
+        if independent_weight_decay and weight_decay and "decoupled_weight_decay" in options:
+            options["decoupled_weight_decay"] = True  # Adam: see its docstring
+        groups = _mup_groups(
+            params,
+            type(self)._rule,
+            lr,
+            weight_decay,
+            independent_weight_decay,
+            allow_untagged,
         )
-        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+        self._torch_class.__init__(self, groups, lr=lr, weight_decay=weight_decay, **options)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """torch's step with each group's ``lr * lr_scale`` (and its weight decay, see the
+        module docstring); the groups' own values are restored afterwards."""
+        saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]
+        for group in self.param_groups:
+            scale = group.get("lr_scale", 1.0)
+            group["lr"] = group["lr"] * scale
+            if group.get("independent_weight_decay", False) and scale:
+                group["weight_decay"] = group["weight_decay"] / scale
+        try:
+            return _unhooked(self._torch_class.step)(self, closure)
+        finally:
+            for group, (lr, weight_decay) in zip(self.param_groups, saved, strict=True):
+                group["lr"], group["weight_decay"] = lr, weight_decay
 
 
-class Adam(torch.optim.Adam):
+_COMMON_ARGS = """
+    Same positional arguments and defaults as torch's class (bound against its signature),
+    plus two keyword-only ones:
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
+        args, kwargs: torch's arguments (``lr``, ``weight_decay``...). ``lr`` is the base
+            rate: each parameter's group has ``"lr"`` (the base, what schedulers and you
+            set) and ``"lr_scale"`` (its factor), and steps at ``lr * lr_scale``.
+        independent_weight_decay: every parameter shrinks by ``lr * weight_decay`` per step
+            whatever its factor (default); False: torch's coefficient on its own rate.
+        allow_untagged: give untagged parameters ``lr`` instead of raising.
+
+    Raises:
+        UntaggedParameterError: a parameter has no u-μP tags.
+        TypeError: arguments torch's class would refuse.
+"""
+
+
+class AdamW(_ScaledOptimizer, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with u-μP learning rates (:func:`lr_scale_func_adam`).
+    {args}
+    Example:
+        >>> import unitscale as us
+        >>> opt = AdamW(us.Linear(64, 8, bias=False).parameters(), 0.8, (0.9, 0.95))
+        >>> group = opt.param_groups[0]
+        >>> group["lr"], group["lr_scale"], group["weight_decay"]  # 1 / sqrt(64); torch's
+        (0.8, 0.125, 0.01)
+    """
+
+    _torch_class = torch.optim.AdamW
+    _rule = staticmethod(lr_scale_func_adam)
+
+
+class Adam(_ScaledOptimizer, torch.optim.Adam):
     """``torch.optim.Adam`` with u-μP learning rates (:func:`lr_scale_func_adam`).
 
     Weight decay: torch's Adam adds ``weight_decay * p`` to the gradient (L2), which Adam
-    then normalises, so no choice of coefficient makes it independent of the learning rate.
-    With ``independent_weight_decay`` (default) and a non-zero ``weight_decay``, the decay
-    is decoupled instead (``decoupled_weight_decay=True``: AdamW's update) and independent
-    as in :class:`AdamW`; with ``independent_weight_decay=False`` it is torch's L2.
-
-    Args:
-        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
-        lr: base learning rate; each parameter gets ``lr * lr_scale_func_adam(p)``.
-        weight_decay: see above.
-        independent_weight_decay: see above.
-        allow_untagged: give untagged parameters ``lr`` instead of raising.
-        kwargs: the rest of ``torch.optim.Adam``'s arguments.
-
-    Raises:
-        UntaggedParameterError: a parameter has no u-μP tags.
-
+    then normalises, so no choice of coefficient makes it independent of the factor. With
+    ``independent_weight_decay`` (default) and a non-zero ``weight_decay``, the decay is
+    decoupled instead (``decoupled_weight_decay=True``: AdamW's update) and independent as
+    in :class:`AdamW`; with ``independent_weight_decay=False`` it is torch's L2.
+    {args}
     Example:
         >>> import unitscale as us
         >>> opt = Adam(us.LayerNorm(64).parameters(), lr=0.1)
-        >>> [g["lr"] for g in opt.param_groups]
-        [0.1]
+        >>> [(g["lr"], g["lr_scale"]) for g in opt.param_groups]
+        [(0.1, 1.0)]
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        *,
-        independent_weight_decay: bool = True,
-        allow_untagged: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        groups = _groups(
-            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_adam
-        )
-        if independent_weight_decay and weight_decay:
-            kwargs["decoupled_weight_decay"] = True
-        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+    _torch_class = torch.optim.Adam
+    _rule = staticmethod(lr_scale_func_adam)
 
 
-class SGD(torch.optim.SGD):
+class SGD(_ScaledOptimizer, torch.optim.SGD):
     """``torch.optim.SGD`` with u-μP learning rates (:func:`lr_scale_func_sgd`).
 
     Weight decay: torch's SGD adds ``weight_decay * p`` to the gradient, so without momentum
-    a step shrinks ``p`` by ``lr_group * weight_decay``; with ``independent_weight_decay``
-    (default) each group's coefficient is divided by its learning rate, so every parameter
-    shrinks by ``weight_decay`` per step (with momentum, the decay is also accumulated).
-
-    Args:
-        params: parameters, ``(name, parameter)`` pairs or group dicts, all u-μP-tagged.
-        lr: base learning rate; each parameter gets ``lr * lr_scale_func_sgd(p)``.
-        weight_decay: see above.
-        independent_weight_decay: see above.
-        allow_untagged: give untagged parameters ``lr`` instead of raising.
-        kwargs: the rest of ``torch.optim.SGD``'s arguments (momentum, nesterov...).
-
-    Raises:
-        UntaggedParameterError: a parameter has no u-μP tags.
-
+    a step shrinks ``p`` by ``lr * lr_scale * weight_decay``; with
+    ``independent_weight_decay`` (default) the coefficient is divided by the factor, so
+    every parameter shrinks by ``lr * weight_decay`` per step (with momentum, the decay is
+    also accumulated).
+    {args}
     Example:
         >>> import unitscale as us
-        >>> opt = SGD(us.Linear(16, 8, bias=False).parameters(), lr=1.0)
-        >>> opt.param_groups[0]["lr"]
-        0.25
+        >>> opt = SGD(us.Linear(16, 8, bias=False).parameters(), 1.0, 0.9)  # momentum 0.9
+        >>> group = opt.param_groups[0]
+        >>> group["lr"] * group["lr_scale"], group["momentum"], group["weight_decay"]
+        (0.25, 0.9, 0)
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        *,
-        independent_weight_decay: bool = True,
-        allow_untagged: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        groups = _groups(
-            params, lr, weight_decay, independent_weight_decay, allow_untagged, lr_scale_func_sgd
-        )
-        super().__init__(groups, lr=lr, weight_decay=weight_decay, **kwargs)
+    _torch_class = torch.optim.SGD
+    _rule = staticmethod(lr_scale_func_sgd)
+
+
+for _optimiser in (AdamW, Adam, SGD):
+    _optimiser.__doc__ = (_optimiser.__doc__ or "").replace("{args}", _COMMON_ARGS)
+del _optimiser

@@ -63,11 +63,27 @@ def _check_tags(mup_type: object, mup_scaling_depth: object) -> None:
         )
 
 
+#: Optional attribute: the dimension of a weight that is its fan-in, where it is not the
+#: last (``0`` for a weight stored ``(in, out)``, as transformers' ``Conv1D`` stores it);
+#: :mod:`unitscale.optim` reads it. Kept by deepcopy and pickle like the tags.
+FAN_IN_DIM = "fan_in_dim"
+
+
 def _rebuild(
-    data: Tensor, requires_grad: bool, mup_type: str, mup_scaling_depth: int | None
+    data: Tensor,
+    requires_grad: bool,
+    mup_type: str,
+    mup_scaling_depth: int | None,
+    extra: dict[str, Any] | None = None,
 ) -> Parameter:
     """Unpickle a :class:`Parameter` (module level, so that pickle can find it)."""
-    return Parameter(data, mup_type, mup_scaling_depth, requires_grad)
+    param = Parameter(data, mup_type, mup_scaling_depth, requires_grad)
+    param.__dict__.update(extra or {})
+    return param
+
+
+def _extra(param: Tensor) -> dict[str, Any]:
+    return {FAN_IN_DIM: param.__dict__[FAN_IN_DIM]} if FAN_IN_DIM in param.__dict__ else {}
 
 
 class Parameter(nn.Parameter):
@@ -122,11 +138,15 @@ class Parameter(nn.Parameter):
             self.mup_scaling_depth,
             self.requires_grad,
         )
+        result.__dict__.update(_extra(self))
         memo[id(self)] = result
         return result
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        return (_rebuild, (self.data, self.requires_grad, self.mup_type, self.mup_scaling_depth))
+        return (
+            _rebuild,
+            (self.data, self.requires_grad, self.mup_type, self.mup_scaling_depth, _extra(self)),
+        )
 
     def __repr__(self) -> str:  # type: ignore[override]
         depth = f", mup_scaling_depth={self.mup_scaling_depth}" if self.mup_scaling_depth else ""
@@ -255,20 +275,24 @@ def tag_module(
     return module
 
 
-def tag_model(module: nn.Module) -> nn.Module:
+def tag_model(module: nn.Module, output: Tensor | str | None = "find") -> nn.Module:
     """Tag a whole model for u-μP in place, finding its readout and residual stack.
 
-    What :func:`unitscale.transforms.unit_scale` calls on the model it returns. Rules:
-    parameters that already carry tags keep them; the readout is the weight of
+    What :func:`unitscale.transforms.unit_scale` calls on the model it returns (passing the
+    readout it made, or None with ``mup=False``). Rules: parameters that already carry tags
+    keep them; the readout (``"output"``) is ``output``, or with ``"find"`` the weight of
     ``module.get_output_embeddings()`` when the model has that method (transformers
     models: ``lm_head``; a weight tied to the input embedding is then ``"output"`` too), and
-    no weight otherwise (tag it yourself with :func:`tag_parameter`); every other parameter
+    no weight otherwise (tag it yourself with :func:`tag_parameter`). Tag ``"output"`` only
+    a weight applied as u-μP's readout (multiplier ``1/fan_in``); a head applied as a
+    unit-scaled linear is a ``"weight"``. Every other parameter
     gets :func:`infer_mup_type`'s type. An ``nn.ModuleList`` of two or more blocks of one
     class (transformers' ``model.layers``, GPT-2's ``h``) is taken as the residual stack:
     its parameters get ``mup_scaling_depth = len(list)`` unless they already have a depth.
 
     Args:
         module: the model.
+        output: the readout weight, None for none, or ``"find"`` (above).
 
     Returns:
         ``module``.
@@ -285,12 +309,17 @@ def tag_model(module: nn.Module) -> nn.Module:
         >>> net.blocks[0].weight.mup_scaling_depth, net.head.weight.mup_type
         (3, 'output')
     """
-    output = None
-    get_output = getattr(module, "get_output_embeddings", None)
-    if callable(get_output):
-        head = get_output()
-        weight = getattr(head, "weight", None)
-        output = weight if isinstance(weight, nn.Parameter) else None
+    if isinstance(output, str):
+        if output != "find":
+            raise ParameterTagError(
+                f"unitscale.parameter.tag_model: output={output!r}; pass the readout weight, "
+                "None or 'find'"
+            )
+        output = None
+        get_output = getattr(module, "get_output_embeddings", None)
+        if callable(get_output):
+            weight = getattr(get_output(), "weight", None)
+            output = weight if isinstance(weight, nn.Parameter) else None
     tag_module(module, output=output)
     for sub in module.modules():
         if type(sub) is nn.ModuleList and len(sub) > 1 and len({type(block) for block in sub}) == 1:

@@ -3,7 +3,7 @@ depth; the standard parametrisation does not.
 
 Setup (both parametrisations): a fixed batch of 4 x 32 tokens, vocabulary 128, heads of
 width 32, 3 optimiser steps at one learning rate for every size. u-μP:
-``TransformerDecoder(mup=True)`` with ``unitscale.optim.AdamW(lr=0.3)``. Standard
+``TransformerDecoder()`` (u-μP by default) with ``unitscale.optim.AdamW(lr=0.3)``. Standard
 parametrisation: :class:`unitscale.models.PlainGPT` (GPT-2's N(0, 0.02) initialisation) with
 ``torch.optim.AdamW(lr=1e-2)``.
 
@@ -42,8 +42,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def umup_records(widths: list[int], depths: list[int], layers: Any) -> list[dict[str, Any]]:
     return coord_data(
-        lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB, mup=True),
-        lambda m: us.optim.AdamW(m.parameters(), lr=0.3),
+        lambda w, d: us.TransformerDecoder(w, d, w // 32, VOCAB),
+        lambda m: us.optim.AdamW(m.parameters(), lr=0.3, weight_decay=0.0),
         lambda m, b: m(*b),
         _batch(),
         widths,
@@ -108,3 +108,101 @@ def test_umup_is_flat_across_depth(single_thread: None) -> None:
         assert spread(last_block) < FLAT, (key, last_block)
         for layer in ("embedding", "readout"):
             assert spread(final(records, layer, key)) < FLAT, (layer, key)
+
+
+# --------------------------------------------------------------------------------------------
+# the logits' change after 10 AdamW steps at lr 2^-6, width 256 over width 64 (issue 26)
+# --------------------------------------------------------------------------------------------
+
+LOGIT_STEPS, LOGIT_LR, LOGIT_WIDTHS = 10, 2.0**-6, (64, 256)
+# u-muP: the logits move the same at every width (the issue's band). Measured here (256 over
+# 64): 0.97 default decoder, 0.75 unit_scale(Llama), 0.80 unit_scale(GPT-2); before issue 26's
+# changes unit_scale gave 1.44 and 1.36. Controls with torch's AdamW: plain unit scaling 2.55,
+# standard Llama 2.81.
+TRANSFER_BAND = (0.5, 1.3)
+
+
+def _llama(width: int) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+        num_attention_heads=width // 32, num_key_value_heads=width // 32,
+        max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2(width: int) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=width, n_layer=2, n_head=width // 32, n_positions=SEQ,
+        attn_implementation="sdpa", bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def logit_change(make: Any, make_optimiser: Any, width: int, steps: int = LOGIT_STEPS) -> float:
+    """rms of the logits' change on a fixed batch after ``steps`` steps on it."""
+    torch.manual_seed(0)
+    model = make(width)
+    optimiser = make_optimiser(model)
+    inputs, labels = _batch()
+    with torch.no_grad():
+        first = _logits(model, inputs)
+    for _ in range(steps):
+        optimiser.zero_grad()
+        logits = _logits(model, inputs)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        optimiser.step()
+    with torch.no_grad():
+        return (_logits(model, inputs) - first).pow(2).mean().sqrt().item()
+
+
+def _umup_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return us.optim.AdamW(model.parameters(), LOGIT_LR, weight_decay=0.0)
+
+
+def _torch_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), LOGIT_LR, weight_decay=0.0)
+
+
+def _unit_scaled(make: Any) -> Any:
+    from unitscale.transforms import unit_scale
+
+    return lambda width: unit_scale(make(width))
+
+
+COORD_MODELS = {
+    "default decoder": (lambda w: us.TransformerDecoder(w, 2, w // 32, VOCAB), _umup_adamw),
+    "unit_scale(llama)": (_unit_scaled(_llama), _umup_adamw),
+    "unit_scale(gpt2)": (_unit_scaled(_gpt2), _umup_adamw),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COORD_MODELS))
+def test_logit_change_does_not_depend_on_width(name: str, single_thread: None) -> None:
+    make, make_optimiser = COORD_MODELS[name]
+    small, large = (logit_change(make, make_optimiser, w) for w in LOGIT_WIDTHS)
+    assert TRANSFER_BAND[0] < large / small < TRANSFER_BAND[1], (small, large)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: us.TransformerDecoder(w, 2, w // 32, VOCAB, mup=False),  # unit scaling only
+        _llama,  # the standard parametrisation
+    ],
+    ids=["plain unit scaling", "standard llama"],
+)
+def test_logit_change_control_fails_the_band(make: Any, single_thread: None) -> None:
+    # With torch's AdamW (one rate for all), the logits' change grows with width: the
+    # coordinate check above can fail (measured 2.55x and 2.81x, 64 -> 256).
+    small, large = (logit_change(make, _torch_adamw, w) for w in LOGIT_WIDTHS)
+    assert large / small > TRANSFER_BAND[1], (small, large)

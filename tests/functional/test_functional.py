@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,7 +185,11 @@ def test_matmul_unit_scale_with_broadcasting(left: tuple[int, ...], right: tuple
         assert_unit(grad, TOL, "grad")
 
 
-@pytest.mark.parametrize("op", [U.linear, U.linear_readout])
+def _plain_readout(*args: Any, **kwargs: Any) -> Tensor:
+    return U.linear_readout(*args, mup=False, **kwargs)
+
+
+@pytest.mark.parametrize("op", [U.linear, _plain_readout])
 @pytest.mark.parametrize(
     ("fan_in", "fan_out", "batch"), [(16, 512, (256,)), (512, 16, (256,)), (128, 128, (4, 64))]
 )
@@ -391,9 +396,15 @@ def test_linear_constraint_ties_scales(constraint: str, fan_in: int, fan_out: in
 
 
 def test_linear_readout_default_keeps_the_gradient_unit() -> None:
-    out, (grad_x, _) = scale_stats(U.linear_readout, randn((512, 64), (1024, 64)))
+    # plain unit scaling: logits std sqrt(fan_in / fan_out)
+    out, (grad_x, _) = scale_stats(_plain_readout, randn((512, 64), (1024, 64)))
     assert out == pytest.approx(math.sqrt(64 / 1024), rel=TIGHT)
     assert_unit(grad_x, TIGHT, "grad input")
+    # u-muP's readout (the default): multiplier 1/fan_in, logits std 1/sqrt(fan_in)
+    out, (grad_x, grad_w) = scale_stats(U.linear_readout, randn((512, 64), (1024, 64)))
+    assert out == pytest.approx(1 / math.sqrt(64), rel=TIGHT)
+    assert_unit(grad_x, TIGHT, "grad input")
+    assert_unit(grad_w, TIGHT, "grad weight")
 
 
 @pytest.mark.parametrize(
@@ -487,7 +498,7 @@ GRADCHECK_CASES: dict[str, tuple[Callable[..., Tensor], Callable[[], tuple[Tenso
     "dropout": (_seeded_dropout, lambda: (f64(4, 6),)),
     "matmul": (U.matmul, lambda: (f64(2, 3, 4), f64(4, 5))),
     "linear": (U.linear, lambda: (f64(3, 4), f64(5, 4, grad=False))),
-    "linear_readout": (U.linear_readout, lambda: (f64(3, 4), f64(5, 4, grad=False))),
+    "linear_readout": (_plain_readout, lambda: (f64(3, 4), f64(5, 4, grad=False))),
     "conv1d": (
         lambda x, w: U.conv1d(x, w, stride=2, padding=1),
         lambda: (f64(2, 3, 9), f64(4, 3, 3, grad=False)),

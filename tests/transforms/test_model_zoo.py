@@ -169,7 +169,11 @@ def test_unit_scale_and_fp8_simulation(
     loss, grads = _loss_and_grads(scaled, inputs)
     assert torch.isfinite(loss), name
     assert all(torch.isfinite(g).all() for g in grads.values()), name
-    assert [n for n, _ in scaled.named_parameters()] == [n for n, _ in model.named_parameters()]
+    # the same parameters, plus the output head where u-muP untied it from the embedding
+    names = [n for n, _ in scaled.named_parameters()]
+    assert set(names) >= {n for n, _ in model.named_parameters()}
+    assert set(names) <= {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert scaled.state_dict().keys() == model.state_dict().keys()
     untagged = [n for n, p in scaled.named_parameters() if not has_mup_tags(p)]
     assert not untagged, (name, untagged)
 

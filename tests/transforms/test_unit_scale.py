@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import unitscale as us
 import unitscale.functional as U
 from unitscale import transforms
 from unitscale.errors import CaptureError, UnsupportedArgumentError
@@ -508,4 +509,89 @@ def test_unit_scale_hf_gpt2_forward_scales_near_one() -> None:
 
     plain, scaled = forward_rms(model), forward_rms(unit_scale(model))
     assert min(plain) < 1 / 64  # the plain model has activations far below unit scale
-    assert 1 / 8 <= min(scaled) and max(scaled) <= 8
+    # the smallest: the logits of u-muP's readout, std 1/sqrt(n_embd) = 1/8 by design
+    assert 1 / 10 <= min(scaled) and max(scaled) <= 8
+
+
+# --------------------------------------------------------------------------------------------
+# u-muP: the readout, tied embeddings, fan-in of (in, out) weights
+# --------------------------------------------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """A tiny language model with the transformers convention: ``get_output_embeddings`` and
+    a head weight tied to the input embedding."""
+
+    def __init__(self, width: int = 256, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width, elementwise_affine=False)
+        self.up = nn.Linear(width, width, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.up(self.norm(x))
+        return self.head(self.norm(x))
+
+
+def test_unit_scale_makes_the_head_a_mup_readout_and_unties_it() -> None:
+    from unitscale.transforms import unit_scale
+
+    torch.manual_seed(0)
+    original = TiedLM()
+    model = unit_scale(original)
+    ids = torch.randint(0, 64, (8, 64))
+    logits = model(ids)
+    # u-muP's readout: multiplier 1/fan_in on a unit product of std sqrt(fan_in)
+    assert logits.std().item() * math.sqrt(256) == pytest.approx(1.0, rel=0.1)
+    inner = model.module
+    assert inner.head.weight is not inner.embed.weight  # untied: two roles, two tensors
+    assert inner.head.weight.std().item() == pytest.approx(1.0, rel=0.05)  # unit init
+    assert inner.head.weight.mup_type == "output" and inner.embed.weight.mup_type == "weight"
+    assert original.head.weight is original.embed.weight  # the user's model is untouched
+    assert model.state_dict().keys() == original.state_dict().keys()
+    opt = us.optim.AdamW(model.parameters(), lr=1.0)
+    lr_of = {id(p): g["lr"] * g["lr_scale"] for g in opt.param_groups for p in g["params"]}
+    assert lr_of[id(inner.head.weight)] == 1.0
+    assert lr_of[id(inner.embed.weight)] == pytest.approx(1 / 16)
+
+
+def test_unit_scale_without_mup_is_plain_unit_scaling() -> None:
+    from unitscale.transforms import unit_scale
+
+    torch.manual_seed(0)
+    model = unit_scale(TiedLM(), mup=False)
+    logits = model(torch.randint(0, 64, (8, 64)))
+    # a unit-scaled linear (1/sqrt(fan_in)), not u-muP's 1/fan_in: std ~1 (1.7 here: each
+    # token's own embedding row is in the tied head)
+    assert 0.7 < logits.std().item() < 3.0
+    inner = model.module
+    assert inner.head.weight is inner.embed.weight  # still tied
+    assert inner.head.weight.mup_type == "weight"  # applied as a hidden weight is
+
+
+def test_unit_scale_gives_hf_conv1d_its_fan_in() -> None:
+    transformers = pytest.importorskip("transformers")
+    from unitscale.transforms import unit_scale
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = unit_scale(transformers.GPT2LMHeadModel(config))
+    inner = model.module
+    c_fc, c_proj = inner.transformer.h[0].mlp.c_fc.weight, inner.transformer.h[0].mlp.c_proj.weight
+    assert tuple(c_fc.shape) == (32, 128)  # stored (in, out)
+    opt = us.optim.AdamW(model.parameters(), lr=1.0)
+    lr_of = {id(p): g["lr"] * g["lr_scale"] for g in opt.param_groups for p in g["params"]}
+    depth = 2
+    assert lr_of[id(c_fc)] == pytest.approx(1 / math.sqrt(32 * depth))
+    assert lr_of[id(c_proj)] == pytest.approx(1 / math.sqrt(128 * depth))
+    assert inner.lm_head.weight is not inner.transformer.wte.weight
+    assert inner.lm_head.weight.mup_type == "output"
+    assert not inner.config.tie_word_embeddings

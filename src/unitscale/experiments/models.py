@@ -311,11 +311,15 @@ class UnitScaledGPT(nn.Module):
                 attn_tau=1.0 / (2 * i + 2) if tau is None else tau,
                 mlp_tau=1.0 / (2 * i + 3) if tau is None else tau,
                 bias=True,
+                mup=False,  # plain unit scaling, the twin of PlainGPT (not u-muP)
+                trainable_norms=True,
             )
             for i in range(depth)
         )
         self.final_norm = us.LayerNorm(config.hidden_size)
-        self.lm_head = us.LinearReadout(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = us.LinearReadout(
+            config.hidden_size, config.vocab_size, bias=False, mup=False
+        )
 
     def forward(
         self,

@@ -7,33 +7,28 @@ docstring states the assumptions, the factors and what the default constraint do
 
 This package is a facade: one private file per op family, each built from
 :mod:`unitscale.scale` and :mod:`unitscale.constraints` (the recipe is described in
-``_nonlinear.py``):
+``_base.py``):
 
-- ``_nonlinear``: the helpers every op uses, elementwise ops, activations, softmax,
-  dropout, attention, losses, and the softmax moments their scales rest on;
+- ``_base``: the helpers every op uses (pre-scale, finish, argument checks);
+- ``_moments``: the softmax moments the softmax, attention and loss scales rest on;
+- ``_elementwise``: scale_elementwise, gelu, silu, silu_glu, softmax, dropout;
+- ``_attention``: scaled_dot_product_attention, and attention with an explicit mask (read
+  from the mask's key counts);
+- ``_loss``: cross_entropy, mse_loss;
+- ``_nonlinear``: re-exports of the above, where they used to live;
 - ``_matmul``: matmul, linear, linear_readout, conv1d, embedding;
 - ``_norm``: layer_norm, rms_norm;
 - ``_residual``: add and the residual scheme; ``_residual_rule``: u-muP's depth rule for tau;
 - ``_mult``: moments of the nonlinearities at a given ``mult``;
-- ``_attention``: attention with an explicit mask (read from the mask's key counts);
 - ``_torch_map``: ``torch_map`` and the ops kept opaque to TorchDynamo.
 """
 
-from ._attention import masked_scaled_dot_product_attention
+from ._attention import masked_scaled_dot_product_attention, scaled_dot_product_attention
+from ._base import Constraint
+from ._elementwise import dropout, gelu, scale_elementwise, silu, silu_glu, softmax
+from ._loss import cross_entropy, mse_loss
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._mult import check_mult as check_mult  # argument check shared with the modules
-from ._nonlinear import (
-    Constraint,
-    cross_entropy,
-    dropout,
-    gelu,
-    mse_loss,
-    scale_elementwise,
-    scaled_dot_product_attention,
-    silu,
-    silu_glu,
-    softmax,
-)
 from ._norm import layer_norm, rms_norm
 from ._residual import add, residual_add, residual_split
 from ._residual_rule import transformer_residual_scaling_rule

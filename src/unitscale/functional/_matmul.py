@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..constraints import apply_constraint
 from ..scale import scale_bwd, scale_fwd_bwd
-from ._nonlinear import Constraint, _finish, _prescale, _reject, _rsqrt, _single
+from ._base import Constraint, _finish, _prescale, _reject, _rsqrt, _single
 from ._shared import broadcast_along_batch, shared_rsqrt, shared_size
 
 # --------------------------------------------------------------------------------------------
@@ -148,20 +148,22 @@ def linear_readout(
     bias: Tensor | None = None,
     constraint: Constraint = "to_grad_input_scale",
     *,
-    mup: bool = False,
+    mup: bool = True,
 ) -> Tensor:
-    """Unit-scaled readout (final) linear layer, e.g. a language model's head.
+    """Readout (final) linear layer, e.g. a language model's head: u-μP's by default.
 
-    The same op and ideal scales as :func:`linear`; only the default constraint differs.
-    The backward pass of the whole network starts here, so ``to_grad_input_scale`` keeps the
-    gradient that enters the network unit (``1/sqrt(fan_out)`` for both directions, a true
-    gradient), and lets the output (the logits) take std ``sqrt(fan_in / fan_out)``: below 1
-    when the vocabulary is larger than the hidden size, so the initial predictions are close
-    to uniform. Weight and bias gradients are scaled by ``1/sqrt(batch)`` as in
-    :func:`linear`.
+    ``mup=True`` (default) is u-μP's readout (paper, Table 3 / Section 4: μP's ``1/fan_in``
+    output multiplier, the rest unit-scaled), described below. ``mup=False`` is plain unit
+    scaling: the same op and ideal scales as :func:`linear`; only the default constraint
+    differs. The backward pass of the whole network starts here, so
+    ``to_grad_input_scale`` keeps the gradient that enters the network unit
+    (``1/sqrt(fan_out)`` for both directions, a true gradient), and lets the output (the
+    logits) take std ``sqrt(fan_in / fan_out)``: below 1 when the vocabulary is larger than
+    the hidden size, so the initial predictions are close to uniform. Weight and bias
+    gradients are scaled by ``1/sqrt(batch)`` as in :func:`linear`.
 
-    ``mup=True`` is u-μP's readout: output multiplier ``1/fan_in`` (μP's, not unit
-    scaling's ``1/sqrt(fan_in)``) and input-gradient scale ``1/sqrt(fan_out)``, untied
+    u-μP (``mup=True``): output multiplier ``1/fan_in`` (μP's, not unit scaling's
+    ``1/sqrt(fan_in)``) and input-gradient scale ``1/sqrt(fan_out)``, untied
     (``constraint`` is not used). The readout's input is correlated with its weight after
     a few steps (the body learns along ``W^T``), so ``W x`` grows like ``fan_in``, not
     ``sqrt(fan_in)``: only a ``1/fan_in`` multiplier keeps the logits' *change* independent
@@ -173,8 +175,9 @@ def linear_readout(
         input: ``(..., fan_in)``, assumed unit-scaled.
         weight: ``(fan_out, fan_in)``, assumed unit variance.
         bias: optional ``(fan_out,)``.
-        constraint: a two-scale constraint, or None (both directions unit).
-        mup: u-μP's readout scaling (above).
+        constraint: a two-scale constraint, or None (both directions unit); used only with
+            ``mup=False``.
+        mup: u-μP's readout scaling (above); False for plain unit scaling.
 
     Returns:
         ``(..., fan_out)``.
@@ -182,11 +185,11 @@ def linear_readout(
     Example:
         >>> _ = torch.manual_seed(0)
         >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64))
-        >>> round(y.std().item(), 2)  # sqrt(64 / 1024)
-        0.25
-        >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64), mup=True)
-        >>> round(y.std().item() * 8, 1)  # std 1 / sqrt(64)
+        >>> round(y.std().item() * 8, 1)  # u-μP: std 1 / sqrt(64)
         1.0
+        >>> y = linear_readout(torch.randn(256, 64), torch.randn(1024, 64), mup=False)
+        >>> round(y.std().item(), 2)  # plain unit scaling: sqrt(64 / 1024)
+        0.25
     """
     if mup:
         fan_out, fan_in = weight.shape[0], weight.shape[-1]

@@ -11,7 +11,7 @@ from torch import Tensor
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
 from ..scale import scale_bwd, scale_fwd
-from ._nonlinear import Constraint, _finish, _is_float_tensor, _prescale, _rsqrt
+from ._base import Constraint, _finish, _is_float_tensor, _prescale, _rsqrt
 from ._shared import broadcast_along_batch, shared_size
 
 # --------------------------------------------------------------------------------------------

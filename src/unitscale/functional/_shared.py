@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..data_parallel import data_parallel_size
-from ._nonlinear import _rsqrt
+from ._base import _rsqrt
 
 
 def shared_size(sums_over_batch: bool) -> int:

@@ -12,18 +12,11 @@ from torch import Tensor
 
 from .._lazy_dynamo import when_dynamo_imported
 from ..errors import UnsupportedArgumentError
+from ._attention import scaled_dot_product_attention
+from ._base import Constraint
+from ._elementwise import dropout, gelu, silu, silu_glu, softmax
+from ._loss import cross_entropy, mse_loss
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
-from ._nonlinear import (
-    Constraint,
-    cross_entropy,
-    dropout,
-    gelu,
-    mse_loss,
-    scaled_dot_product_attention,
-    silu,
-    silu_glu,
-    softmax,
-)
 from ._norm import layer_norm, rms_norm
 from ._residual import add, residual_add, residual_split
 

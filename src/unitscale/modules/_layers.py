@@ -89,21 +89,31 @@ class Linear(nn.Linear):
 
 
 class LinearReadout(Linear):
-    """Unit-scaled readout layer; ``forward`` calls :func:`unitscale.functional.linear_readout`.
+    """Readout layer, u-μP's by default; ``forward`` calls
+    :func:`unitscale.functional.linear_readout`.
 
-    Its weight is tagged ``mup_type="output"``.
+    ``mup=True`` (default): u-μP's readout (output multiplier ``1/fan_in``), its weight
+    tagged ``mup_type="output"`` (learning rate ``lr`` in :mod:`unitscale.optim`).
+    ``mup=False``: plain unit scaling (multiplier ``1/sqrt(fan_in)``, ``constraint``
+    applies). Its weight is then applied exactly as a hidden weight is, so it is tagged
+    ``"weight"``, its true role: :mod:`unitscale.optim` gives it the hidden-weight rule
+    ``lr / sqrt(fan_in)``, never the u-μP readout's ``lr``, which would make the logits'
+    update grow like ``sqrt(fan_in)``. Such a model is not u-μP (no transfer is claimed).
 
     Args:
         in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
-        constraint: default ``to_grad_input_scale`` (see ``linear_readout``).
-        mup: use u-μP's readout scaling (see ``linear_readout``); ``constraint`` is then
-            not used.
+        constraint: default ``to_grad_input_scale`` (see ``linear_readout``); used only
+            with ``mup=False``.
+        mup: u-μP's readout scaling (see ``linear_readout``); False for plain unit scaling.
 
     Example:
         >>> _ = torch.manual_seed(0)
         >>> head = LinearReadout(64, 1024, bias=False)
-        >>> round(head(torch.randn(512, 64)).std().item(), 2)  # sqrt(64 / 1024)
-        0.25
+        >>> round(head(torch.randn(512, 64)).std().item() * 8, 1), head.weight.mup_type
+        (1.0, 'output')
+        >>> plain = LinearReadout(64, 1024, bias=False, mup=False)
+        >>> round(plain(torch.randn(512, 64)).std().item(), 2), plain.weight.mup_type
+        (0.25, 'weight')
     """
 
     def __init__(
@@ -114,17 +124,17 @@ class LinearReadout(Linear):
         device: Any = None,
         dtype: torch.dtype | None = None,
         constraint: Constraint = "to_grad_input_scale",
-        mup: bool = False,
+        mup: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype, constraint)
         self.mup = mup
-        tag_parameter(self.weight, "output")  # type: ignore[arg-type]
+        tag_parameter(self.weight, "output" if mup else "weight")  # type: ignore[arg-type]
 
     def forward(self, input: Tensor) -> Tensor:
         return U.linear_readout(input, self.weight, self.bias, self.constraint, mup=self.mup)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mup={self.mup}" if self.mup else super().extra_repr()
+        return f"{super().extra_repr()}, mup={self.mup}"
 
 
 class Conv1d(nn.Conv1d):

@@ -89,6 +89,13 @@ class MHSA(nn.Module):
         device, dtype: for the parameters.
         attn_mult: u-μP multiplier of the attention scores (see
             :func:`~unitscale.functional.scaled_dot_product_attention`).
+        mup: μP's attention logits (default): scores ``attn_mult * q.k / d_head``, as μP
+            and u-μP prescribe (paper, Table 3; Yang et al. 2022, Section 4): once training
+            has aligned queries with keys, ``q.k`` grows like ``d_head``, not
+            ``sqrt(d_head)``, so only ``1/d_head`` keeps the logits' change independent of
+            the head size. False: torch's ``attn_mult * q.k / sqrt(d_head)``. The unit-scaled
+            attention integrates its scales at whichever logit scale is used, so the output
+            is unit either way.
 
     Raises:
         UnsupportedArgumentError: ``hidden_size`` is not divisible by ``heads``.
@@ -111,6 +118,7 @@ class MHSA(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
         attn_mult: float = 1.0,
+        mup: bool = True,
     ) -> None:
         super().__init__()
         if heads < 1 or hidden_size % heads:
@@ -122,6 +130,7 @@ class MHSA(nn.Module):
         self.is_causal = is_causal
         self.constraint = _check_constraint(constraint, 4)
         self.attn_mult = check_mult("MHSA", attn_mult)
+        self.mup = mup
         self.qkv = Linear(hidden_size, 3 * hidden_size, bias, device, dtype, constraint)
         self.out = Linear(hidden_size, hidden_size, bias, device, dtype, constraint)
 
@@ -135,6 +144,7 @@ class MHSA(nn.Module):
             v,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.is_causal,
+            scale=1.0 / (hidden // self.heads) if self.mup else None,
             constraint=self.constraint,
             mult=self.attn_mult,
         )
@@ -143,7 +153,8 @@ class MHSA(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, dropout_p={self.dropout_p}, is_causal={self.is_causal}, "
-            f"constraint={self.constraint!r}{_mult_repr(self.attn_mult, 'attn_mult')}"
+            f"constraint={self.constraint!r}{_mult_repr(self.attn_mult, 'attn_mult')}, "
+            f"mup={self.mup}"
         )
 
 
@@ -168,6 +179,11 @@ class TransformerLayer(nn.Module):
         device, dtype: for the parameters.
         attn_mult, activation_mult: u-μP multipliers of the attention scores and of the
             MLP's activation input.
+        mup: μP's ``1/d_head`` attention logits (see :class:`MHSA`); False: torch's
+            ``1/sqrt(d_head)``.
+        trainable_norms: give the two norms a trainable weight and bias (tagged
+            ``"norm"`` and ``"bias"``). Default False: norms without trainable parameters,
+            u-μP's recommended scheme (see :class:`TransformerDecoder`).
 
     Raises:
         UnsupportedArgumentError: a ``tau`` outside (0, 1), or bad ``heads``.
@@ -194,6 +210,8 @@ class TransformerLayer(nn.Module):
         dtype: torch.dtype | None = None,
         attn_mult: float = 1.0,
         activation_mult: float = 1.0,
+        mup: bool = True,
+        trainable_norms: bool = False,
     ) -> None:
         super().__init__()
         for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
@@ -203,12 +221,22 @@ class TransformerLayer(nn.Module):
                 )
         self.attn_tau = attn_tau
         self.mlp_tau = mlp_tau
-        self.attn_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        norm = {"elementwise_affine": trainable_norms, "device": device, "dtype": dtype}
+        self.attn_norm = LayerNorm(hidden_size, **norm)
         self.attn = MHSA(
-            hidden_size, heads, dropout_p, is_causal, bias, constraint, device, dtype, attn_mult
+            hidden_size,
+            heads,
+            dropout_p,
+            is_causal,
+            bias,
+            constraint,
+            device,
+            dtype,
+            attn_mult,
+            mup,
         )
         self.attn_dropout = Dropout(dropout_p)
-        self.mlp_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        self.mlp_norm = LayerNorm(hidden_size, **norm)
         self.mlp = MLP(
             hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
         )
@@ -227,26 +255,43 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerDecoder(nn.Module):
-    """Unit-scaled GPT-style decoder: embedding, causal layers, final norm, readout, loss.
+    """GPT-style decoder, u-μP by default: embedding, causal layers, final norm, readout, loss.
 
     ``Embedding`` → ``depth`` × :class:`TransformerLayer` → :class:`LayerNorm` →
     :class:`LinearReadout` (no bias), and :func:`~unitscale.functional.cross_entropy` when
     labels are given. There is no positional embedding: causal attention lets each position
     infer its place (a "NoPE" decoder).
 
-    Residual weights: with ``attn_tau``/``mlp_tau`` None (default) the ``k``-th residual
-    block (``k = 1 .. 2 depth``, attention and MLP blocks alternating) uses
-    ``tau_k = 1 / (k + 1)``, which makes the output the equally weighted, unit-scaled sum of
-    the embedding and every branch (a running mean). Give floats to use the same ``tau`` in
-    every layer. With ``mup=True``, or ``residual_mult``/``residual_attn_ratio`` given, the
-    taus follow u-μP's :func:`~unitscale.functional.transformer_residual_scaling_rule`.
+    u-μP (default, ``mup=True``; Blake et al., ICLR 2025, arXiv 2407.17465): every tensor
+    unit-scaled at initialisation, plus
 
-    u-μP (``mup=True``): the residual rule above (``residual_mult``, ``residual_attn_ratio``
-    default 1), and the readout's u-μP scaling (``LinearReadout(mup=True)``: output
-    multiplier ``1/fan_in``). The layers are held in a :class:`~unitscale.DepthModuleList`,
-    so every layer parameter has ``mup_scaling_depth = depth``; train with
-    :mod:`unitscale.optim`. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α
-    multipliers) apply with or without ``mup``.
+    * the residual rule :func:`~unitscale.functional.transformer_residual_scaling_rule`
+      (paper, Appendix G; ``residual_mult``, ``residual_attn_ratio``): embedding, attention
+      and MLP each a third of the final stream at the default mults;
+    * attention logits ``attn_mult * q.k / d_head`` (μP's ``1/d_head``, :class:`MHSA`);
+    * the u-μP readout (``LinearReadout(mup=True)``: output multiplier ``1/fan_in``);
+    * the paper's recommended scheme: no biases and norms without trainable parameters.
+      The norm is a LayerNorm without weight or bias (a non-parametric LayerNorm): the
+      paper's point is that the norms have no trainable parameters (then no parameter
+      outside the weights needs a learning-rate rule of its own, and the optimal learning
+      rate stops depending on them: with trainable LayerNorms and biases our transfer run's
+      optimum sat at 0.125-0.25 instead of 0.5, issue 26); LayerNorm rather than RMSNorm
+      keeps this GPT-style decoder's normalisation, with which that measurement was made.
+    * layers held in a :class:`~unitscale.DepthModuleList`, so every layer parameter has
+      ``mup_scaling_depth = depth``; train with :mod:`unitscale.optim`.
+
+    Options: ``bias=True`` gives the linear layers biases (tagged ``"bias"``: learning
+    rate ``lr / sqrt(depth)`` in :mod:`unitscale.optim`), ``trainable_norms=True`` gives the
+    norms a weight and bias (tagged ``"norm"`` and ``"bias"``: ``lr / sqrt(depth)`` inside the
+    layers, ``lr`` for the final norm); both are changes of u-μP's sound scheme whose
+    transfer is not measured. ``mup=False`` builds plain unit scaling: the running-mean
+    residual weights (the ``k``-th residual block, ``k = 1 .. 2 depth``, uses
+    ``tau_k = 1 / (k + 1)``, so the output is the equally weighted, unit-scaled sum of the
+    embedding and every branch), torch's ``1/sqrt(d_head)`` logits and a unit-scaled
+    readout (its weight tagged ``"weight"``); ``residual_mult``/``residual_attn_ratio``
+    given still select the u-μP rule. ``attn_tau``/``mlp_tau`` as floats fix the same
+    ``tau`` in every layer. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α
+    multipliers) apply either way.
 
     Args:
         hidden_size: model width.
@@ -255,7 +300,7 @@ class TransformerDecoder(nn.Module):
         vocab_size: number of tokens.
         dropout_p: dropout in every layer.
         mlp_expansion_factor: MLP inner width over ``hidden_size``.
-        attn_tau, mlp_tau: fixed residual shares, or None for the running-mean schedule.
+        attn_tau, mlp_tau: fixed residual shares, or None for the rule (see above).
         bias: give the layers' linear layers biases.
         constraint: passed to every op of the layers (the readout keeps its own default).
         device, dtype: for the parameters.
@@ -264,7 +309,8 @@ class TransformerDecoder(nn.Module):
         attn_mult: multiplier of the attention scores.
         activation_mult: multiplier of the MLP activation's input.
         loss_mult: multiplier of the logits inside the loss.
-        mup: u-μP readout and residual rule (see above).
+        mup: u-μP (default); False for plain unit scaling (see above).
+        trainable_norms: give every norm a trainable weight and bias.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -275,6 +321,8 @@ class TransformerDecoder(nn.Module):
         >>> labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
         >>> model(ids, labels).shape  # a scalar loss
         torch.Size([])
+        >>> sorted({p.mup_type for p in model.parameters()})  # no biases, no norm parameters
+        ['output', 'weight']
     """
 
     def __init__(
@@ -296,7 +344,8 @@ class TransformerDecoder(nn.Module):
         attn_mult: float = 1.0,
         activation_mult: float = 1.0,
         loss_mult: float = 1.0,
-        mup: bool = False,
+        mup: bool = True,
+        trainable_norms: bool = False,
     ) -> None:
         super().__init__()
         self.mup = mup
@@ -325,10 +374,14 @@ class TransformerDecoder(nn.Module):
                 dtype,
                 attn_mult,
                 activation_mult,
+                mup,
+                trainable_norms,
             )
             for i in range(depth)
         )
-        self.final_norm = LayerNorm(hidden_size, device=device, dtype=dtype)
+        self.final_norm = LayerNorm(
+            hidden_size, elementwise_affine=trainable_norms, device=device, dtype=dtype
+        )
         self.readout = LinearReadout(hidden_size, vocab_size, False, device, dtype, mup=mup)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:

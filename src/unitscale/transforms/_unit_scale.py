@@ -248,6 +248,9 @@ class UnitScalePass(RewritePass):
     Args:
         replace: extra or overriding entries for ``unitscale.functional.torch_map``.
         residual_tau: the ``tau`` of each kind of residual branch.
+        readout_weight: qualified name of the output head's weight, whose linear becomes
+            u-μP's readout (:func:`~unitscale.functional.linear_readout`, ``mup=True``), or
+            None (no u-μP readout: plain unit scaling).
     """
 
     stage = Stage.REWRITE
@@ -264,9 +267,11 @@ class UnitScalePass(RewritePass):
         self,
         replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
         residual_tau: ResidualTau | None = None,
+        readout_weight: str | None = None,
     ) -> None:
         self.replace = _check_replace(replace)
         self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
+        self.readout_weight = readout_weight
         #: Qualified names of the parameters ``unit_scale`` re-initialised (for warnings).
         self.reinitialised: list[str] = []
         # Parameter name -> version when unit_scale returned, for parameters that may turn
@@ -340,6 +345,7 @@ class UnitScalePass(RewritePass):
         residual_adds = self._rewrite_residual_adds(graph, params, first_index, in_scope)
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
+        replaced.extend(self._mup_readout(graph, gm, piece, replaced))
         if residual_adds:
             self._unconstrain_after(residual_adds[-1], in_scope)
         graph.lint()
@@ -501,6 +507,27 @@ class UnitScalePass(RewritePass):
             replaced.append(node)
         return replaced
 
+    def _mup_readout(
+        self, graph: fx.Graph, gm: fx.GraphModule, piece: Piece, replaced: list[fx.Node]
+    ) -> list[fx.Node]:
+        """The unit-scaled linear whose weight is the output head's becomes u-μP's readout
+        (``linear_readout(..., mup=True)``: output multiplier ``1/fan_in``)."""
+        from .. import functional as U
+
+        if getattr(self, "readout_weight", None) is None:
+            return []
+        names = {n: name for n, (kind, name) in placeholder_names(gm, piece).items()}
+        found = []
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is not U.linear or node not in replaced:
+                continue
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            if isinstance(weight, fx.Node) and names.get(weight) == self.readout_weight:
+                node.target = U.linear_readout
+                node.kwargs = {**node.kwargs, "mup": True}
+                found.append(node)
+        return [n for n in found if n not in replaced]
+
     def _unconstrain_after(self, last: _ResidualAdd, in_scope: Callable[[fx.Node], bool]) -> None:
         seen: set[fx.Node] = set()
         stack = list(last.node.users)
@@ -627,13 +654,49 @@ def _owns_initialised(module: nn.Module) -> bool:
     ) or _is_hf_conv1d(module)
 
 
+def _readout_name(module: nn.Module) -> str | None:
+    """Qualified name of the output head's weight: ``get_output_embeddings()``'s (transformers
+    models), or None."""
+    get_output = getattr(module, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if not isinstance(getattr(head, "weight", None), nn.Parameter):
+        return None
+    for name, sub in module.named_modules():
+        if sub is head:
+            return f"{name}.weight" if name else "weight"
+    return None
+
+
+def _untie_readout(module: nn.Module, readout: str) -> None:
+    """Give the output head a weight of its own where it shares the input embedding's.
+
+    u-μP trains the two with different rules (embedding ``lr / sqrt(width)``, readout
+    ``lr``) and applies them differently (the readout's ``1/fan_in`` multiplier), which one
+    shared tensor cannot have. The copy starts equal to the shared weight; the model's
+    config (transformers) is told, so that ``tie_weights()`` does not tie them again.
+    """
+    head = module.get_submodule(readout.rpartition(".")[0])
+    weight = module.get_parameter(readout)
+    shared = any(
+        p is weight for name, p in module.named_parameters(remove_duplicate=False)
+        if name != readout
+    )  # fmt: skip
+    if not shared:
+        return
+    head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "tie_word_embeddings"):
+        config.tie_word_embeddings = False
+
+
 def unit_scale(
     module: nn.Module,
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
+    mup: bool = True,
     *,
     residual_tau: ResidualTau | None = None,
 ) -> TransformedModule:
-    """Return a unit-scaled copy of ``module``: same code, unit-scaled ops and weights.
+    """Return a unit-scaled, u-μP copy of ``module``: same code, unit-scaled ops and weights.
 
     The copy's ``torch``/``F`` calls are replaced by their :mod:`unitscale.functional`
     equivalents (``unitscale.functional.torch_map``, updated with ``replace``), its residual
@@ -645,6 +708,21 @@ def unit_scale(
     :mod:`unitscale.optim` can train it. The graph is captured, and logged, at the first
     call (again on recompilation). See the module docstring for the residual-add rule.
 
+    u-μP (``mup=True``, default; Blake et al., ICLR 2025): the output head, the module
+    ``module.get_output_embeddings()`` returns (transformers' ``lm_head``), becomes u-μP's
+    readout (:func:`~unitscale.functional.linear_readout` with ``mup=True``: multiplier
+    ``1/fan_in``) and its weight is tagged ``"output"``; an input embedding tied to it is
+    *untied* (the head gets its own copy, ``config.tie_word_embeddings`` is set False),
+    since u-μP gives the two different multipliers and learning rates; weights stored
+    ``(in, out)`` (transformers' ``Conv1D``, GPT-2) carry ``fan_in_dim = 0`` so that
+    :mod:`unitscale.optim` reads their fan-in from the right dimension; every other
+    parameter has its role (:func:`unitscale.parameter.tag_model`). A model without
+    ``get_output_embeddings`` has no readout to find: its head stays a unit-scaled linear,
+    tagged ``"weight"`` (its true role). The attention's logit scale is the model's own
+    (``1/sqrt(d_head)`` in transformers models): a constant when, as usual, the head size
+    stays fixed as the width grows. ``mup=False``: plain unit scaling (the head a
+    unit-scaled linear tagged ``"weight"``, tied weights kept tied).
+
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
             format-simulated or compiled).
@@ -652,6 +730,7 @@ def unit_scale(
             ``torch_map``; each key must be a key of ``torch_map`` and each value a callable
             taking the same arguments (map a function to itself to leave it as it is).
             Use module-level functions if the result is to be pickled.
+        mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: the depth rule of
             :class:`ResidualTau`).
 
@@ -681,6 +760,10 @@ def unit_scale(
     checked = _check_replace(replace)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
+    readout = _readout_name(result.module) if mup else None
+    if readout is not None:
+        _untie_readout(result.module, readout)
+        graph_pass.readout_weight = readout
     graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
     # Parameters not owned by a module re-initialised above may turn out, at capture, to be
     # matmul weights (x @ self.W): remember their versions to re-initialise them then.
@@ -693,5 +776,10 @@ def unit_scale(
     graph_pass._versions = {
         name: p._version for name, p in result.module.named_parameters() if id(p) not in owned
     }
-    tag_model(result.module)  # so that unitscale.optim's u-muP optimisers can train it
+    # so that unitscale.optim's u-muP optimisers can train it
+    tag_model(result.module, output=result.module.get_parameter(readout) if readout else None)
+    for sub in result.module.modules():
+        weight = getattr(sub, "weight", None)
+        if _is_hf_conv1d(sub) and isinstance(weight, nn.Parameter):
+            weight.fan_in_dim = 0  # type: ignore[attr-defined]  # stored (in, out): addmm
     return result
