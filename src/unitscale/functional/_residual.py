@@ -12,7 +12,7 @@ from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
 from ..scale import scale_bwd, scale_fwd
 from ._nonlinear import Constraint, _finish, _is_float_tensor, _prescale, _rsqrt
-from ._shared import broadcast_along_batch, shared_size
+from ._shared import broadcast_along_batch, shared_counts
 
 # --------------------------------------------------------------------------------------------
 # addition and residuals
@@ -31,9 +31,9 @@ def add(
     ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
     Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
     ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit. Under data
-    parallelism an operand broadcast along dimension 0 of the output (when it is larger than
-    1) counts the global batch and its gradient is multiplied by the data-parallel size
-    (:mod:`unitscale.data_parallel`).
+    parallelism or gradient accumulation an operand broadcast along dimension 0 of an output
+    of 2 or more dimensions counts the whole batch and its gradient is multiplied by the
+    data-parallel size (:mod:`unitscale.data_parallel`).
 
     Only an addition of two floating-point tensors is scaled. If either operand is a Python
     number, a non-float tensor or a symbolic size, this is the plain addition (adding a
@@ -60,12 +60,14 @@ def add(
         return input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
     out_shape = torch.broadcast_shapes(input.shape, other.shape)
     out_numel = math.prod(out_shape)
-    input_size = shared_size(broadcast_along_batch(input.shape, out_shape))
-    other_size = shared_size(broadcast_along_batch(other.shape, out_shape))
+    input_shards, input_size = shared_counts(broadcast_along_batch(input.shape, out_shape))
+    other_shards, other_size = shared_counts(broadcast_along_batch(other.shape, out_shape))
     out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
-    input_ideal = _rsqrt(out_numel * input_size // max(input.numel(), 1))
+    input_ideal = _rsqrt(out_numel * input_shards // max(input.numel(), 1))
     other_ideal = (
-        _rsqrt(out_numel * other_size // max(other.numel(), 1)) / abs(alpha) if alpha != 0 else 1.0
+        _rsqrt(out_numel * other_shards // max(other.numel(), 1)) / abs(alpha)
+        if alpha != 0
+        else 1.0
     )
     out_scale, input_scale, other_scale = apply_constraint(
         constraint, out_ideal, input_ideal, other_ideal

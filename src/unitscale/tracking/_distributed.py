@@ -1,8 +1,9 @@
 """Global scale statistics: reduce every tensor's statistics over the data-parallel ranks.
 
-When ``torch.distributed`` is initialised and the data-parallel group
-(:func:`unitscale.data_parallel.set_data_parallel`, default: the world) has more than one
-rank, reading a tracked graph (``scales_graph()``, ``ScaleMonitor``) turns each tensor's
+When ``torch.distributed`` is initialised and the tracked call ran with a data-parallel
+size above 1 (inside ``DistributedDataParallel`` or :func:`unitscale.data_parallel.fully_shard`,
+or after :func:`unitscale.data_parallel.set_data_parallel`: see :mod:`unitscale.data_parallel`),
+reading a tracked graph (``scales_graph()``, ``ScaleMonitor``) turns each tensor's
 statistics vector into sums (``sum |x|``, ``sum x``, ``sum x^2``, NaN/Inf and
 under/overflow counts, ``numel``), maxima (``abs_max``) and minima (``abs_min``) and
 reduces *all tensors at once*: one ``all_reduce`` SUM, one MAX and one MIN per read, plus
@@ -59,7 +60,9 @@ class DistributedStatsError(UnitScaleError, RuntimeError):
 
 
 def active_group() -> tuple[bool, Any]:
-    """``(True, group)`` when statistics must be reduced over ``group`` (None: the world)."""
+    """``(True, group)`` when statistics must be reduced over ``group`` (None: the world):
+    ``torch.distributed`` is initialised and the data-parallel size is above 1 *now* (so call
+    it while the tracked forward runs, where DDP declares its group)."""
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()):
         return False, None

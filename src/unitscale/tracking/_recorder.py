@@ -88,6 +88,9 @@ class TrackScalesPass(GraphPass):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
+        #: ``_distributed.active_group()`` when the last recorded call ran (inside DDP's
+        #: forward, which declares the data-parallel group), used when it is read.
+        self._reduce_over: tuple[bool, Any] = (False, None)
         #: The last joined graph, refilled by the next ``scales_graph()`` when unchanged.
         self._joined: _Joined | None = None
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
@@ -352,7 +355,8 @@ class TrackScalesPass(GraphPass):
             return
         self._seen = {}
         self._param_grads = {}
-        self._keep_replicated = _distributed.active_group()[0]
+        self._reduce_over = _distributed.active_group()
+        self._keep_replicated = self._reduce_over[0]
 
     def prepare_inputs(
         self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -523,13 +527,13 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     # parameters being inputs), so names come from the tensors each invocation received.
     named_params, state_names = _state_names(inner)
     kinds = [_invocation_kinds(inv.piece.placeholders, inv.input_ids, state_names) for inv in trace]
-    distributed, group = _distributed.active_group()
+    distributed, group = track._reduce_over
     if distributed:  # statistics are reduced over the ranks: always built afresh
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
     if cached is not None and cached.key == key and cached.unshared():
-        return cached.refill(trace, track)
+        return cached.refill(trace, track, named_params)
     track._joined = None  # drop the old graph before building the new one
     graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
     joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
@@ -636,7 +640,12 @@ class _Joined:
                 return False
         return True
 
-    def refill(self, trace: Sequence[Invocation], track: TrackScalesPass) -> fx.Graph:
+    def refill(
+        self,
+        trace: Sequence[Invocation],
+        track: TrackScalesPass,
+        named_params: dict[str, nn.Parameter],
+    ) -> fx.Graph:
         """The kept graph with this call's shapes and statistics (new ``Metrics``)."""
         resolved = [_resolved(invocation) for invocation in trace]
         shapes = [invocation.data.get("shape", {}) for invocation in trace]
@@ -648,7 +657,10 @@ class _Joined:
             meta.update(base)
             fwd, bwd = resolved[k]
             if kind == "param":
+                param = named_params.get(meta["clean_name"])
                 grad = param_grads.get(input_id)
+                if param is not None:
+                    grad = _param_grad_stats(track, param, input_id, False)[0]
             else:
                 grad = bwd.get(slot)
                 if kind == "input":
@@ -761,9 +773,11 @@ def _build(
                         shared[name] = new
                         plan.append(("param", new, dict(new.meta), k, slot, input_id))
                         grad = track._param_grads.get(input_id)
-                        if distributed and name in named_params:
-                            grad, same = _distributed.parameter_grad_stats(named_params[name])
-                            if same and grad is not None:
+                        if name in named_params:
+                            grad, same = _param_grad_stats(
+                                track, named_params[name], input_id, distributed
+                            )
+                            if distributed and same and grad is not None:
                                 replicated.add(id(grad))
                         if distributed and slot in fwd:
                             replicated.add(id(fwd[slot]))
@@ -814,6 +828,19 @@ def _build(
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
     _read_stats(pending, (group, replicated) if distributed else None)
     return graph, plan
+
+
+def _param_grad_stats(
+    track: TrackScalesPass, param: nn.Parameter, input_id: int, distributed: bool
+) -> tuple[_Stats | None, bool]:
+    """A parameter's gradient statistics: those of ``param.grad`` when read, the gradient the
+    optimiser sees (accumulated over calls, averaged over data-parallel ranks), in one
+    process as under DDP or FSDP2, so both describe the same quantity. In one process, only
+    when a gradient reached the parameter in the last recorded call (so a forward-only call
+    shows none); ``(stats, replicated)`` as :func:`_distributed.parameter_grad_stats`."""
+    if not distributed and input_id not in track._param_grads:
+        return None, True
+    return _distributed.parameter_grad_stats(param)
 
 
 def _invocation_kinds(
