@@ -124,8 +124,9 @@ def linear(
     constrained: they are always ``1/sqrt(batch)`` times the true ``grad_y^T x`` (so they
     are not the true gradient unless ``batch`` is 1, a deliberate unit-scaling choice). The
     bias is added unscaled (it starts at zero). Under data parallelism and gradient
-    accumulation ``batch`` is the whole step's batch and the factor is multiplied by the data-parallel size, so that averaged
-    gradients equal one process's (:mod:`unitscale.data_parallel`).
+    accumulation ``batch`` is the whole step's batch and the factor is multiplied by the
+    data-parallel size, so that averaged and accumulated gradients equal one process's on
+    the whole batch (:mod:`unitscale.data_parallel`).
 
     Args:
         input: ``(..., fan_in)``, assumed unit-scaled.
