@@ -306,10 +306,25 @@ def embedding(
         >>> w.grad[0].tolist()  # 4 occurrences, scaled by sqrt(10 / 40)
         [2.0, 2.0, 2.0, 2.0]
     """
+    check_embedding_args(max_norm, norm_type, scale_grad_by_freq, sparse)
+    return scaled_embedding(input, weight, padding_idx, input.dim() >= 2)
+
+
+def check_embedding_args(
+    max_norm: float | None, norm_type: float, scale_grad_by_freq: bool, sparse: bool
+) -> None:
+    """Reject the ``F.embedding`` arguments :func:`embedding` does not support."""
     _reject("embedding", "max_norm", max_norm, None, "renormalise the weight yourself")
     _reject("embedding", "norm_type", norm_type, 2.0, "norm_type only applies with max_norm")
     _reject("embedding", "scale_grad_by_freq", scale_grad_by_freq, False, "unit scaling sets it")
     _reject("embedding", "sparse", sparse, False, "use dense gradients (sparse=False)")
-    shards, size = shared_counts(input.dim() >= 2)
+
+
+def scaled_embedding(
+    input: Tensor, weight: Tensor, padding_idx: int | None, batched: bool
+) -> Tensor:
+    """:func:`embedding`'s scaling, told whether dimension 0 of ``input`` is the sharded
+    batch (token ids) or not (position ids shared by every example)."""
+    shards, size = shared_counts(batched)
     weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * shards, 1)))
     return F.embedding(input, weight, padding_idx)

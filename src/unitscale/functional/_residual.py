@@ -56,12 +56,24 @@ def add(
         >>> add(torch.ones(2), 1.0).tolist()
         [2.0, 2.0]
     """
+    return scaled_add(input, other, alpha, constraint, (False, False))
+
+
+def scaled_add(
+    input: Any, other: Any, alpha: float, constraint: Constraint, shared: tuple[bool, bool]
+) -> Any:
+    """:func:`add`, told which operands are shared by every example (computed from
+    parameters and constants alone) besides those its shapes show broadcast along the batch."""
     if not (_is_float_tensor(input) and _is_float_tensor(other)):
         return input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
     out_shape = torch.broadcast_shapes(input.shape, other.shape)
     out_numel = math.prod(out_shape)
-    input_shards, input_size = shared_counts(broadcast_along_batch(input.shape, out_shape))
-    other_shards, other_size = shared_counts(broadcast_along_batch(other.shape, out_shape))
+    input_shards, input_size = shared_counts(
+        shared[0] or broadcast_along_batch(input.shape, out_shape)
+    )
+    other_shards, other_size = shared_counts(
+        shared[1] or broadcast_along_batch(other.shape, out_shape)
+    )
     out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
     input_ideal = _rsqrt(out_numel * input_shards // max(input.numel(), 1))
     other_ideal = (
