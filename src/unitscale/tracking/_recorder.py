@@ -314,7 +314,7 @@ class TrackScalesPass(GraphPass):
                 if id(x) in self._hooked:
                     return
                 self._hooked.add(id(x))
-                self._handles.append(x.register_hook(self._leaf_hook(id(x))))
+                self._handles.append(x.register_post_accumulate_grad_hook(self._leaf_hook(id(x))))
             else:
                 keep = self._keep_replicated and slot in invocation.piece.data.get(
                     "replicated_slots", ()
@@ -338,8 +338,14 @@ class TrackScalesPass(GraphPass):
         return hook
 
     def _leaf_hook(self, key: int) -> Any:
-        def hook(grad: Tensor) -> None:
-            self._param_grads[key] = (grad.numel(), deferred_stats(grad))
+        """Statistics of a leaf's (a parameter's) ``.grad`` once this call's gradient has been
+        added to it: the gradient the optimiser sees, accumulated over calls, the same
+        quantity as under DDP (where ``param.grad`` is read after its all-reduce)."""
+
+        def hook(leaf: Tensor) -> None:
+            grad = leaf.grad
+            if grad is not None:
+                self._param_grads[key] = (grad.numel(), deferred_stats(grad))
 
         return hook
 
@@ -533,7 +539,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
     if cached is not None and cached.key == key and cached.unshared():
-        return cached.refill(trace, track, named_params)
+        return cached.refill(trace, track)
     track._joined = None  # drop the old graph before building the new one
     graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
     joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
@@ -640,12 +646,7 @@ class _Joined:
                 return False
         return True
 
-    def refill(
-        self,
-        trace: Sequence[Invocation],
-        track: TrackScalesPass,
-        named_params: dict[str, nn.Parameter],
-    ) -> fx.Graph:
+    def refill(self, trace: Sequence[Invocation], track: TrackScalesPass) -> fx.Graph:
         """The kept graph with this call's shapes and statistics (new ``Metrics``)."""
         resolved = [_resolved(invocation) for invocation in trace]
         shapes = [invocation.data.get("shape", {}) for invocation in trace]
@@ -657,10 +658,7 @@ class _Joined:
             meta.update(base)
             fwd, bwd = resolved[k]
             if kind == "param":
-                param = named_params.get(meta["clean_name"])
                 grad = param_grads.get(input_id)
-                if param is not None:
-                    grad = _param_grad_stats(track, param, input_id, False)[0]
             else:
                 grad = bwd.get(slot)
                 if kind == "input":
@@ -773,11 +771,10 @@ def _build(
                         shared[name] = new
                         plan.append(("param", new, dict(new.meta), k, slot, input_id))
                         grad = track._param_grads.get(input_id)
-                        if name in named_params:
-                            grad, same = _param_grad_stats(
-                                track, named_params[name], input_id, distributed
-                            )
-                            if distributed and same and grad is not None:
+                        if distributed and name in named_params:
+                            # The reduced gradient exists once backward() has returned.
+                            grad, same = _distributed.parameter_grad_stats(named_params[name])
+                            if same and grad is not None:
                                 replicated.add(id(grad))
                         if distributed and slot in fwd:
                             replicated.add(id(fwd[slot]))
@@ -828,19 +825,6 @@ def _build(
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
     _read_stats(pending, (group, replicated) if distributed else None)
     return graph, plan
-
-
-def _param_grad_stats(
-    track: TrackScalesPass, param: nn.Parameter, input_id: int, distributed: bool
-) -> tuple[_Stats | None, bool]:
-    """A parameter's gradient statistics: those of ``param.grad`` when read, the gradient the
-    optimiser sees (accumulated over calls, averaged over data-parallel ranks), in one
-    process as under DDP or FSDP2, so both describe the same quantity. In one process, only
-    when a gradient reached the parameter in the last recorded call (so a forward-only call
-    shows none); ``(stats, replicated)`` as :func:`_distributed.parameter_grad_stats`."""
-    if not distributed and input_id not in track._param_grads:
-        return None, True
-    return _distributed.parameter_grad_stats(param)
 
 
 def _invocation_kinds(
