@@ -128,8 +128,9 @@ def test_process_group_alone_applies_no_factor(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_compiled_module_follows_the_setting() -> None:
-    """A module compiled at size 1 recompiles when the size changes (Dynamo guards the
-    setting), and with accumulation: the weight gradient scales by size / sqrt(size)."""
+    """Under Dynamo's eager backend (as ``track_scales`` and ``unit_scale`` run their graphs)
+    the unit-scaled ops read the setting when called: a module compiled at size 1 follows
+    a change of size and of accumulation (weight gradient x size / sqrt(size * steps))."""
     torch.manual_seed(0)
     layer = us.Linear(16, 8)
     compiled = torch.compile(copy.deepcopy(layer), backend="eager", fullgraph=True)
@@ -145,6 +146,26 @@ def test_compiled_module_follows_the_setting() -> None:
     set_gradient_accumulation(4)
     compiled(x).sum().backward()
     assert float(compiled.weight.grad.norm() / at_one.norm()) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_compiling_backend_bakes_the_size_until_reset() -> None:
+    """The documented limit: Inductor traces through the unit-scaled ops (one opaque node
+    each for Dynamo, so no guard on the setting) when the compiled module first runs, so a
+    later change of size keeps the first call's factor until ``torch.compiler.reset()``."""
+    torch.manual_seed(0)
+    layer = us.Linear(16, 8)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True)
+    compiled(x).sum().backward()
+    at_one = compiled.weight.grad.clone()
+    compiled.weight.grad = None
+    set_data_parallel(size=4)
+    compiled(x).sum().backward()
+    assert torch.equal(compiled.weight.grad, at_one)
+    compiled.weight.grad = None
+    torch.compiler.reset()
+    compiled(x).sum().backward()
+    assert float(compiled.weight.grad.norm() / at_one.norm()) == pytest.approx(2.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

@@ -22,9 +22,13 @@ from tensor shapes, never from the mere existence of a process group), first mat
 4. otherwise 1: a process group alone (ranks training separate models, evaluation, torch's
    own ``fully_shard``) applies no factor.
 
-Since the decision is made when the op runs, a model transformed, tracked or compiled before
-``init_process_group`` gets the right size once it runs inside DDP (a compiled graph is
-guarded on it and recompiles). Gradient accumulation is only ever what
+Since the decision is made when the op runs, a model transformed or tracked (or compiled
+with Dynamo's ``"eager"`` backend) before ``init_process_group`` gets the right size once it
+runs inside DDP. A compiling backend (Inductor, ``torch.compile``'s default) is different:
+each unit-scaled op is one opaque node for Dynamo, which Inductor traces through when the
+compiled module first runs, so the size and accumulation of that first call are baked into
+its backward. Run the first compiled call inside DDP (or after the settings), or call
+``torch.compiler.reset()`` after changing them. Gradient accumulation is only ever what
 :func:`set_gradient_accumulation` says (default 1).
 
 Which tensors are shared: dimension 0 of an op's batched operand is the sharded dimension,
@@ -33,12 +37,14 @@ whatever its size (a local batch of 1 included): the rows of a linear layer's or
 of 2-D or larger token ids of an embedding, and dimension 0 of the output of ``add`` /
 ``matmul`` when it has 2 or more dimensions. An operand of ``add``/``matmul`` with fewer
 dimensions than the output, or of size 1 along dimension 0 where the output is larger, is
-broadcast along the batch and shared by the ranks. Two cases cannot be read from shapes and
-are documented rather than guessed: with a local batch of 1, a shared tensor that keeps a
-leading batch dimension of 1 (a ``(1, T, D)`` position parameter added to ``(1, T, D)``
-activations) is counted as an example; and position ids of shape ``(1, T)`` (as Hugging Face
-models make them) are counted as examples by the embedding. Give such tensors no leading
-dimension (``torch.arange(T)``, as :mod:`unitscale.models` does) for exact gradients.
+broadcast along the batch and shared by the ranks. Two cases cannot be read from shapes: with
+a local batch of 1, a shared tensor that keeps a leading batch dimension of 1 (a ``(1, T, D)``
+position parameter added to ``(1, T, D)`` activations) looks like an example, and position
+ids of shape ``(1, T)`` (as Hugging Face models make them) look like token ids.
+:func:`~unitscale.transforms.unit_scale` resolves both from the captured graph (a value
+computed without the model's inputs is shared by every example); a hand-written model that
+calls :mod:`unitscale.functional` directly should give such tensors no leading dimension
+(``torch.arange(T)``, as :mod:`unitscale.models` does).
 
 Other rules:
 
@@ -50,9 +56,8 @@ Other rules:
   unit-scaled is not corrected: its parameter gradient is ``1/N`` of one process's
   (``unit_scale`` maps the ops it knows).
 
-Design constraints: the size is a host int read per op call (no collective); Dynamo folds
-the settings here and DDP's active module into constants guarded by value, so compiled
-graphs stay whole and a change of setting recompiles.
+Design constraints: the size is a host int read per op call (no collective); traced code
+folds it into a constant, so compiled graphs stay whole.
 """
 
 from __future__ import annotations
@@ -66,14 +71,19 @@ import torch
 from .errors import UnitScaleError
 from .parameter import has_mup_tags
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+    # the data-parallel size
     "data_parallel_group",
     "data_parallel_size",
-    "fully_shard",
+    "set_data_parallel",
+    # gradient accumulation
     "gradient_accumulation",
     "gradient_accumulation_steps",
-    "set_data_parallel",
     "set_gradient_accumulation",
+    # FSDP2
+    "fully_shard",
+    # errors
+    "DataParallelError",
 ]
 
 _settings: dict[str, Any] = {"group": None, "size": None, "steps": 1}
@@ -193,7 +203,9 @@ def _active_ddp() -> Any:
     """The ``DistributedDataParallel`` whose forward is running, or None."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel._get_active_ddp_module()
+    # The class attribute, not ``_get_active_ddp_module()``: Dynamo guards an attribute it
+    # reads, so a compiled graph recompiles when DDP's forward starts or ends.
+    return DistributedDataParallel._active_ddp_module
 
 
 def data_parallel_size() -> int:

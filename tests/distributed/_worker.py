@@ -392,7 +392,12 @@ def build_before_init(checks: list[str]) -> None:
         name = check.split(":")[1]
         torch.manual_seed(0)
         if name == "compiled":
-            model: nn.Module = torch.compile(unit_scaled_gpt(CONFIG, seed=0), fullgraph=True)
+            # Dynamo's eager backend runs the unit-scaled ops when called; a compiling
+            # backend bakes the size into the backward at its first call (see
+            # unitscale.data_parallel and tests/test_data_parallel.py).
+            model: nn.Module = torch.compile(
+                unit_scaled_gpt(CONFIG, seed=0), fullgraph=True, backend="eager"
+            )
         else:
             model = MODELS[name]()
         inputs, labels = batch(GLOBAL_BATCH // 2)  # the local shape of the 2-rank run

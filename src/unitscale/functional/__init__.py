@@ -20,6 +20,8 @@ This package is a facade: one private file per op family, each built from
 """
 
 from ._attention import masked_scaled_dot_product_attention
+from ._batch_hints import add as batch_hinted_add
+from ._batch_hints import embedding as batch_hinted_embedding
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._mult import check_mult as check_mult  # argument check shared with the modules
 from ._nonlinear import (
@@ -70,6 +72,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # graph transform support
     "OPAQUE_OPS",
     "torch_map",
+    "batch_hinted_add",
+    "batch_hinted_embedding",
     # types
     "Constraint",
 ]

@@ -12,6 +12,8 @@ from torch import Tensor
 
 from .._lazy_dynamo import when_dynamo_imported
 from ..errors import UnsupportedArgumentError
+from ._batch_hints import add as batch_hinted_add
+from ._batch_hints import embedding as batch_hinted_embedding
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
 from ._nonlinear import (
     Constraint,
@@ -110,7 +112,7 @@ masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill`
 OPAQUE_OPS: tuple[Callable[..., Any], ...] = (
     dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
     rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
-    cross_entropy, mse_loss, _torch_softmax, _addmm,
+    cross_entropy, mse_loss, _torch_softmax, _addmm, batch_hinted_add, batch_hinted_embedding,
 )  # fmt: skip
 
 

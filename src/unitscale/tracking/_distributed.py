@@ -25,7 +25,8 @@ leaves each rank a shard, whose statistics are reduced like an activation's), no
 local gradient the autograd hook saw. So read after ``backward()`` and before
 ``optimizer.zero_grad()``; with gradient accumulation the statistics are of the accumulated
 gradient. One process reports the same quantity (``param.grad`` once the call's gradient is
-added to it), so the two agree for the same global batch. Every rank of the group must read (a collective), at the same point.
+added to it), so the two agree for the same global batch. Every rank of the group must read
+(a collective), at the same point.
 
 Design constraints: nothing here runs per op; one read costs at most five collectives whatever the
 number of tensors; tensors stay on their device (gloo on CPU, NCCL on GPU).

@@ -483,21 +483,20 @@ def _batch_nodes(gm: fx.GraphModule, piece: Piece) -> set[fx.Node]:
 
 def _hint_batch(graph: fx.Graph, batch: set[fx.Node]) -> None:
     """Tell ``U.embedding`` and ``U.add`` what their shapes cannot (see
-    :mod:`unitscale.functional._batch_hints`): ids computed without the model's inputs are
+    ``unitscale.functional.batch_hinted_add``): ids computed without the model's inputs are
     position ids shared by every example; an operand computed without them, added to a value
     computed with them, is shared by every example (counted over the whole batch)."""
     from .. import functional as U
-    from ..functional import _batch_hints
 
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is U.embedding and node.args and node.args[0] not in batch:
-            node.target = _batch_hints.embedding
+            node.target = U.batch_hinted_embedding
         elif node.target is U.add and node in batch and len(node.args) >= 2:
             shared = tuple(isinstance(arg, fx.Node) and arg not in batch for arg in node.args[:2])
             if any(shared):
-                node.target = _batch_hints.add
+                node.target = U.batch_hinted_add
                 node.kwargs = {**node.kwargs, "shared": shared}
 
 
