@@ -75,6 +75,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # the data-parallel size
     "data_parallel_group",
     "data_parallel_size",
+    "data_parallel_set",
     "set_data_parallel",
     # gradient accumulation
     "gradient_accumulation",
@@ -134,6 +135,22 @@ def set_data_parallel(group: Any = None, *, size: int | None = None) -> None:
         _positive_int("set_data_parallel", "size", size)
     _settings["group"] = group
     _settings["size"] = size
+
+
+def data_parallel_set() -> bool:
+    """Whether :func:`set_data_parallel` holds a size or group now (else DDP, :func:`fully_shard`
+    or 1 decide). Reading a tracked graph follows such a setting; without one it reduces
+    over the group its recorded call ran in.
+
+    Example:
+        >>> data_parallel_set()
+        False
+        >>> set_data_parallel(size=1)
+        >>> data_parallel_set()
+        True
+        >>> set_data_parallel()
+    """
+    return _settings["size"] is not None or _settings["group"] is not None
 
 
 def set_gradient_accumulation(steps: int = 1) -> None:

@@ -40,13 +40,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data_parallel import data_parallel_group, data_parallel_size
+from ..data_parallel import data_parallel_group, data_parallel_set, data_parallel_size
 from ..errors import UnitScaleError
 from .metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, FORMAT_KEYS, tensor_stats
 
 __all__ = [
     "active_group",
     "parameter_grad_stats",
+    "read_group",
     "reduce_replicated_grads",
     "reduce_stats",
     "writes_files",
@@ -69,6 +70,13 @@ def active_group() -> tuple[bool, Any]:
     if not (distributed.is_available() and distributed.is_initialized()):
         return False, None
     return data_parallel_size() > 1, data_parallel_group()
+
+
+def read_group(recorded: tuple[bool, Any]) -> tuple[bool, Any]:
+    """The reduction of a read: :func:`active_group` now when ``set_data_parallel`` holds a
+    setting (``set_data_parallel(size=1)`` reads local statistics), else ``recorded``, the
+    one of the tracked call (inside DDP's forward, which declares its group)."""
+    return active_group() if data_parallel_set() else recorded
 
 
 def writes_files() -> bool:

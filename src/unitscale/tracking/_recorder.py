@@ -533,7 +533,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     # parameters being inputs), so names come from the tensors each invocation received.
     named_params, state_names = _state_names(inner)
     kinds = [_invocation_kinds(inv.piece.placeholders, inv.input_ids, state_names) for inv in trace]
-    distributed, group = track._reduce_over
+    distributed, group = _distributed.read_group(track._reduce_over)
     if distributed:  # statistics are reduced over the ranks: always built afresh
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
