@@ -48,11 +48,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(
-        0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len + 1), generator=generator
-    )
+    ids = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.seq_len + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -75,11 +73,17 @@ def _relative_errors(
     }
 
 
-def check_gradients(name: str, wrapper: str) -> dict[str, Any]:
+def check_gradients(
+    name: str, wrapper: str, local: int | None = None, model: nn.Module | None = None
+) -> dict[str, Any]:
+    """One process on the concatenated batch (the reference, data-parallel size 1) against
+    ``wrapper`` on ``local`` rows per rank (default: ``GLOBAL_BATCH / world``); ``model``: one
+    built beforehand (else ``MODELS[name]``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    inputs, labels = batch()
+    local = GLOBAL_BATCH // world if local is None else local
+    inputs, labels = batch(local * world)
     torch.manual_seed(0)  # unit_scale re-initialises weights from the global generator
-    model = MODELS[name]()
+    model = MODELS[name]() if model is None else model
     reference = copy.deepcopy(model)
     set_data_parallel(size=1)
     ref_loss = reference(inputs, labels=labels)
@@ -94,11 +98,17 @@ def check_gradients(name: str, wrapper: str) -> dict[str, Any]:
         wrapped = DistributedDataParallel(model)
         if wrapper == "ddp-uncorrected":  # the scales of one process: shows the check can fail
             set_data_parallel(size=1)
-    local = GLOBAL_BATCH // world
+    if wrapper == "group-only":  # a process group, no DDP, gradients averaged by hand
+        wrapped = model
     rows = slice(rank * local, (rank + 1) * local)
     loss = wrapped(inputs[rows], labels=labels[rows])
     loss.backward()
     set_data_parallel()
+    if wrapper == "group-only":
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     mean_loss /= world
@@ -124,23 +134,22 @@ def check_gradients(name: str, wrapper: str) -> dict[str, Any]:
 
 
 def check_compile() -> dict[str, Any]:
-    """torch.compile(fullgraph=True) of a unit-scaled module with torch.distributed up."""
+    """torch.compile(fullgraph=True) of a unit-scaled module inside DDP, against eager: the
+    local gradient before DDP's average (read by a hook), and one process's."""
     torch.manual_seed(0)
     layer = us.Linear(16, 8)
     x = torch.randn(4, 16)
     single = copy.deepcopy(layer)
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True)
-    compiled(x).sum().backward()
-    layer(x).sum().backward()
-    set_data_parallel(size=1)
+    local: dict[str, torch.Tensor] = {}
+    for key, module in (("compiled", compiled), ("eager", layer)):
+        module.weight.register_hook(lambda g, key=key: local.__setitem__(key, g.clone()))
+        DistributedDataParallel(module)(x).sum().backward()
     single(x).sum().backward()
-    set_data_parallel()
-    compiled_grad = compiled.weight.grad
+    compiled_grad, eager_grad = local["compiled"], local["eager"]
     return {
-        "compiled_vs_eager": float(
-            (compiled_grad - layer.weight.grad).norm() / layer.weight.grad.norm()
-        ),
-        "ratio_to_one_process": float(layer.weight.grad.norm() / single.weight.grad.norm()),
+        "compiled_vs_eager": float((compiled_grad - eager_grad).norm() / eager_grad.norm()),
+        "ratio_to_one_process": float(eager_grad.norm() / single.weight.grad.norm()),
     }
 
 
@@ -226,6 +235,54 @@ def check_statistics(wrapper: str) -> dict[str, Any]:
     result["collectives"] = counter.calls
     result["local_numel_of_input"] = int(inputs[rows].numel())
     return result
+
+
+def check_parameter_grad_statistics() -> dict[str, Any]:
+    """Parameter-gradient statistics of a tracked model describe ``param.grad``, the same
+    quantity in one process and under DDP, with or without accumulation: one call on the
+    whole batch (one process), 4 accumulated micro-batches (one process), and 2 ranks each
+    accumulating 2 micro-batches under DDP give the same statistics of every parameter's
+    gradient."""
+    from unitscale.data_parallel import gradient_accumulation
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = batch()
+    torch.manual_seed(0)
+    base = track_scales(unit_scale(plain_gpt(CONFIG, seed=0)))
+    names = [n for n, _ in base.named_parameters()]
+
+    def param_records(graph: Any) -> dict[tuple[str, str], dict[str, float]]:
+        return {key: value for key, value in _records(graph).items() if key[0] in names}
+
+    def accumulate(model: nn.Module, wrapped: nn.Module, row_blocks: list[slice]) -> None:
+        with gradient_accumulation(len(row_blocks)):
+            for rows in row_blocks:
+                wrapped(inputs[rows], labels=labels[rows]).backward()
+
+    set_data_parallel(size=1)
+    whole = copy.deepcopy(base)
+    whole(inputs, labels=labels).backward()
+    ref = param_records(whole.scales_graph())
+    micro = copy.deepcopy(base)
+    accumulate(micro, micro, [slice(2 * i, 2 * i + 2) for i in range(4)])
+    one_process = param_records(micro.scales_graph())
+    set_data_parallel()
+    ddp_model = copy.deepcopy(base)
+    local = GLOBAL_BATCH // world
+    blocks = [slice(rank * local + i * 2, rank * local + i * 2 + 2) for i in range(local // 2)]
+    accumulate(ddp_model, DistributedDataParallel(ddp_model), blocks)
+    distributed = param_records(ddp_model.scales_graph())
+    one = _compare(ref, one_process)
+    two = _compare(ref, distributed)
+    return {
+        "records": len(ref),
+        "bwd_records": sum(direction == "bwd" for _, direction in ref),
+        "one_process_error": one["max_error"],
+        "one_process_worst": one.get("worst", ""),
+        "ddp_error": two["max_error"],
+        "ddp_worst": two.get("worst", ""),
+        "missing": one["missing"] + two["missing"],
+    }
 
 
 def check_monitor() -> dict[str, Any]:
@@ -345,15 +402,51 @@ def run_check(check: str) -> dict[str, Any]:
         return check_fp8_scaling()
     if check == "monitor":
         return check_monitor()
+    if check == "parameter-grad-statistics":
+        return check_parameter_grad_statistics()
     if check.startswith("statistics:"):
         return check_statistics(check.split(":")[1])
+    if check.startswith("local"):  # local<B>:<model>: B rows per rank under DDP
+        name = check.split(":")[1]
+        return check_gradients(name, "ddp", local=int(check.split(":")[0][5:]))
+    if check.startswith("before-init:"):  # built, run and compiled before init_process_group
+        name = check.split(":")[1]
+        return check_gradients(name, "ddp", model=BUILT_BEFORE_INIT[name])
     name, wrapper = check.rsplit(":", 1)
     return check_gradients(name, wrapper)
+
+
+#: Models built (and run once, so captured or compiled) before ``init_process_group``.
+BUILT_BEFORE_INIT: dict[str, nn.Module] = {}
+
+
+def build_before_init(checks: list[str]) -> None:
+    """The models of the ``before-init:`` checks, each run once with its scales of one process
+    (a compiled one compiled then), before the process group exists."""
+    for check in checks:
+        if not check.startswith("before-init:"):
+            continue
+        name = check.split(":")[1]
+        torch.manual_seed(0)
+        if name == "compiled":
+            # Dynamo's eager backend runs the unit-scaled ops when called; a compiling
+            # backend bakes the size into the backward at its first call (see
+            # unitscale.data_parallel and tests/test_data_parallel.py).
+            model: nn.Module = torch.compile(
+                unit_scaled_gpt(CONFIG, seed=0), fullgraph=True, backend="eager"
+            )
+        else:
+            model = MODELS[name]()
+        inputs, labels = batch(GLOBAL_BATCH // 2)  # the local shape of the 2-rank run
+        model(inputs, labels=labels).backward()
+        model.zero_grad(set_to_none=True)
+        BUILT_BEFORE_INIT[name] = model
 
 
 def main() -> None:
     checks, out = sys.argv[1].split(","), Path(sys.argv[2])
     torch.set_num_threads(1)
+    build_before_init(checks)
     dist.init_process_group("gloo")
     results: dict[str, Any] = {}
     try:

@@ -76,8 +76,8 @@ def test_one_process_scales_would_be_wrong(results: list[dict[str, Any]]) -> Non
 
 
 def test_compiled_module_sees_the_world_size(results: list[dict[str, Any]]) -> None:
-    """torch.compile(fullgraph=True) of us.Linear under 2 ranks: the same gradient as eager,
-    sqrt(2) times one process's (the factor DDP's average divides by 2)."""
+    """torch.compile(fullgraph=True) of us.Linear inside DDP on 2 ranks: the same local
+    gradient as eager, sqrt(2) times one process's (the factor DDP's average divides by 2)."""
     for measured in results:
         check = measured["compile"]
         assert "error" not in check, check.get("error")

@@ -17,7 +17,14 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-CHECKS = ["statistics:ddp", "statistics:fsdp", "monitor", "mismatch", "fsdp-averages"]
+CHECKS = [
+    "statistics:ddp",
+    "statistics:fsdp",
+    "monitor",
+    "mismatch",
+    "fsdp-averages",
+    "parameter-grad-statistics",
+]
 TOLERANCE = 1e-5
 #: Per read: the length check, SUM, MAX, MIN, and the packed gradients of replicated values.
 COLLECTIVES = 5
@@ -73,3 +80,18 @@ def test_monitor_table_is_global_and_rank0_writes(results: list[dict[str, Any]])
 def test_ranks_reading_different_graphs_get_an_error(results: list[dict[str, Any]]) -> None:
     for measured in results:
         assert "the ranks read 2 to 3 tracked tensors" in measured["mismatch"]["error"]
+
+
+def test_parameter_gradient_statistics_are_the_same_quantity(
+    results: list[dict[str, Any]],
+) -> None:
+    """Issue 28 item 6: a parameter's gradient statistics are those of ``param.grad`` in one
+    process and under DDP. One call on the whole batch, 4 accumulated micro-batches in one
+    process (before: the last micro-batch's gradient, from a hook) and 2 DDP ranks
+    accumulating 2 each give equal statistics of every parameter gradient."""
+    for rank, measured in enumerate(results):
+        check = measured["parameter-grad-statistics"]
+        assert "error" not in check, check.get("error")
+        assert check["missing"] == [] and check["bwd_records"] > 10, (rank, check)
+        assert check["one_process_error"] < TOLERANCE, (rank, check)
+        assert check["ddp_error"] < TOLERANCE, (rank, check)

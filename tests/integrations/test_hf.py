@@ -270,3 +270,71 @@ def test_raise_on_nan_restores_the_model_first(tmp_path: Path) -> None:
     assert "forward" not in model.__dict__  # training stops: the model is as it was
     report = callback.non_finite
     assert report is not None and (report.step, report.tensor) == (0, "weight")
+
+
+def _unit_scaled_gpt2() -> nn.Module:
+    from unitscale.transforms import unit_scale
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = unit_scale(GPT2LMHeadModel(config))
+    with torch.no_grad():  # capture now: unit_scale initialises matmul weights at capture
+        model(input_ids=torch.zeros(1, SEQ, dtype=torch.long))
+    return model
+
+
+def _accumulating_run(tmp_path: Path, recipe: bool) -> tuple[dict[str, float], Any, nn.Module]:
+    """One optimiser step of 4 micro-batches of 4 rows under the callback; the parameter
+    gradients' rms the callback recorded, the micro-batches, and the initial model."""
+    from unitscale.data_parallel import gradient_accumulation
+
+    model = _unit_scaled_gpt2()
+    initial = copy.deepcopy(model)
+    callback = ScaleMonitorCallback(every=1, save=False, tensorboard=False)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=1, per_device_train_batch_size=4,
+        gradient_accumulation_steps=4, learning_rate=1e-3, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        remove_unused_columns=False,  # the transformed model's forward takes **kwargs
+        max_grad_norm=0.0,  # no clipping: the callback reads param.grad after it
+    )  # fmt: skip
+    trainer = _RecordingTrainer(
+        model=model, args=args, train_dataset=_Tokens(), callbacks=[callback]
+    )
+    if recipe:  # docs/guide/distributed.rst, "Gradient accumulation"
+        trainer.model_accepts_loss_kwargs = False  # the model's own mean loss
+        trainer.loss_is_scaled_for_ga = True  # not divided by the 4 micro-batches
+        with gradient_accumulation(4):
+            trainer.train()
+    else:
+        trainer.train()
+    assert callback.monitor is not None
+    table = callback.monitor.table()
+    names = {n for n, _ in model.named_parameters()}
+    rows = table[
+        (table["direction"] == "bwd") & (table["metric"] == "rms") & table["tensor"].isin(names)
+    ]
+    return dict(zip(rows["tensor"], rows["value"], strict=True)), trainer.seen, initial
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_recipe_gives_the_whole_batch(tmp_path: Path) -> None:
+    """Issue 28 item 5 under the Trainer: with the documented recipe, the parameter
+    gradients the callback records after 4 accumulated micro-batches equal (rtol 1e-5) those
+    of one call on the 16 rows (so also their unit scale); the Trainer's defaults (the loss
+    divided by 4 or by ``num_items_in_batch``, micro-batch counts) give other values."""
+    recorded, seen, initial = _accumulating_run(tmp_path / "recipe", recipe=True)
+    whole = torch.cat([inputs["input_ids"] for inputs, _, _ in seen])
+    assert len(seen) == 4 and whole.shape == (16, SEQ)
+    initial(input_ids=whole, labels=whole).loss.backward()
+    expected = {
+        n: float(p.grad.double().pow(2).mean().sqrt()) for n, p in initial.named_parameters()
+    }
+    assert len(recorded) > 10 and sorted(recorded) == sorted(expected)
+    assert recorded == pytest.approx(expected, rel=1e-5)
+    naive, _, _ = _accumulating_run(tmp_path / "naive", recipe=False)
+    ratios = [naive[n] / expected[n] for n in expected]
+    assert max(abs(r - 1) for r in ratios) > 0.3, ratios

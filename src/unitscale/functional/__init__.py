@@ -25,6 +25,8 @@ This package is a facade: one private file per op family, each built from
 
 from ._attention import masked_scaled_dot_product_attention, scaled_dot_product_attention
 from ._base import Constraint
+from ._batch_hints import add as batch_hinted_add
+from ._batch_hints import embedding as batch_hinted_embedding
 from ._elementwise import dropout, gelu, scale_elementwise, silu, silu_glu, softmax
 from ._loss import cross_entropy, mse_loss
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
@@ -65,6 +67,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # graph transform support
     "OPAQUE_OPS",
     "torch_map",
+    "batch_hinted_add",
+    "batch_hinted_embedding",
     # types
     "Constraint",
 ]

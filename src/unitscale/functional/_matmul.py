@@ -11,7 +11,7 @@ from torch import Tensor
 from ..constraints import apply_constraint
 from ..scale import scale_bwd, scale_fwd_bwd
 from ._base import Constraint, _finish, _prescale, _reject, _rsqrt, _single
-from ._shared import broadcast_along_batch, shared_rsqrt, shared_size
+from ._shared import broadcast_along_batch, shared_counts, shared_rsqrt
 
 # --------------------------------------------------------------------------------------------
 # matmul-like ops
@@ -35,7 +35,7 @@ def _matmul_fans(left: Tensor, right: Tensor) -> tuple[int, int, int]:
 
 def _matmul_shared(left: Tensor, right: Tensor) -> tuple[bool, bool]:
     """Whether each operand's gradient sums over the sharded (data-parallel) dimension:
-    dimension 0 of a batched output, or the rows of a 2-D left operand."""
+    dimension 0 of a batched output, or the rows of a 2-D left operand (one row included)."""
     if left.dim() > 2 or right.dim() > 2:
         batch = tuple(torch.broadcast_shapes(left.shape[:-2], right.shape[:-2]))
         if not batch:
@@ -45,7 +45,7 @@ def _matmul_shared(left: Tensor, right: Tensor) -> tuple[bool, bool]:
             broadcast_along_batch((*left.shape[:-2], 1, 1), out),
             broadcast_along_batch((*right.shape[:-2], 1, 1), out),
         )
-    return False, left.dim() == 2 and left.shape[0] > 1
+    return False, left.dim() == 2
 
 
 def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_scale") -> Tensor:
@@ -79,9 +79,12 @@ def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_sca
     """
     k, fan_left, fan_right = _matmul_fans(input, other)
     left_shared, right_shared = _matmul_shared(input, other)
-    left_size, right_size = shared_size(left_shared), shared_size(right_shared)
+    (left_shards, left_size), (right_shards, right_size) = (
+        shared_counts(left_shared),
+        shared_counts(right_shared),
+    )
     out_scale, left_scale, right_scale = apply_constraint(
-        constraint, _rsqrt(k), _rsqrt(fan_left * left_size), _rsqrt(fan_right * right_size)
+        constraint, _rsqrt(k), _rsqrt(fan_left * left_shards), _rsqrt(fan_right * right_shards)
     )
     left = _prescale(input, left_scale * left_size, out_scale)
     right = _prescale(other, right_scale * right_size, out_scale)
@@ -120,9 +123,10 @@ def linear(
     ``sqrt(fan_in / fan_out)``; ``None``: both unit. Weight and bias gradients are never
     constrained: they are always ``1/sqrt(batch)`` times the true ``grad_y^T x`` (so they
     are not the true gradient unless ``batch`` is 1, a deliberate unit-scaling choice). The
-    bias is added unscaled (it starts at zero). Under data parallelism ``batch`` is the
-    global batch and the factor is multiplied by the data-parallel size, so that averaged
-    gradients equal one process's (:mod:`unitscale.data_parallel`).
+    bias is added unscaled (it starts at zero). Under data parallelism and gradient
+    accumulation ``batch`` is the whole step's batch and the factor is multiplied by the
+    data-parallel size, so that averaged and accumulated gradients equal one process's on
+    the whole batch (:mod:`unitscale.data_parallel`).
 
     Args:
         input: ``(..., fan_in)``, assumed unit-scaled.
@@ -279,8 +283,10 @@ def embedding(
     ``tokens = input.numel()`` spread uniformly over ``num_embeddings`` rows, an element's
     gradient variance is ``tokens / num_embeddings`` on average, so it is scaled by
     ``sqrt(num_embeddings / tokens)`` (rows of frequent tokens stay above 1, unused rows 0).
-    Never constrained (a weight). Under data parallelism, token ids of 2 or more dimensions
-    with more than one row count the global tokens (:mod:`unitscale.data_parallel`).
+    Never constrained (a weight). Under data parallelism and gradient accumulation, token
+    ids of 2 or more dimensions (one row included) count the whole batch's tokens and the
+    factor is multiplied by the data-parallel size; 1-D ids (``torch.arange(T)`` positions)
+    are shared by every example (:mod:`unitscale.data_parallel`).
 
     Args:
         input: integer token ids.
@@ -303,10 +309,25 @@ def embedding(
         >>> w.grad[0].tolist()  # 4 occurrences, scaled by sqrt(10 / 40)
         [2.0, 2.0, 2.0, 2.0]
     """
+    check_embedding_args(max_norm, norm_type, scale_grad_by_freq, sparse)
+    return scaled_embedding(input, weight, padding_idx, input.dim() >= 2)
+
+
+def check_embedding_args(
+    max_norm: float | None, norm_type: float, scale_grad_by_freq: bool, sparse: bool
+) -> None:
+    """Reject the ``F.embedding`` arguments :func:`embedding` does not support."""
     _reject("embedding", "max_norm", max_norm, None, "renormalise the weight yourself")
     _reject("embedding", "norm_type", norm_type, 2.0, "norm_type only applies with max_norm")
     _reject("embedding", "scale_grad_by_freq", scale_grad_by_freq, False, "unit scaling sets it")
     _reject("embedding", "sparse", sparse, False, "use dense gradients (sparse=False)")
-    size = shared_size(input.dim() >= 2 and input.shape[0] > 1)
-    weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * size, 1)))
+
+
+def scaled_embedding(
+    input: Tensor, weight: Tensor, padding_idx: int | None, batched: bool
+) -> Tensor:
+    """:func:`embedding`'s scaling, told whether dimension 0 of ``input`` is the sharded
+    batch (token ids) or not (position ids shared by every example)."""
+    shards, size = shared_counts(batched)
+    weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * shards, 1)))
     return F.embedding(input, weight, padding_idx)

@@ -41,9 +41,9 @@ def layer_norm(
     assumes the rows' incoming gradients are independent. A norm in front of attention
     breaks that: attention averages rows, so the gradient of a shift shared by all rows
     adds up instead of cancelling, and those weight and bias gradients come out larger
-    (about 2x for 128 causal positions). Under data parallelism ``batch`` is the global
-    batch and the factor is multiplied by the data-parallel size
-    (:mod:`unitscale.data_parallel`).
+    (about 2x for 128 causal positions). Under data parallelism and gradient accumulation
+    ``batch`` is the whole step's batch and the factor is multiplied by the data-parallel
+    size (:mod:`unitscale.data_parallel`).
 
     Args:
         input: the input; unit-scaled rows give unit input gradients.

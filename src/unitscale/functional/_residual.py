@@ -12,7 +12,7 @@ from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
 from ..scale import scale_bwd, scale_fwd
 from ._base import Constraint, _finish, _is_float_tensor, _prescale, _rsqrt
-from ._shared import broadcast_along_batch, shared_size
+from ._shared import broadcast_along_batch, shared_counts
 
 # --------------------------------------------------------------------------------------------
 # addition and residuals
@@ -31,9 +31,9 @@ def add(
     ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
     Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
     ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit. Under data
-    parallelism an operand broadcast along dimension 0 of the output (when it is larger than
-    1) counts the global batch and its gradient is multiplied by the data-parallel size
-    (:mod:`unitscale.data_parallel`).
+    parallelism or gradient accumulation an operand broadcast along dimension 0 of an output
+    of 2 or more dimensions counts the whole batch and its gradient is multiplied by the
+    data-parallel size (:mod:`unitscale.data_parallel`).
 
     Only an addition of two floating-point tensors is scaled. If either operand is a Python
     number, a non-float tensor or a symbolic size, this is the plain addition (adding a
@@ -56,16 +56,30 @@ def add(
         >>> add(torch.ones(2), 1.0).tolist()
         [2.0, 2.0]
     """
+    return scaled_add(input, other, alpha, constraint, (False, False))
+
+
+def scaled_add(
+    input: Any, other: Any, alpha: float, constraint: Constraint, shared: tuple[bool, bool]
+) -> Any:
+    """:func:`add`, told which operands are shared by every example (computed from
+    parameters and constants alone) besides those its shapes show broadcast along the batch."""
     if not (_is_float_tensor(input) and _is_float_tensor(other)):
         return input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
     out_shape = torch.broadcast_shapes(input.shape, other.shape)
     out_numel = math.prod(out_shape)
-    input_size = shared_size(broadcast_along_batch(input.shape, out_shape))
-    other_size = shared_size(broadcast_along_batch(other.shape, out_shape))
+    input_shards, input_size = shared_counts(
+        shared[0] or broadcast_along_batch(input.shape, out_shape)
+    )
+    other_shards, other_size = shared_counts(
+        shared[1] or broadcast_along_batch(other.shape, out_shape)
+    )
     out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
-    input_ideal = _rsqrt(out_numel * input_size // max(input.numel(), 1))
+    input_ideal = _rsqrt(out_numel * input_shards // max(input.numel(), 1))
     other_ideal = (
-        _rsqrt(out_numel * other_size // max(other.numel(), 1)) / abs(alpha) if alpha != 0 else 1.0
+        _rsqrt(out_numel * other_shards // max(other.numel(), 1)) / abs(alpha)
+        if alpha != 0
+        else 1.0
     )
     out_scale, input_scale, other_scale = apply_constraint(
         constraint, out_ideal, input_ideal, other_ideal

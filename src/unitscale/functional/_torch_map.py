@@ -14,6 +14,8 @@ from .._lazy_dynamo import when_dynamo_imported
 from ..errors import UnsupportedArgumentError
 from ._attention import scaled_dot_product_attention
 from ._base import Constraint
+from ._batch_hints import add as batch_hinted_add
+from ._batch_hints import embedding as batch_hinted_embedding
 from ._elementwise import dropout, gelu, silu, silu_glu, softmax
 from ._loss import cross_entropy, mse_loss
 from ._matmul import conv1d, embedding, linear, linear_readout, matmul
@@ -103,7 +105,7 @@ masked, the scores shrink by ``1/sqrt(2)``); prefer ``is_causal``/``masked_fill`
 OPAQUE_OPS: tuple[Callable[..., Any], ...] = (
     dropout, gelu, silu, silu_glu, softmax, conv1d, linear, linear_readout, matmul, layer_norm,
     rms_norm, add, residual_add, residual_split, embedding, scaled_dot_product_attention,
-    cross_entropy, mse_loss, _torch_softmax, _addmm,
+    cross_entropy, mse_loss, _torch_softmax, _addmm, batch_hinted_add, batch_hinted_embedding,
 )  # fmt: skip
 
 

@@ -23,7 +23,10 @@ How it hooks in, and why:
   ``first_step + n`` to ``first_step + n + 1`` (``first_step`` is 0 unless the run resumed
   from a checkpoint).
   With gradient accumulation, the last micro-batch of each step is the one recorded and
-  replayed.
+  replayed; parameter-gradient statistics are those of ``param.grad``, accumulated over the
+  step's micro-batches (and clipped, when the Trainer clips: it does so before this event).
+  A unit-scaled model under accumulation needs the settings of the "Gradient accumulation"
+  section of the distributed-training guide (the Trainer otherwise divides its loss).
 
 Design constraints: ``transformers`` is imported by this module only (``import unitscale``
 and ``import unitscale.integrations`` do not import it); files are written by the main

@@ -1,8 +1,9 @@
 """Global scale statistics: reduce every tensor's statistics over the data-parallel ranks.
 
-When ``torch.distributed`` is initialised and the data-parallel group
-(:func:`unitscale.data_parallel.set_data_parallel`, default: the world) has more than one
-rank, reading a tracked graph (``scales_graph()``, ``ScaleMonitor``) turns each tensor's
+When ``torch.distributed`` is initialised and the tracked call ran with a data-parallel
+size above 1 (inside ``DistributedDataParallel`` or :func:`unitscale.data_parallel.fully_shard`,
+or after :func:`unitscale.data_parallel.set_data_parallel`: see :mod:`unitscale.data_parallel`),
+reading a tracked graph (``scales_graph()``, ``ScaleMonitor``) turns each tensor's
 statistics vector into sums (``sum |x|``, ``sum x``, ``sum x^2``, NaN/Inf and
 under/overflow counts, ``numel``), maxima (``abs_max``) and minima (``abs_min``) and
 reduces *all tensors at once*: one ``all_reduce`` SUM, one MAX and one MIN per read, plus
@@ -23,7 +24,9 @@ DDP's all-reduce, which has finished when ``backward()`` returns; FSDP2's reduce
 leaves each rank a shard, whose statistics are reduced like an activation's), not of the
 local gradient the autograd hook saw. So read after ``backward()`` and before
 ``optimizer.zero_grad()``; with gradient accumulation the statistics are of the accumulated
-gradient. Every rank of the group must read (a collective), at the same point.
+gradient. One process reports the same quantity (``param.grad`` once the call's gradient is
+added to it), so the two agree for the same global batch. Every rank of the group must read
+(a collective), at the same point.
 
 Design constraints: nothing here runs per op; one read costs at most five collectives whatever the
 number of tensors; tensors stay on their device (gloo on CPU, NCCL on GPU).
@@ -37,13 +40,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data_parallel import data_parallel_group, data_parallel_size
+from ..data_parallel import data_parallel_group, data_parallel_set, data_parallel_size
 from ..errors import UnitScaleError
 from .metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, FORMAT_KEYS, tensor_stats
 
 __all__ = [
     "active_group",
     "parameter_grad_stats",
+    "read_group",
     "reduce_replicated_grads",
     "reduce_stats",
     "writes_files",
@@ -59,11 +63,20 @@ class DistributedStatsError(UnitScaleError, RuntimeError):
 
 
 def active_group() -> tuple[bool, Any]:
-    """``(True, group)`` when statistics must be reduced over ``group`` (None: the world)."""
+    """``(True, group)`` when statistics must be reduced over ``group`` (None: the world):
+    ``torch.distributed`` is initialised and the data-parallel size is above 1 *now* (so call
+    it while the tracked forward runs, where DDP declares its group)."""
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()):
         return False, None
     return data_parallel_size() > 1, data_parallel_group()
+
+
+def read_group(recorded: tuple[bool, Any]) -> tuple[bool, Any]:
+    """The reduction of a read: :func:`active_group` now when ``set_data_parallel`` holds a
+    setting (``set_data_parallel(size=1)`` reads local statistics), else ``recorded``, the
+    one of the tracked call (inside DDP's forward, which declares its group)."""
+    return active_group() if data_parallel_set() else recorded
 
 
 def writes_files() -> bool:

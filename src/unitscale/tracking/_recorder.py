@@ -89,6 +89,9 @@ class TrackScalesPass(GraphPass):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
+        #: ``_distributed.active_group()`` when the last recorded call ran (inside DDP's
+        #: forward, which declares the data-parallel group), used when it is read.
+        self._reduce_over: tuple[bool, Any] = (False, None)
         #: The last joined graph, refilled by the next ``scales_graph()`` when unchanged.
         self._joined: _Joined | None = None
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
@@ -312,7 +315,7 @@ class TrackScalesPass(GraphPass):
                 if id(x) in self._hooked:
                     return
                 self._hooked.add(id(x))
-                self._handles.append(x.register_hook(self._leaf_hook(id(x))))
+                self._handles.append(x.register_post_accumulate_grad_hook(self._leaf_hook(id(x))))
             else:
                 keep = self._keep_replicated and slot in invocation.piece.data.get(
                     "replicated_slots", ()
@@ -336,8 +339,14 @@ class TrackScalesPass(GraphPass):
         return hook
 
     def _leaf_hook(self, key: int) -> Any:
-        def hook(grad: Tensor) -> None:
-            self._param_grads[key] = (grad.numel(), deferred_stats(grad))
+        """Statistics of a leaf's (a parameter's) ``.grad`` once this call's gradient has been
+        added to it: the gradient the optimiser sees, accumulated over calls, the same
+        quantity as under DDP (where ``param.grad`` is read after its all-reduce)."""
+
+        def hook(leaf: Tensor) -> None:
+            grad = leaf.grad
+            if grad is not None:
+                self._param_grads[key] = (grad.numel(), deferred_stats(grad))
 
         return hook
 
@@ -353,7 +362,8 @@ class TrackScalesPass(GraphPass):
             return
         self._seen = {}
         self._param_grads = {}
-        self._keep_replicated = _distributed.active_group()[0]
+        self._reduce_over = _distributed.active_group()
+        self._keep_replicated = self._reduce_over[0]
 
     def prepare_inputs(
         self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -524,7 +534,7 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     # parameters being inputs), so names come from the tensors each invocation received.
     named_params, state_names = _state_names(inner)
     kinds = [_invocation_kinds(inv.piece.placeholders, inv.input_ids, state_names) for inv in trace]
-    distributed, group = _distributed.active_group()
+    distributed, group = _distributed.read_group(track._reduce_over)
     if distributed:  # statistics are reduced over the ranks: always built afresh
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
@@ -764,6 +774,7 @@ def _build(
                         plan.append(("param", new, dict(new.meta), k, slot, input_id))
                         grad = track._param_grads.get(input_id)
                         if distributed and name in named_params:
+                            # The reduced gradient exists once backward() has returned.
                             grad, same = _distributed.parameter_grad_stats(named_params[name])
                             if same and grad is not None:
                                 replicated.add(id(grad))

@@ -385,6 +385,14 @@ class Metrics:
     ``bwd`` is None until a backward pass reaches the node (and stays None where no
     gradient flows). Stored under ``node.meta["metrics"]`` by
     :func:`~unitscale.transforms.track_scales`.
+
+    Which gradient ``bwd`` describes: for an activation, the gradient of the recorded call
+    (with gradient accumulation, the last micro-batch's); for a trainable parameter,
+    ``param.grad``, the gradient the optimiser sees, the same quantity in one process and
+    under data parallelism: accumulated over the calls since the last ``zero_grad()`` and,
+    under DDP or FSDP2, averaged over the ranks (taken when the recorded call's gradient has
+    been added, or under DDP/FSDP2 when the graph is read). Statistics read inside DDP or
+    FSDP2 are those of the global batch (:mod:`unitscale.tracking`).
     """
 
     Data: ClassVar[type[_Data]] = _Data

@@ -31,6 +31,11 @@
    that is off by a constant factor only rescales every upstream gradient by the same
    factor, which Adam-style optimisers ignore; in exchange the head's output and gradients
    are all unit.
+4. **Data-parallel hints.** Values computed from the model's tensor inputs carry the batch;
+   an embedding of ids computed without them (position ids, even of shape ``(1, T)``) and an
+   operand computed without them in an add with one computed with them are shared by every
+   example, which their shapes cannot show at a local batch of 1
+   (:mod:`unitscale.data_parallel`).
 
 Each replacement is logged at INFO on the ``"unitscale"`` logger as ``unit scaling function:
 <node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>)``
@@ -348,6 +353,7 @@ class UnitScalePass(RewritePass):
         replaced.extend(self._mup_readout(graph, gm, piece, replaced))
         if residual_adds:
             self._unconstrain_after(residual_adds[-1], in_scope)
+        _hint_batch(graph, _batch_nodes(gm, piece))
         graph.lint()
         # One line per rewritten node, in graph (execution) order.
         taus = {r.node: r.node.args[2] for r in residual_adds}
@@ -546,6 +552,44 @@ class UnitScalePass(RewritePass):
 
 _MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
 _MATMUL_METHODS = ("matmul", "__matmul__")
+
+
+def _batch_nodes(gm: fx.GraphModule, piece: Piece) -> set[fx.Node]:
+    """Nodes whose tensor value is computed from a tensor input of the piece: the values the
+    data-parallel batch runs through. Sizes (``x.size(1)``) do not carry it, so
+    ``torch.arange(x.size(1))`` is not one; an input of a later piece (after a graph break)
+    counts as one."""
+    kinds = placeholder_names(gm, piece)
+    carrying: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+            continue
+        if node.op == "placeholder":
+            if kinds.get(node, ("input", ""))[0] == "input" and isinstance(value, torch.Tensor):
+                carrying.add(node)
+        elif any(arg in carrying for arg in node.all_input_nodes):
+            carrying.add(node)
+    return carrying
+
+
+def _hint_batch(graph: fx.Graph, batch: set[fx.Node]) -> None:
+    """Tell ``U.embedding`` and ``U.add`` what their shapes cannot (see
+    ``unitscale.functional.batch_hinted_add``): ids computed without the model's inputs are
+    position ids shared by every example; an operand computed without them, added to a value
+    computed with them, is shared by every example (counted over the whole batch)."""
+    from .. import functional as U
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is U.embedding and node.args and node.args[0] not in batch:
+            node.target = U.batch_hinted_embedding
+        elif node.target is U.add and node in batch and len(node.args) >= 2:
+            shared = tuple(isinstance(arg, fx.Node) and arg not in batch for arg in node.args[:2])
+            if any(shared):
+                node.target = U.batch_hinted_add
+                node.kwargs = {**node.kwargs, "shared": shared}
 
 
 def _is_matmul(node: fx.Node) -> bool:
