@@ -44,8 +44,9 @@ HF_GPT2_OUTLIERS: dict[str, Outliers] = {
         r"transformer\.h\.\d+\.mlp\.act:.*": "GPT-2's activation is NewGELUActivation, a "
         "hand-written tanh GELU: its intermediates (x**3, 0.0447 x**3, ...) are plain "
         "arithmetic, not unit-scaled ops, and have their natural scales",
-        r"lm_head:logits|:logits_\d+": "u-μP's readout (unit_scale's default): logits of std "
-        "1/sqrt(n_embd) = 1/8 at initialisation, by design (multiplier 1/fan_in)",
+        r"lm_head:logits|:(ForCausalLMLoss\.)?logits_\d+": "u-μP's readout (unit_scale's "
+        "default): logits of std 1/sqrt(n_embd) = 1/8 at initialisation, by design "
+        "(multiplier 1/fan_in)",
     },
     "bwd": {
         r"transformer\.h\.\d+\.mlp\.act:.*": "the hand-written GELU's intermediates (see fwd)",
