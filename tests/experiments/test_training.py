@@ -120,6 +120,11 @@ def test_bad_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown run(s) fp16; choose from plain-fp32,plain-fp8" in err
     assert main(["train", "--steps", "0"]) == 2
     assert "'0' must be at least 1" in capsys.readouterr().err
+    # Options that are each valid but do not go together: a usage error too, in options.
+    assert main(["train", "--width", "10", "--heads", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unitscale train: error: --width 10 must be a multiple of --heads 4" in err
 
 
 def _unitscale(*args: str, cwd: Path) -> subprocess.Popen[str]:

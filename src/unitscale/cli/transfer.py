@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from . import usage_error
 from ._args import positive_int
 from ._output import check_out_folder, finish_summary, start_command
 
@@ -122,16 +123,19 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments import report
     from ..experiments import transfer as sweep
 
-    config = sweep.default_config(
-        args.vary,
-        quick=args.quick,
-        widths=args.widths,
-        depths=args.depths,
-        steps=args.steps,
-        seed=args.seed,
-        threads=args.threads,
-        fp8=False if args.no_fp8 else None,
-    )
+    try:
+        config = sweep.default_config(
+            args.vary,
+            quick=args.quick,
+            widths=args.widths,
+            depths=args.depths,
+            steps=args.steps,
+            seed=args.seed,
+            threads=args.threads,
+            fp8=False if args.no_fp8 else None,
+        )
+    except sweep.TransferConfigError as exc:  # options that do not go together
+        raise usage_error("transfer", str(exc).removeprefix("TransferConfig: ")) from None
     out = check_out_folder(args.out)
     sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
     runs = sweeps + (len(config.sizes) if config.fp8 else 0)

@@ -388,9 +388,13 @@ def train_run(
 
     When ``torch.distributed`` is initialised with more than one rank, the run is
     data-parallel: every rank reads the same global batches, trains
-    ``DistributedDataParallel`` on its block of ``batch_size / world size`` rows (gradients
-    equal one process's, see :mod:`unitscale.data_parallel`) and records the global loss
-    (one ``all_reduce`` per step); evaluation runs the whole batches on every rank.
+    ``DistributedDataParallel`` on its block of ``batch_size / world size`` rows and records
+    the global loss (one ``all_reduce`` per step); evaluation runs the whole batches on every
+    rank. Every gradient a rank computes per example (what the FP8 runs round) and every
+    parameter gradient equal one process's on the global batch, within floating-point
+    reduction order: the plain runs' mean loss is normalised by the global row count and
+    the gradients summed, the unit-scaled runs' loss is unit per example and the gradients
+    averaged (:func:`unitscale.experiments.runner.train_loop`).
 
     Args:
         run: one of :data:`RUN_NAMES`.
@@ -437,10 +441,6 @@ def train_run(
             )
             step_module = monitor.module
             result.monitor = monitor
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            step_module = DistributedDataParallel(step_module)
         model.train()
         optimiser = torch.optim.Adam(
             model.parameters(), lr=result.lr, betas=(0.9, 0.95), weight_decay=0.0
@@ -456,6 +456,7 @@ def train_run(
                 heldout=heldout_data,
                 train_eval=train_eval_data,
                 step_module=step_module,
+                unit_scaled_loss=_family(run) == "unit-scaled",
                 after_backward=None if monitor is None else monitor.step,
                 on_step=bar.update,
             )
