@@ -260,6 +260,34 @@ def test_sweep_is_deterministic_under_the_seed(tmp_path: Path, single_thread: No
     assert other.read_bytes() != paths[0].read_bytes()
 
 
+@pytest.mark.slow
+def test_the_sweep_runs_on_its_pinned_threads_whatever_the_caller_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unitscale.experiments import transfer
+
+    seen: list[int] = []
+    real = transfer.train_one
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transfer, "train_one", spy)
+    config = default_config(quick=True, widths=(32, 64), lr_steps=(0,), fp8=False, **TINY)
+    caller = torch.get_num_threads()
+    paths = []
+    try:
+        for i, threads in enumerate((2, 1)):
+            torch.set_num_threads(threads)
+            paths.append(write_transfer_csv(run_transfer(config), tmp_path / f"{i}.csv"))
+            assert torch.get_num_threads() == threads  # the caller's count is restored
+    finally:
+        torch.set_num_threads(caller)
+    assert set(seen) == {config.threads} == {1} and len(seen) == 8
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
 @pytest.mark.parametrize("width", [32, 256])
 def test_both_parametrisations_are_the_same_decoder(width: int) -> None:
     """Same parameter shapes (hence counts) in the same order; no position embedding."""
