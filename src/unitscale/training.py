@@ -17,6 +17,7 @@ from .experiments.training import (
     train_runs,
     write_losses_csv,
     write_train_report,
+    zoom_limits,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "train_runs",
     "write_losses_csv",
     "write_train_report",
+    "zoom_limits",
 ]

@@ -1,8 +1,8 @@
 """The experiment runner every experiment shares: data, evaluation, schedule and training loop.
 
-``unitscale train`` (:mod:`.training`), ``unitscale transfer`` (:mod:`.transfer`) and any
-experiment that comes next train their runs with the pieces here, so that what they have
-in common is defined once:
+``unitscale train`` (:mod:`unitscale.training`), ``unitscale transfer``
+(``unitscale.experiments.transfer``) and any experiment that comes next train their runs
+with the pieces here, so that what they have in common is defined once:
 
 - :func:`training_batches`: the training stream of a seed (the bundled text's training split);
 - :func:`evaluation_batches`: the fixed evaluation samples of a seed, drawn from their own
@@ -16,7 +16,7 @@ in common is defined once:
 - :func:`evaluate`: the mean loss of a model over fixed batches.
 
 An experiment is then its own short module: its run kinds (how each builds its model and
-optimiser), its claims and its tables; :mod:`.report` writes its files.
+optimiser), its claims and its tables; :mod:`unitscale.experiments.report` writes its files.
 
 Design constraints: nothing here builds a model, parses options or prints; the global RNG
 is never touched (batches come from seeded generators); under ``torch.distributed`` with
@@ -110,7 +110,7 @@ class Schedule:
 
     @property
     def warmup_steps(self) -> int:
-        """Warm-up steps: ``warmup``, or 5% of ``steps`` when it is None."""
+        """The warm-up steps (``warmup``, or 5% of ``steps`` when it is None)."""
         return self.steps // 20 if self.warmup is None else self.warmup
 
     def lr(self, peak: float, step: int) -> float:
