@@ -217,6 +217,21 @@ class LoopResult:
     data_digest: str = ""
 
 
+@contextmanager
+def _data_parallel_size(world: int) -> Iterator[None]:
+    """``set_data_parallel(size=world)`` while training data-parallel (restored after)."""
+    if world == 1:
+        yield
+        return
+    from ..data_parallel import set_data_parallel
+
+    set_data_parallel(size=world)
+    try:
+        yield
+    finally:
+        set_data_parallel()
+
+
 def train_loop(
     model: nn.Module,
     optimiser: torch.optim.Optimizer,
@@ -286,72 +301,37 @@ def train_loop(
         trained = _data_parallel_module(trained, unit_scaled_loss)
         loss_factor = 1.0 if unit_scaled_loss else 1.0 / world
     with _data_parallel_size(world):
-        return _loop(model, trained, optimiser, data, schedule, eval_every, heldout, train_eval,
-                     eval_grad, after_backward, on_step, (rank, world, loss_factor))  # fmt: skip
-
-
-@contextmanager
-def _data_parallel_size(world: int) -> Iterator[None]:
-    """``set_data_parallel(size=world)`` while training data-parallel (restored after)."""
-    if world == 1:
-        yield
-        return
-    from ..data_parallel import set_data_parallel
-
-    set_data_parallel(size=world)
-    try:
-        yield
-    finally:
-        set_data_parallel()
-
-
-def _loop(
-    model: nn.Module,
-    trained: Callable[..., Tensor],
-    optimiser: torch.optim.Optimizer,
-    data: Iterable[Batch],
-    schedule: Schedule,
-    eval_every: int,
-    heldout: Sequence[Batch],
-    train_eval: Sequence[Batch],
-    eval_grad: bool,
-    after_backward: Callable[[], object] | None,
-    on_step: Callable[[float], None] | None,
-    parallel: tuple[int, int, float],
-) -> LoopResult:
-    # train_loop's steps; ``parallel``: this rank, the world size, the loss's factor.
-    rank, world, loss_factor = parallel
-    peaks = [group["lr"] for group in optimiser.param_groups]
-    digest = hashlib.sha256()
-    stream = iter(data)
-    result = LoopResult()
-    for step in range(schedule.steps):
-        if step % eval_every == 0 and step > 0:
-            result.heldout[step] = evaluate(model, heldout, eval_grad)
-        for group, peak in zip(optimiser.param_groups, peaks, strict=True):
-            group["lr"] = schedule.lr(peak, step)
-        batch = next(stream, None)
-        if batch is None:
-            raise UnitScaleError(
-                f"train_loop: the data ran out after {step} of {schedule.steps} steps; pass "
-                "one batch per step"
-            )
-        digest.update(batch.input_ids.cpu().numpy().tobytes())
-        loss = loss_of(trained, _shard(batch, rank, world))
-        (loss if loss_factor == 1.0 else loss * loss_factor).backward()
-        if after_backward is not None:
-            after_backward()
-        value = _mean_over_ranks(loss, world)
-        result.losses.append(value)
-        if not math.isfinite(value):
-            result.stopped_at = step
-            break
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(value)
-    if result.stopped_at is None:
-        result.heldout[schedule.steps] = evaluate(model, heldout, eval_grad)
-        result.final_train_loss = evaluate(model, train_eval, eval_grad)
-    result.data_digest = digest.hexdigest()[:16]
-    return result
+        peaks = [group["lr"] for group in optimiser.param_groups]
+        digest = hashlib.sha256()
+        stream = iter(data)
+        result = LoopResult()
+        for step in range(schedule.steps):
+            if step % eval_every == 0 and step > 0:
+                result.heldout[step] = evaluate(model, heldout, eval_grad)
+            for group, peak in zip(optimiser.param_groups, peaks, strict=True):
+                group["lr"] = schedule.lr(peak, step)
+            batch = next(stream, None)
+            if batch is None:
+                raise UnitScaleError(
+                    f"train_loop: the data ran out after {step} of {schedule.steps} steps; pass "
+                    "one batch per step"
+                )
+            digest.update(batch.input_ids.cpu().numpy().tobytes())
+            loss = loss_of(trained, _shard(batch, rank, world))
+            (loss if loss_factor == 1.0 else loss * loss_factor).backward()
+            if after_backward is not None:
+                after_backward()
+            value = _mean_over_ranks(loss, world)
+            result.losses.append(value)
+            if not math.isfinite(value):
+                result.stopped_at = step
+                break
+            optimiser.step()
+            optimiser.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(value)
+        if result.stopped_at is None:
+            result.heldout[schedule.steps] = evaluate(model, heldout, eval_grad)
+            result.final_train_loss = evaluate(model, train_eval, eval_grad)
+        result.data_digest = digest.hexdigest()[:16]
+        return result
