@@ -2,6 +2,7 @@
 ``unitscale.experiments.training`` (where the code lives)."""
 
 from .experiments.training import (
+    DEFAULT_RUNS,
     MONITOR_METRICS,
     RUN_KINDS,
     RUN_NAMES,
@@ -21,6 +22,7 @@ from .experiments.training import (
 )
 
 __all__ = [
+    "DEFAULT_RUNS",
     "MONITOR_METRICS",
     "RUN_KINDS",
     "RUN_NAMES",

@@ -46,7 +46,7 @@ def _run_list(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``train`` and its options."""
-    from ..experiments.training import RUN_NAMES, TrainConfig
+    from ..experiments.training import DEFAULT_RUNS, RUN_NAMES, TrainConfig
 
     d = TrainConfig()
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -156,9 +156,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--runs",
         type=_run_list,
-        default=RUN_NAMES,
+        default=DEFAULT_RUNS,
         metavar="LIST",
-        help=f"comma-separated runs (default {','.join(RUN_NAMES)})",
+        help=f"comma-separated runs, from {','.join(RUN_NAMES)} (default {','.join(DEFAULT_RUNS)})",
     )
     parser.add_argument(
         "--monitor-every",

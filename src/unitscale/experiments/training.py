@@ -23,7 +23,8 @@ To add a run kind, append a :class:`RunKind` to :data:`RUN_KINDS`: its name, its
 (``"plain"`` or ``"unit-scaled"``: the model and the learning rate), the transform that
 makes it what it is (e.g. ``simulate_fp8`` with another ``scaling``) and the FP32 run it is
 compared with. ``unitscale train --runs`` accepts it at once, and the summary, the CSV,
-the curves and the report show it::
+the curves and the report show it (with ``default=False`` it runs only when asked for by
+``--runs``)::
 
     RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32")
 
@@ -78,6 +79,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "RunKind",
     "RUN_KINDS",
     "RUN_NAMES",
+    "DEFAULT_RUNS",
     "MONITOR_METRICS",
     "TrainConfig",
     # training
@@ -129,12 +131,15 @@ class RunKind:
         transform: applied to the freshly built model (None: the model as built), e.g.
             ``simulate_fp8``.
         baseline: the FP32 run this one is compared with ("vs FP32"), or None.
+        default: whether ``unitscale train`` runs it when ``--runs`` is not given
+            (:data:`DEFAULT_RUNS`); any kind can be asked for by name.
     """
 
     name: str
     family: Family
     transform: Transform | None = None
     baseline: str | None = None
+    default: bool = True
 
     @property
     def fp8(self) -> bool:
@@ -174,6 +179,9 @@ RUN_KINDS: tuple[RunKind, ...] = (
 #: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
 RUN_NAMES: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS)
 
+#: The runs ``unitscale train`` does when ``--runs`` is not given.
+DEFAULT_RUNS: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS if kind.default)
+
 _KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 
 
@@ -202,7 +210,8 @@ class TrainConfig:
         eval_every: held-out loss every this many steps (and at the end).
         eval_batches: batches in each evaluation (held-out and final training loss).
         monitor_every: record tensor scales every this many steps (None: no monitor).
-        runs: which of :data:`RUN_NAMES` to train, in that order.
+        runs: which of :data:`RUN_NAMES` to train (default :data:`DEFAULT_RUNS`); they are
+            trained in the order of :data:`RUN_NAMES`.
         compile_fp8: run the FP8 runs through :func:`unitscale.transforms.compile` (Inductor);
             ignored for monitored runs, which cannot be compiled.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key the FP8 runs use
@@ -227,7 +236,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     monitor_every: int | None = None
-    runs: tuple[str, ...] = RUN_NAMES
+    runs: tuple[str, ...] = DEFAULT_RUNS
     compile_fp8: bool = False
     fp8_recipe: str = "hardware"
 
@@ -693,6 +702,15 @@ def zoom_limits(
     return (first, steps), (low - pad, high + pad)
 
 
+def _line_style(run: str) -> str:
+    """Solid for a family's FP32 run; its FP8 kinds dashed, dotted, dash-dotted in turn."""
+    kind = _kind(run)
+    if not kind.fp8:
+        return "-"
+    siblings = [k.name for k in RUN_KINDS if k.family == kind.family and k.fp8]
+    return ("--", ":", "-.")[siblings.index(run) % 3]
+
+
 def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
     """Training loss (a 10-step moving average) and held-out loss of every run, per step:
     the whole run, and the last quarter zoomed onto the unit-scaled runs (:func:`zoom_limits`)."""
@@ -705,7 +723,7 @@ def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
     colours = {"plain": "tab:blue", "unit-scaled": "tab:red"}
     for name, r in results.items():
         colour = colours[_family(name)]
-        style = "--" if _is_fp8(name) else "-"
+        style = _line_style(name)
         smoothed = _smoothed(r.train_losses)
         steps = sorted(r.heldout)
         for ax in (left, right):
