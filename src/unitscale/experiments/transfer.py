@@ -1143,7 +1143,7 @@ def write_transfer_report(result: TransferResult, path: str | os.PathLike[str]) 
     claims = [(str(c.number), c.statement, c.verdict, c.detail) for c in transfer_claims(result)]
     body += [
         "<h2>Claims</h2>",
-        report.html_table(("claim", "statement", "verdict", "numbers"), claims),
+        report.html_table(("claim", "statement", "verdict", "numbers"), claims, text=True),
         *report.html_paragraphs([_time_note(result)]),
         "<h2>Settings</h2>",
         report.html_table(None, _settings_rows(config)),
