@@ -10,9 +10,12 @@
 #   1. the CUDA cases of tests/formats and tests/tracking (`-k cuda`; CI runs the rest);
 #   2. bench_formats.py --device cuda;
 #   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; no fresh-process or CPU
-#      statistics parts, which are CPU figures).
+#      statistics parts, which are CPU figures);
+#   4. bench_fp8_scaling.py --device cuda: step time of simulate_fp8's scaling="tensorwise"
+#      and "delayed" against "none" (the CUDA line of what per-tensor scales cost).
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
-# the development machine: copy $OUT/formats.json and $OUT/tracking.json over
+# the development machine: copy $OUT/formats.json, $OUT/tracking.json and
+# $OUT/fp8_scaling.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -34,7 +37,8 @@ print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 else
   models=tiny rounds=2 formats_numel=16 tests="cpu and nearest and not stochastic"
 fi
-cp benchmarks/results/formats.json benchmarks/results/tracking.json "$OUT"/
+cp benchmarks/results/formats.json benchmarks/results/tracking.json \
+  benchmarks/results/fp8_scaling.json "$OUT"/
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
@@ -52,4 +56,6 @@ step formats 100 "$PYTHON" benchmarks/bench_formats.py --device "$DEVICE" --roun
   --log2-numel "$formats_numel" --output "$OUT/formats.json"
 step tracking 150 "$PYTHON" benchmarks/bench_tracking.py --device "$DEVICE" --models "$models" \
   --rounds "$rounds" --no-variable-lengths --out "$OUT/tracking.json"
+step fp8_scaling 90 "$PYTHON" benchmarks/bench_fp8_scaling.py --device "$DEVICE" \
+  --rounds "$rounds" --steps-per-round 3 --output "$OUT/fp8_scaling.json"
 exit "$status"

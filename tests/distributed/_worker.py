@@ -285,6 +285,41 @@ def check_fsdp_averages() -> dict[str, Any]:
     return {"averages": abs(ratio - 1) < 1e-5, "ratio": ratio, "torch": torch.__version__}
 
 
+def check_fp8_scaling() -> dict[str, Any]:
+    """simulate_fp8(scaling="tensorwise") under DDP: each rank scales by its local amax (as
+    torchao's default, reduce_amax=False), so DDP equals the mean of per-rank runs and not one
+    process on the whole batch (whose amax is the largest rank's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    inputs = torch.randn(GLOBAL_BATCH, 16, generator=torch.Generator().manual_seed(1))
+    local = GLOBAL_BATCH // world
+    # The ranks' shards far apart in scale (inputs x1000 per rank, their output gradients
+    # x1/1000, so that every rank contributes alike to the weight gradients): their amaxes
+    # differ, forward and backward.
+    weights = torch.ones(GLOBAL_BATCH, 1)
+    for r in range(world):
+        inputs[r * local : (r + 1) * local] *= 1000.0**r
+        weights[r * local : (r + 1) * local] /= 1000.0**r
+    rows = slice(rank * local, (rank + 1) * local)
+
+    def grads(model: nn.Module, x: torch.Tensor, w: torch.Tensor, ranks: int) -> dict[str, Any]:
+        ((model(x) * w).sum() / ranks).backward()  # DDP averages over the ranks
+        return {_strip(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    one_process = grads(simulate_fp8(mlp, scaling="tensorwise"), inputs, weights, world)
+    per_rank = grads(simulate_fp8(mlp, scaling="tensorwise"), inputs[rows], weights[rows], 1)
+    for grad in per_rank.values():
+        dist.all_reduce(grad)
+        grad /= world
+    ddp_model = DistributedDataParallel(simulate_fp8(mlp, scaling="tensorwise"))
+    ddp = grads(ddp_model, inputs[rows], weights[rows], 1)
+    return {
+        "ddp_vs_per_rank": max(_relative_errors(per_rank, ddp).values()),
+        "ddp_vs_one_process": max(_relative_errors(one_process, ddp).values()),
+    }
+
+
 def check_mismatch() -> dict[str, Any]:
     """Ranks that read different numbers of tensors get a clear error, not a hang."""
     from unitscale.tracking._distributed import DistributedStatsError, reduce_stats
@@ -306,6 +341,8 @@ def run_check(check: str) -> dict[str, Any]:
         return check_fsdp_averages()
     if check == "mismatch":
         return check_mismatch()
+    if check == "fp8-scaling":
+        return check_fp8_scaling()
     if check == "monitor":
         return check_monitor()
     if check.startswith("statistics:"):

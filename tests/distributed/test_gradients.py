@@ -22,6 +22,7 @@ CHECKS = [f"{m}:{w}" for w in WRAPPERS for m in MODELS] + [
     "unit_scale:ddp-uncorrected",
     "compile",
     "fsdp-averages",
+    "fp8-scaling",
 ]
 TOLERANCE = 1e-5
 
@@ -82,3 +83,14 @@ def test_compiled_module_sees_the_world_size(results: list[dict[str, Any]]) -> N
         assert "error" not in check, check.get("error")
         assert check["compiled_vs_eager"] < 1e-6
         assert check["ratio_to_one_process"] == pytest.approx(math.sqrt(2), rel=1e-6)
+
+
+def test_tensorwise_fp8_amax_is_each_ranks_own(results: list[dict[str, Any]]) -> None:
+    """The decision for simulate_fp8(scaling="tensorwise") under DDP: amax is not reduced
+    over ranks (torchao's default), so gradients are the mean of per-rank runs, and differ
+    from one process on the whole batch when the ranks' amaxes differ."""
+    for rank, measured in enumerate(results):
+        check = measured["fp8-scaling"]
+        assert "error" not in check, check.get("error")
+        assert check["ddp_vs_per_rank"] < TOLERANCE, (rank, check)
+        assert check["ddp_vs_one_process"] > 100 * TOLERANCE, (rank, check)

@@ -15,6 +15,7 @@ import torch
 
 from unitscale.cli import main
 from unitscale.experiments.training import (
+    DEFAULT_RUNS,
     RUN_NAMES,
     RunResult,
     TrainConfig,
@@ -24,6 +25,7 @@ from unitscale.experiments.training import (
     plot_losses,
     summary_text,
     train_run,
+    train_runs,
 )
 
 # Subprocesses, training runs or a browser: run in full CI, skipped by -m 'not slow'.
@@ -114,6 +116,59 @@ def test_summary_checks_the_two_percent_claim() -> None:
     assert "unit-scaled in simulated FP8 vs FP32: held-out -0.50%, train +0.50% (within 2%)" in text
 
 
+def test_scaled_fp8_baselines_in_the_default_set_and_the_table() -> None:
+    """Issue 27: plain FP8 with torchao's tensorwise scaling is a default baseline (delayed
+    on request), the table says which FP8 runs have no scales, and each scaled run is set
+    against its own FP32 run."""
+    assert "plain-fp8-tensorwise" in DEFAULT_RUNS and "plain-fp8-delayed" not in DEFAULT_RUNS
+    assert set(DEFAULT_RUNS) < set(RUN_NAMES) and TrainConfig().runs == DEFAULT_RUNS
+
+    def result(name: str, heldout: float) -> RunResult:
+        return RunResult(name, 1e-3, [heldout], {1: heldout}, heldout, heldout)
+
+    results = {
+        name: result(name, loss)
+        for name, loss in (
+            ("plain-fp32", 2.0),
+            ("plain-fp8", 2.2),
+            ("plain-fp8-tensorwise", 2.02),
+            ("plain-fp8-delayed", 2.04),
+            ("unit-scaled-fp32", 2.0),
+            ("unit-scaled-fp8", 2.01),
+        )
+    }
+    text = summary_text(results, TrainConfig(steps=1))
+    lines = {line.split()[0]: line for line in text.splitlines() if line[:1].isalpha()}
+    assert "FP8 scales" in lines["run"]
+    assert lines["plain-fp8"].endswith("no scaling")
+    assert lines["unit-scaled-fp8"].endswith("no scaling")
+    assert lines["plain-fp8-tensorwise"].endswith("tensorwise")
+    assert lines["plain-fp8-delayed"].endswith("delayed")
+    assert not lines["plain-fp32"].rstrip().endswith("scaling")
+    assert (
+        "plain in simulated FP8 with tensorwise scaling (plain-fp8-tensorwise) vs FP32: "
+        "held-out +1.00%, train +1.00%"
+    ) in text
+    assert "with delayed scaling (plain-fp8-delayed) vs FP32: held-out +2.00%" in text
+
+
+def test_scaled_fp8_runs_share_weights_batches_and_seed() -> None:
+    """A tiny run of the plain FP8 kinds: the same first batch from the same weights, and
+    delayed scaling's first step (current amax, the stated rule) equals tensorwise's."""
+    config = TrainConfig(
+        steps=2, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_every=2,
+        eval_batches=1, runs=("plain-fp32", "plain-fp8", "plain-fp8-tensorwise",
+                              "plain-fp8-delayed"),
+    )  # fmt: skip
+    results = train_runs(config, progress=False)
+    first = {name: r.train_losses[0] for name, r in results.items()}
+    assert first["plain-fp8-delayed"] == first["plain-fp8-tensorwise"]
+    for name in ("plain-fp8", "plain-fp8-tensorwise"):
+        assert first[name] == pytest.approx(first["plain-fp32"], abs=0.02)
+        assert first[name] != first["plain-fp32"]  # rounded, so not bit-identical
+    assert all(len(r.train_losses) == 2 for r in results.values())
+
+
 def test_bad_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--runs", "plain-fp32,fp16"]) == 2
     err = capsys.readouterr().err.strip()
@@ -147,13 +202,13 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     stdout, stderr = outputs[0]
 
     # Same seed: byte-identical loss and scale tables.
-    csvs = ["losses.csv", *(f"scales_{run}.csv" for run in RUN_NAMES)]
+    csvs = ["losses.csv", *(f"scales_{run}.csv" for run in DEFAULT_RUNS)]
     for name in csvs:
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name
 
     with (out1 / "losses.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["run"] for r in rows] == [run for run in RUN_NAMES for _ in range(5)]
+    assert [r["run"] for r in rows] == [run for run in DEFAULT_RUNS for _ in range(5)]
     assert [r["step"] for r in rows[:5]] == ["0", "1", "2", "3", "4"]
     assert [r["heldout_loss"] != "" for r in rows[:5]] == [False, False, True, False, True]
     assert all(2.0 < float(r["train_loss"]) < 6.0 for r in rows if r["train_loss"])
@@ -163,16 +218,16 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     assert first["unit-scaled-fp8"] == pytest.approx(first["unit-scaled-fp32"], abs=0.02)
 
     for name in ["loss_curves.png", "report.html", "summary.txt"] + [
-        f"scales_{run}_{d}.png" for run in RUN_NAMES for d in ("fwd", "bwd")
+        f"scales_{run}_{d}.png" for run in DEFAULT_RUNS for d in ("fwd", "bwd")
     ]:
         assert (out1 / name).stat().st_size > 1000, name
     report = (out1 / "report.html").read_text(encoding="utf-8")
-    assert report.count('src="data:image/png;base64,') == 1 + 2 * len(RUN_NAMES)
+    assert report.count('src="data:image/png;base64,') == 1 + 2 * len(DEFAULT_RUNS)
     assert "http://" not in report and "https://" not in report
 
     # The printed table: one line per run with its final losses, and the claim checked.
     table = {line.split()[0]: line.split() for line in stdout.splitlines() if line[:1].isalpha()}
-    for run in RUN_NAMES:
+    for run in DEFAULT_RUNS:
         assert float(table[run][2]) > 0 and float(table[run][3]) > 0
     assert "unit-scaled in simulated FP8 vs FP32: held-out" in stdout
     assert stdout == (out1 / "summary.txt").read_text(encoding="utf-8")

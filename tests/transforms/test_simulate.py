@@ -166,8 +166,8 @@ def test_simulate_format_with_any_format_and_preset_keys() -> None:
     assert x.grad is not None and torch.equal(bwd.quantise(x.grad), x.grad)
     assert not torch.equal(fwd.quantise(x.grad), x.grad)
 
-    # Preset keys are accepted, with their own (stochastic) rounding: still representable.
-    stochastic = simulate_format(lin, "e4m3", "e5m2")
+    # A preset given as an FPFormat keeps its own (stochastic) rounding: still representable.
+    stochastic = simulate_format(lin, E4M3, E5M2)
     graph_pass = stochastic.passes[-1]
     assert isinstance(graph_pass, SimulateFormatPass)
     assert graph_pass.fwd_format == E4M3 and E4M3.rounding == "stochastic"
@@ -175,6 +175,36 @@ def test_simulate_format_with_any_format_and_preset_keys() -> None:
     y.backward(torch.randn_like(y))
     assert representable(stochastic.weight.grad, torch.float8_e5m2)
     assert (y - lin(x)).norm() / y.norm() < 0.15
+
+
+def test_format_names_round_to_nearest_as_simulate_fp8_does() -> None:
+    """Issue 28 item 8: simulate_format(m, "e4m3", "e5m2") means what the names mean in
+    simulate_fp8 (round to nearest, bit-identical to PyTorch's casts), equal to the
+    all-operands recipe; only an FPFormat with rounding="stochastic" rounds stochastically."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 8)
+    x = torch.randn(16, 32)
+    grad = torch.randn(16, 8) * 1e-2
+    results = []
+    for model in (
+        simulate_format(lin, "e4m3", "e5m2"),
+        simulate_format(lin, torch.float8_e4m3fn, torch.float8_e5m2),  # type: ignore[arg-type]
+        simulate_fp8(lin, recipe="all-operands"),
+    ):
+        xg = x.clone().requires_grad_()
+        out = model(xg)
+        out.backward(grad)
+        results.append((out.detach(), xg.grad, model.weight.grad))
+    cast = F.linear(
+        x.to(torch.float8_e4m3fn).float(), lin.weight.to(torch.float8_e4m3fn).float(), lin.bias
+    )
+    for out, x_grad, w_grad in results:
+        assert torch.equal(out, cast)
+        assert x_grad is not None and w_grad is not None
+        for ours, ref in zip((x_grad, w_grad), results[-1][1:], strict=True):
+            assert torch.equal(ours, ref)
+    exact_grad = grad @ lin.weight.to(torch.float8_e4m3fn).float()
+    assert torch.equal(results[0][1], exact_grad.to(torch.float8_e5m2).float())
 
 
 def test_non_float_operands_and_other_ops_are_left_alone() -> None:

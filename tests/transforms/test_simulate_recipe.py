@@ -36,7 +36,7 @@ class TwoMatmuls(nn.Module):
         def g(t: Tensor) -> Tensor:
             return quantise_grad(t, E5M2_NEAREST) if self.hand else t
 
-        h = g(F.linear(q(x), q(self.lin.weight), self.lin.bias))
+        h = g(F.linear(q(x), q(self.lin.weight))) + self.lin.bias  # bias grad not rounded
         h = self.norm(F.gelu(h))
         return g(q(h) @ q(self.w))
 
@@ -123,3 +123,41 @@ def test_training_runs_choose_the_recipe() -> None:
     model = build_run_model("plain-fp8", config)
     (graph_pass,) = model.passes  # type: ignore[union-attr]
     assert graph_pass.bwd_format == E5M2_NEAREST and graph_pass.output_grad_format is None
+
+
+class InPlaceAfterMatmul(nn.Module):
+    """falcon's ``mlp_output += attention_output``: an in-place op on a matmul's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.lin(x)
+        y += x
+        y.mul_(2.0)
+        return y
+
+
+@pytest.mark.parametrize("scaling", ["none", "tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["hardware", "all-operands"])
+def test_in_place_op_on_a_matmul_output_runs_and_keeps_gradients(recipe: str, scaling: str) -> None:
+    """Issue 28 item 1: the rounded output must not be a view that the in-place op modifies
+    (it raised "Output 0 of _QuantiseBackward is a view and is being modified inplace")."""
+    torch.manual_seed(0)
+    model = InPlaceAfterMatmul()
+    x = torch.randn(4, 8)
+    out, grads = _run(simulate_fp8(model, recipe=recipe, scaling=scaling), x)
+    reference, ref_grads = _run(model, x)
+    assert (out - reference).norm() / reference.norm() < 0.1
+    for name, grad in grads.items():
+        assert (grad - ref_grads[name]).norm() / ref_grads[name].norm() < 0.2, name
+    assert torch.equal(x, x.clone())  # the caller's input is untouched
+
+
+def test_quantise_bwd_returns_a_tensor_that_may_be_modified_in_place() -> None:
+    x = torch.tensor([1.25, 2.5], requires_grad=True)
+    y = E5M2_NEAREST.quantise_bwd(x * 1.0)
+    y += 1.0
+    y.backward(torch.tensor([0.3, 1e6]))
+    assert x.grad is not None and x.grad.tolist() == [0.3125, 57344.0]

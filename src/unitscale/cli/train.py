@@ -158,7 +158,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_run_list,
         default=DEFAULT_RUNS,
         metavar="LIST",
-        help=f"comma-separated runs, from {','.join(RUN_NAMES)} (default {','.join(DEFAULT_RUNS)})",
+        help=f"comma-separated runs, of {','.join(RUN_NAMES)} (default {','.join(DEFAULT_RUNS)})",
     )
     parser.add_argument(
         "--monitor-every",

@@ -1,13 +1,17 @@
 """Training runs that compare a plain model and its unit-scaled twin, in FP32 and simulated FP8.
 
-The library behind ``unitscale train``: :func:`train_runs` trains up to four runs of the
+The library behind ``unitscale train``: :func:`train_runs` trains up to six runs of the
 built-in GPT (:mod:`unitscale.models`) on the bundled text (:mod:`unitscale.data`), with the
 same initialisation, data order and seed:
 
 - ``plain-fp32``: the plain-PyTorch model;
 - ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (by default
   the ``"hardware"`` recipe: matmul operands in E4M3, the gradient of each matmul's output in
-  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling;
+  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling and no
+  per-tensor scales ("no scaling" in the table);
+- ``plain-fp8-tensorwise``: the same with ``scaling="tensorwise"``, torchao's default float8
+  training recipe (in the default run set), and ``plain-fp8-delayed`` with
+  ``scaling="delayed"`` (``--runs`` adds it): the baselines practitioners would run;
 - ``unit-scaled-fp32``: its unit-scaled twin;
 - ``unit-scaled-fp8``: the twin under ``simulate_fp8``, again with no loss scaling.
 
@@ -146,6 +150,13 @@ class RunKind:
         """Whether the run simulates FP8 (it has a transform; drawn dashed)."""
         return self.transform is not None
 
+    @property
+    def scaling(self) -> str:
+        """The FP8 run's per-tensor scaling (``simulate_fp8``'s ``scaling``), "" for FP32."""
+        if self.transform is None:
+            return ""
+        return str(getattr(self.transform, "options", {}).get("scaling", "none"))
+
 
 class _SimulateFP8:
     """A run's transform: ``simulate_fp8`` with the config's recipe and ``options`` (e.g.
@@ -172,6 +183,14 @@ class _SimulateFP8:
 RUN_KINDS: tuple[RunKind, ...] = (
     RunKind("plain-fp32", "plain"),
     RunKind("plain-fp8", "plain", _SimulateFP8(), baseline="plain-fp32"),
+    # The recipes practitioners run on plain models, as baselines: torchao's default
+    # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
+    RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
+    # Not in the default run set (``--runs`` adds it), so that the default run stays within a
+    # few minutes on 2 cores.
+    RunKind(
+        "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
+    ),
     RunKind("unit-scaled-fp32", "unit-scaled"),
     RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
 )
@@ -600,12 +619,36 @@ def summary_rows(results: dict[str, RunResult]) -> list[tuple[str, ...]]:
                 _fmt(r.final_heldout_loss) + stopped,
                 versus,
                 f"{r.seconds:.0f}",
+                _SCALING_LABELS.get(_kind(name).scaling, _kind(name).scaling),
             )
         )
     return rows
 
 
-_HEADER = ("run", "peak lr", "final train loss", "final held-out loss", "vs FP32", "time (s)")
+_HEADER = (
+    "run",
+    "peak lr",
+    "final train loss",
+    "final held-out loss",
+    "vs FP32",
+    "time (s)",
+    "FP8 scales",
+)
+_SCALING_LABELS = {"none": "no scaling", "tensorwise": "tensorwise", "delayed": "delayed"}
+
+
+def scaled_fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
+    """Per FP8 run with per-tensor scales and its FP32 run: ``(train, held-out)`` gap."""
+    gaps = {}
+    for name, r in results.items():
+        kind = _kind(name)
+        fp32 = results.get(kind.baseline) if kind.baseline is not None else None
+        if kind.scaling not in ("", "none") and fp32 is not None:
+            gaps[name] = (
+                _relative(r.final_train_loss, fp32.final_train_loss),
+                _relative(r.final_heldout_loss, fp32.final_heldout_loss),
+            )
+    return gaps
 
 
 def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
@@ -640,6 +683,12 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
         lines.append(
             f"{family} in simulated FP8 vs FP32: held-out {_pct(heldout_gap)}, train "
             f"{_pct(train_gap)} ({verdict})"
+        )
+    for name, (train_gap, heldout_gap) in scaled_fp8_gaps(results).items():
+        kind = _kind(name)
+        lines.append(
+            f"{kind.family} in simulated FP8 with {kind.scaling} scaling ({name}) vs FP32: "
+            f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
     for name, r in results.items():
         if r.non_finite is not None:
@@ -702,13 +751,17 @@ def zoom_limits(
     return (first, steps), (low - pad, high + pad)
 
 
-def _line_style(run: str) -> str:
-    """Solid for a family's FP32 run; its FP8 kinds dashed, dotted, dash-dotted in turn."""
+#: Line styles of a family's FP8 kinds, in :data:`RUN_KINDS` order (its FP32 run is solid).
+_FP8_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)))
+
+
+def _line_style(run: str) -> Any:
+    """Solid for a family's FP32 run; its FP8 kinds dashed, dotted, dash-dotted... in turn."""
     kind = _kind(run)
     if not kind.fp8:
         return "-"
     siblings = [k.name for k in RUN_KINDS if k.family == kind.family and k.fp8]
-    return ("--", ":", "-.")[siblings.index(run) % 3]
+    return _FP8_STYLES[siblings.index(run) % len(_FP8_STYLES)]
 
 
 def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
@@ -727,10 +780,11 @@ def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
         smoothed = _smoothed(r.train_losses)
         steps = sorted(r.heldout)
         for ax in (left, right):
-            ax.plot(range(len(smoothed)), smoothed, style, color=colour, lw=1.2, label=name)
+            ax.plot(range(len(smoothed)), smoothed, linestyle=style, color=colour, lw=1.2,
+                    label=name)  # fmt: skip
             if steps:
-                ax.plot(steps, [r.heldout[s] for s in steps], style, color=colour, marker="o",
-                        ms=3.5, lw=0.8, alpha=0.6)  # fmt: skip
+                ax.plot(steps, [r.heldout[s] for s in steps], linestyle=style, color=colour,
+                        marker="o", ms=3.5, lw=0.8, alpha=0.6)  # fmt: skip
     left.set_title("whole run", fontsize=10)
     focus = "unit-scaled runs" if any(_family(n) == "unit-scaled" for n in results) else "all runs"
     right.set_title(f"last quarter, zoomed onto the {focus}", fontsize=10)

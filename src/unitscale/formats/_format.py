@@ -313,7 +313,8 @@ class FPFormat:
             x: a floating-point tensor (see :meth:`quantise`).
 
         Returns:
-            ``x`` (a view), whose backward rounds the incoming gradient to this format.
+            a copy of ``x`` (not a view, so it may be modified in place), whose backward
+            rounds the incoming gradient to this format.
 
         Example:
             >>> x = torch.tensor([1.25, 2.5], requires_grad=True)

@@ -50,7 +50,9 @@ class _QuantiseBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
         ctx.fmt = fmt
-        return x.view_as(x)
+        # A copy, not a view: the caller may modify the result in place (``y += x``), which
+        # autograd forbids on a view returned by a custom Function.
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

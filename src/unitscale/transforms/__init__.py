@@ -7,7 +7,14 @@ from ..tracking import (
     prune_selected_nodes,
 )
 from ._compile import compile
-from ._simulate import FP8_RECIPES, FP8Recipe, simulate_format, simulate_fp8
+from ._simulate import (
+    FP8_RECIPES,
+    FP8Recipe,
+    ScalingCost,
+    scaling_cost,
+    simulate_format,
+    simulate_fp8,
+)
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 
@@ -27,6 +34,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "FP8Recipe",
     "simulate_format",
     "simulate_fp8",
+    "ScalingCost",
+    "scaling_cost",
     # compilation
     "compile",
 ]

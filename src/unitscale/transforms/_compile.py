@@ -13,11 +13,12 @@ compiled code; the capture core's stage order checks both.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
-from torch import nn
+from torch import Tensor, nn
 
 from ..capture import Capture, GraphPass, Piece, Stage, TransformedModule, transformed
 from ._rewrite import warn_uncaptured
@@ -49,8 +50,49 @@ class CompilePass(GraphPass):
     ) -> Callable[..., Any] | None:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled: Callable[..., Any] = compile_fx(gm, list(example_inputs))  # type: ignore[assignment]
-        return compiled
+        gm, state = _lift_state(gm)
+        compiled: Callable[..., Any] = compile_fx(gm, [*example_inputs, *state])  # type: ignore[assignment]
+        if not state:
+            return compiled
+        return lambda *args: compiled(*args, *state)
+
+
+def _lift_state(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Tensor]]:
+    """Turn the tensors an earlier pass gave the graph as attributes (``simulate_fp8``'s amax
+    histories, which it updates in place) into trailing inputs: Inductor compiles a graph
+    from Dynamo's inputs only, and writes an input's in-place updates back to it."""
+    if not any(n.op == "get_attr" and n.target in gm._buffers for n in gm.graph.nodes):
+        return gm, []
+    # A copy: Dynamo reads the placeholders of the graph module it handed over afterwards.
+    original = gm
+    gm = copy.deepcopy(original)
+    gm.meta = original.meta
+    for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
+        if hasattr(original, attribute):
+            setattr(gm, attribute, getattr(original, attribute))
+    for mine, theirs in zip(
+        gm.graph.find_nodes(op="placeholder"),
+        original.graph.find_nodes(op="placeholder"),
+        strict=True,
+    ):
+        if hasattr(theirs, "_dynamo_source"):
+            mine._dynamo_source = theirs._dynamo_source
+    state_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in gm._buffers]
+    state: list[Tensor] = []
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for node in state_nodes:
+        with gm.graph.inserting_after(last):
+            placeholder = gm.graph.placeholder(f"{node.name}_state")
+        placeholder.meta.update(node.meta)
+        placeholder._dynamo_source = None  # not a user input
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        state.append(original._buffers[str(node.target)])  # type: ignore[arg-type]
+        last = placeholder
+    for node in state_nodes:
+        gm._buffers.pop(str(node.target), None)
+    gm.recompile()
+    return gm, state
 
 
 def compile(module: nn.Module) -> TransformedModule:

@@ -43,18 +43,32 @@ from torch import Tensor, nn
 
 from ..capture import (
     Capture,
+    Invocation,
     Piece,
     Stage,
     TransformedModule,
     example_value,
+    identifier,
     is_float_node,
     transformed,
 )
+from ..errors import UnitScaleError
 from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
 from ._rewrite import (
     RewritePass,
     insert_call,
     placeholder_names,
+)
+from ._scaling import (
+    DEFAULT_HISTORY_LEN,
+    SCALINGS,
+    Scaling,
+    amax_scale,
+    delayed_scale,
+    history_buffer,
+    keep_histories,
+    scaled_round,
+    tensor_amax,
 )
 
 __all__ = [
@@ -62,10 +76,13 @@ __all__ = [
     "MATMUL_OPERANDS",
     "FP8Recipe",
     "FormatSpec",
+    "ScalingCost",
     "SimulateFormatPass",
     "format_spec",
+    "fp8_scale",
     "quantise_grad",
     "quantise_operand",
+    "scaling_cost",
     "simulate_format",
     "simulate_fp8",
 ]
@@ -181,8 +198,70 @@ def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:
     return spec if isinstance(spec, FPFormat) else _format_of(tuple(spec))
 
 
+class _ScaledQuantise(torch.autograd.Function):
+    """``y = fwd(x)`` (rounded, optionally scaled; a fresh tensor either way), ``grad_x =
+    bwd(grad_y)``: the one place where simulated FP8 rounds a value and its gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        fwd_format: FPFormat | None,
+        scale: Tensor | None,
+        bwd_format: FPFormat | None,
+        grad_scaling: str,
+        grad_history: Tensor | None,
+    ) -> Tensor:
+        ctx.bwd = (bwd_format, grad_scaling, grad_history)
+        if fwd_format is None:
+            # A copy, not a view: the caller may modify the result in place
+            # (``y = linear(x); y += x``), which autograd forbids on a custom Function's view.
+            return x.clone()
+        if scale is None:
+            return fwd_format.quantise(x)
+        return scaled_round(x, scale, fwd_format.quantise)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        bwd_format, grad_scaling, grad_history = ctx.bwd
+        if bwd_format is not None:
+            grad = _round_gradient(grad, bwd_format, grad_scaling, grad_history)
+        return grad, None, None, None, None, None
+
+
+def _round_gradient(grad: Tensor, fmt: FPFormat, scaling: str, history: Tensor | None) -> Tensor:
+    if scaling == "none":
+        return fmt.quantise(grad)
+    if scaling == "delayed" and history is not None:
+        scale = delayed_scale(grad, history, fmt.max_absolute_value, record=True)
+    else:
+        scale = amax_scale(tensor_amax(grad), fmt.max_absolute_value)
+    return scaled_round(grad, scale, fmt.quantise)
+
+
+def fp8_scale(x: Tensor, format_max: float, history: Tensor | None = None) -> Tensor:
+    """The scale ``format_max / amax`` that a scaled cast of ``x`` multiplies it by.
+
+    Inserted by ``scaling="tensorwise"`` (``history`` None: the amax of ``x``) and
+    ``"delayed"`` (the max of ``history``, which is then updated while autograd records;
+    see :mod:`unitscale.transforms._scaling` for the rules and their sources).
+
+    Example:
+        >>> fp8_scale(torch.tensor([0.5, -2.0]), 448.0).item()  # E4M3's max / amax
+        224.0
+    """
+    if history is None:
+        return amax_scale(tensor_amax(x), format_max)
+    return delayed_scale(x, history, format_max, record=torch.is_grad_enabled())
+
+
 def quantise_operand(
-    x: Tensor, fwd_format: FPFormat | FormatSpec, bwd_format: FPFormat | FormatSpec | None
+    x: Tensor,
+    fwd_format: FPFormat | FormatSpec,
+    bwd_format: FPFormat | FormatSpec | None,
+    scale: Tensor | None = None,
+    grad_scaling: Scaling = "none",
+    grad_history: Tensor | None = None,
 ) -> Tensor:
     """Round ``x`` to ``fwd_format``, and the gradient with respect to ``x`` to ``bwd_format``.
 
@@ -192,10 +271,16 @@ def quantise_operand(
             :data:`FormatSpec`).
         bwd_format: the format of the gradient, likewise; None passes the gradient through
             unrounded.
+        scale: if given, ``x`` is multiplied by it before rounding and divided after (a
+            scaled cast, see :func:`fp8_scale`).
+        grad_scaling: how the gradient is scaled before rounding: ``"none"``,
+            ``"tensorwise"`` (by ``format_max / amax(gradient)``) or ``"delayed"`` (from
+            ``grad_history``, which is updated).
+        grad_history: the gradient's amax history, for ``grad_scaling="delayed"``.
 
     Returns:
-        ``fwd_format.quantise(x)``, whose backward rounds the incoming gradient to
-        ``bwd_format`` (straight through otherwise).
+        ``fwd_format.quantise(x)`` (scaled if asked), whose backward rounds the incoming
+        gradient to ``bwd_format`` (straight through otherwise).
 
     Example:
         >>> import dataclasses
@@ -207,15 +292,27 @@ def quantise_operand(
         >>> y.tolist(), x.grad.tolist()
         ([0.3125, 448.0], [0.3125, 57344.0])
     """
-    quantised = _as_format(fwd_format).quantise_fwd(x)
-    return quantised if bwd_format is None else _as_format(bwd_format).quantise_bwd(quantised)
+    bwd = None if bwd_format is None else _as_format(bwd_format)
+    return _ScaledQuantise.apply(x, _as_format(fwd_format), scale, bwd, grad_scaling, grad_history)
 
 
-def quantise_grad(y: Tensor, bwd_format: FPFormat | FormatSpec) -> Tensor:
-    """Leave ``y`` unchanged; round the gradient with respect to it to ``bwd_format``.
+def quantise_grad(
+    y: Tensor,
+    bwd_format: FPFormat | FormatSpec,
+    scaling: Scaling = "none",
+    history: Tensor | None = None,
+) -> Tensor:
+    """A copy of ``y``; the gradient with respect to it is rounded to ``bwd_format``.
 
     Inserted after a matmul-like op: its output gradient is what an FP8 matmul's backward
     reads (in E5M2), while the gradients it computes are accumulated in higher precision.
+    The result is a new tensor (not a view), so the caller may modify it in place.
+
+    Args:
+        y: the op's output.
+        bwd_format: the gradient's format.
+        scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"`` (see :func:`quantise_operand`).
+        history: the gradient's amax history, for ``scaling="delayed"``.
 
     Example:
         >>> import dataclasses
@@ -226,7 +323,38 @@ def quantise_grad(y: Tensor, bwd_format: FPFormat | FormatSpec) -> Tensor:
         >>> out.tolist(), y.grad.tolist()
         ([0.30000001192092896, 1000000.0], [0.3125, 57344.0])
     """
-    return _as_format(bwd_format).quantise_bwd(y)
+    return _ScaledQuantise.apply(y, None, None, _as_format(bwd_format), scaling, history)
+
+
+class _Sites:
+    """While one graph is rewritten: the history node of each scaled rounding (delayed
+    scaling only) and how many scaled roundings the forward and the backward do."""
+
+    def __init__(self, gm: fx.GraphModule, root: nn.Module | None, history_len: int) -> None:
+        self.gm = gm
+        self.root = root
+        self.history_len = history_len
+        self.counts = [0, 0]  # scaled roundings in the forward, in the backward
+        self.sites: set[str] = set()
+
+    def history(self, graph: fx.Graph, site: str, device: torch.device) -> fx.Node | None:
+        """A ``get_attr`` node for the history of ``site`` (made unique), or None without
+        delayed scaling. The graph module holds the root's buffer itself, so the graph's
+        updates are the buffer's."""
+        if self.root is None:
+            return None
+        site = identifier(site)
+        unique, n = site, 0
+        while unique in self.sites:
+            n += 1
+            unique = f"{site}_{n}"
+        self.sites.add(unique)
+        name = history_buffer(self.root, unique, self.history_len, device)
+        if name not in self.gm._buffers:
+            self.gm.register_buffer(name, self.root._buffers[name])
+        node = graph.get_attr(name)
+        node.meta["example_value"] = torch.empty(self.history_len, device="meta")
+        return node
 
 
 class SimulateFormatPass(RewritePass):
@@ -237,7 +365,11 @@ class SimulateFormatPass(RewritePass):
     (``x @ x`` gets two: each slot's gradient is rounded on its own), inserted just
     before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
     with ``output_grad_format``, one :func:`quantise_grad` node after each op whose output
-    is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users;
+    is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users
+    (``F.linear``'s bias is then added after it, by a node ``<op>_bias``, so that the bias
+    gradient is not rounded, as in torchao and Transformer Engine); with ``scaling``, one
+    :func:`fp8_scale` node per operand (``<operand>_scale``, meta ``fp8_scaling``), and for
+    ``"delayed"`` one ``fp8_amax_history`` call per scaled rounding returning its history;
     ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
 
     Args:
@@ -261,18 +393,34 @@ class SimulateFormatPass(RewritePass):
         fwd_format: FPFormat,
         bwd_format: FPFormat | None,
         output_grad_format: FPFormat | None = None,
+        scaling: Scaling = "none",
+        history_len: int = DEFAULT_HISTORY_LEN,
     ) -> None:
         self.fwd_format = fwd_format
         self.bwd_format = bwd_format
         self.output_grad_format = output_grad_format
+        self.scaling = scaling
+        self.history_len = history_len
 
     def __repr__(self) -> str:
         return (
             f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format}, "
-            f"output_grad_format={self.output_grad_format})"
+            f"output_grad_format={self.output_grad_format}, scaling={self.scaling!r})"
         )
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
+        root = capture.owner_module if self.scaling == "delayed" else None
+        # Per-graph state, held by the pass only while this graph is rewritten (the pass
+        # itself stays configuration: it pickles and deep-copies).
+        self._sites = _Sites(gm, root, self.history_len)
+        try:
+            piece.data["simulate_format"] = self._rewrite(gm, piece)
+            piece.data["fp8_scaling"] = (self.scaling, *self._sites.counts)
+        finally:
+            del self._sites
+        return gm
+
+    def _rewrite(self, gm: fx.GraphModule, piece: Piece) -> list[tuple[str, str]]:
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
@@ -303,23 +451,58 @@ class SimulateFormatPass(RewritePass):
                     node.kwargs = {**node.kwargs, keyword: new}
             if slots:
                 self._quantise_output_grad(graph, node)
-        piece.data["simulate_format"] = quantised
-        return gm
+        return quantised
 
     def _quantise_output_grad(self, graph: fx.Graph, node: fx.Node) -> None:
         """Round the gradient arriving at ``node``'s output (what the matmul's backward reads)."""
         if self.output_grad_format is None or not is_float_node(node) or not node.users:
             return
         with graph.inserting_after(node):
+            site = f"{node.name}_grad_quantised"
+            history = self._sites.history(graph, site, example_value(node).device)
+        with graph.inserting_after(history or node):
             new = insert_call(
                 graph,
                 quantise_grad,
-                (node, format_spec(self.output_grad_format)),
+                (node, format_spec(self.output_grad_format), self.scaling, history),
                 name=f"{node.name}_grad_quantised",
                 value=example_value(node),
                 meta_from=node,
             )
-        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        if self.scaling != "none":
+            self._sites.counts[1] += 1
+            new.meta["fp8_scaling"] = {"gradient": self.scaling}
+        node.replace_all_uses_with(
+            new, delete_user_cb=lambda user: user is not new and user is not history
+        )
+        self._add_bias_after(graph, node, new)
+
+    @staticmethod
+    def _add_bias_after(graph: fx.Graph, node: fx.Node, rounded: fx.Node) -> None:
+        """Move ``F.linear``'s bias after the output-gradient rounding: the bias gradient is
+        the sum of the unrounded output gradient, as in torchao's ``Float8Linear`` (bias
+        added outside the FP8 matmul) and Transformer Engine (bias gradient fused with the
+        cast, in high precision)."""
+        if node.target is not F.linear:
+            return
+        in_args = len(node.args) > 2
+        bias = node.args[2] if in_args else node.kwargs.get("bias")
+        if not is_float_node(bias):
+            return
+        if in_args:
+            node.args = (*node.args[:2], None, *node.args[3:])
+        else:
+            node.kwargs = {**node.kwargs, "bias": None}
+        with graph.inserting_after(rounded):
+            added = insert_call(
+                graph,
+                operator.add,
+                (rounded, bias),
+                name=f"{node.name}_bias",
+                value=example_value(node),
+                meta_from=node,
+            )
+        rounded.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
 
     def _quantise_einsum(
         self,
@@ -345,22 +528,49 @@ class SimulateFormatPass(RewritePass):
     ) -> fx.Node:
         base = names.get(operand, operand.name)
         bwd = None if self.bwd_format is None else format_spec(self.bwd_format)
+        scaled = self.scaling != "none"
+        grad_scaling = self.scaling if bwd is not None else "none"
+        sites = self._sites
         with graph.inserting_before(consumer):
-            return insert_call(
+            scale = None
+            if scaled:
+                device = example_value(operand).device
+                history = sites.history(graph, f"{base}_scale", device)
+                scale = insert_call(
+                    graph,
+                    fp8_scale,
+                    (operand, self.fwd_format.max_absolute_value, history),
+                    name=f"{base}_scale",
+                    value=torch.empty((), device="meta"),
+                    meta_from=consumer,
+                )
+                sites.counts[0] += 1
+                scale.meta["fp8_scaling"] = {"forward": self.scaling}
+            grad_history = None
+            if grad_scaling != "none":
+                site = f"{base}_quantised_grad"
+                grad_history = sites.history(graph, site, example_value(operand).device)
+            new = insert_call(
                 graph,
                 quantise_operand,
-                (operand, format_spec(self.fwd_format), bwd),
+                (operand, format_spec(self.fwd_format), bwd, scale, grad_scaling, grad_history),
                 name=f"{base}_quantised",
                 value=example_value(operand),
                 meta_from=consumer,
             )
+        sites.counts[1] += grad_scaling != "none"
+        if scaled:
+            new.meta["fp8_scaling"] = {"forward": self.scaling, "gradient": grad_scaling}
+        return new
 
 
 def _check_format(argument: str, value: Any) -> FPFormat:
     if isinstance(value, FPFormat):
         return value
     try:
-        return get_format(value)
+        # A name means the same format as in simulate_fp8: rounded to nearest, as hardware
+        # casts do (the presets themselves round stochastically).
+        return get_format(value, rounding="nearest")
     except FormatError as error:
         raise FormatError(
             f"unitscale.transforms.simulate_format: argument {argument!r}={value!r} is not a "
@@ -369,8 +579,33 @@ def _check_format(argument: str, value: Any) -> FPFormat:
         ) from error
 
 
+def _check_scaling(op: str, scaling: Any, history_len: Any) -> None:
+    if not isinstance(scaling, str) or scaling not in SCALINGS:
+        raise FormatError(
+            f"unitscale.transforms.{op}: argument 'scaling'={scaling!r} is not supported; "
+            f"use one of {SCALINGS}"
+        )
+    if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
+        raise FormatError(
+            f"unitscale.transforms.{op}: argument 'history_len'={history_len!r} must be a "
+            f"positive int (the number of earlier steps scaling='delayed' keeps; default "
+            f"{DEFAULT_HISTORY_LEN})"
+        )
+
+
+def _transformed(op: str, module: nn.Module, graph_pass: SimulateFormatPass) -> TransformedModule:
+    result = transformed(module, graph_pass, op)
+    if graph_pass.scaling == "delayed":
+        keep_histories(result.module)
+    return result
+
+
 def simulate_format(
-    module: nn.Module, fwd_format: FPFormat | str, bwd_format: FPFormat | str
+    module: nn.Module,
+    fwd_format: FPFormat | str,
+    bwd_format: FPFormat | str,
+    scaling: Scaling = "none",
+    history_len: int = DEFAULT_HISTORY_LEN,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops see operands in low precision.
 
@@ -381,18 +616,28 @@ def simulate_format(
     respect to it is rounded to ``bwd_format`` in the backward pass. Nothing else changes:
     the arithmetic inside each op, and every other op, runs in the model's own dtype.
 
+    A format given by name (``"e4m3"``) rounds to nearest, as in :func:`simulate_fp8` and
+    as PyTorch's casts do (bit-identical to them); pass an
+    :class:`~unitscale.formats.FPFormat` with ``rounding="stochastic"`` (the presets'
+    default, e.g. ``unitscale.formats.E4M3``) for stochastic rounding.
+
     Args:
         module: any ``torch.nn.Module`` (or an already transformed one, e.g.
             ``unit_scale(m)``) that TorchDynamo can capture.
         fwd_format: format of forward operands: an :class:`~unitscale.formats.FPFormat`
-            or a preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``).
+            or a preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``), which rounds
+            to nearest.
         bwd_format: format of the gradients, likewise.
+        scaling: ``"none"`` (default), ``"tensorwise"`` or ``"delayed"``: how each rounded
+            tensor is scaled (see :func:`simulate_fp8`).
+        history_len: amax-history length for ``scaling="delayed"``.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: a format argument is neither an ``FPFormat`` nor a preset key.
+        FormatError: a format argument is neither an ``FPFormat`` nor a preset key, or
+            ``scaling``/``history_len`` is not supported.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
             last), or TorchDynamo cannot capture it (at the first call).
@@ -408,7 +653,9 @@ def simulate_format(
     """
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
-    return transformed(module, SimulateFormatPass(fwd, bwd), "simulate_format")
+    _check_scaling("simulate_format", scaling, history_len)
+    graph_pass = SimulateFormatPass(fwd, bwd, scaling=scaling, history_len=history_len)
+    return _transformed("simulate_format", module, graph_pass)
 
 
 def _short(fmt: FPFormat | None) -> str:
@@ -506,7 +753,12 @@ def _check_recipe(recipe: Any) -> FP8Recipe:
     )
 
 
-def simulate_fp8(module: nn.Module, recipe: FP8Recipe | str = "hardware") -> TransformedModule:
+def simulate_fp8(
+    module: nn.Module,
+    recipe: FP8Recipe | str = "hardware",
+    scaling: Scaling = "none",
+    history_len: int = DEFAULT_HISTORY_LEN,
+) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
 
     With the default ``recipe="hardware"``: every operand of a matmul-like op (weights
@@ -515,19 +767,39 @@ def simulate_fp8(module: nn.Module, recipe: FP8Recipe | str = "hardware") -> Tra
     hardware casts do; the gradients the op computes for its operands (the weight gradient
     included) are not rounded, as in FP8 recipes where the matmul accumulates in higher
     precision. ``recipe="all-operands"`` rounds the gradient with respect to every operand
-    to E5M2 instead (what ``simulate_format(module, E4M3, E5M2)`` does, with nearest
-    rounding). Values beyond a format's range saturate to its largest value. For stochastic
+    to E5M2 instead (what ``simulate_format(module, "e4m3", "e5m2")`` does).
+    Values beyond a format's range saturate to its largest value. For stochastic
     rounding or other formats, pass an :class:`FP8Recipe` or call :func:`simulate_format`.
+
+    ``scaling`` says how each tensor the recipe rounds is scaled (rules and their sources in
+    :mod:`unitscale.transforms._scaling`):
+
+    - ``"none"`` (default): not at all, what a unit-scaled model needs;
+    - ``"tensorwise"``: multiplied by ``format_max / amax(tensor)`` before rounding and
+      divided after, forward and backward, the amax taken when the tensor is rounded: the
+      numerics of torchao's float8 training with its default config (tested against
+      ``torchao.float8.convert_to_float8_training``); amax is not reduced over
+      data-parallel ranks, as in torchao's default;
+    - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
+      ``history_len`` earlier training steps (the first step uses the current amax); the
+      histories are buffers of the returned module (``fp8_amax_history_<site>`` in
+      ``state_dict()``, created at the first call).
+
+    :func:`scaling_cost` counts the amax reductions and scale computations of a step.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one) that TorchDynamo can capture.
         recipe: an :class:`FP8Recipe` or the key of a preset in :data:`FP8_RECIPES`.
+        scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
+        history_len: amax-history length for ``scaling="delayed"`` (default 16, torchao's
+            former delayed-scaling default).
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key.
+        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key, or
+            ``scaling``/``history_len`` is not supported.
         CaptureError: as for :func:`simulate_format`.
 
     Example:
@@ -536,7 +808,92 @@ def simulate_fp8(module: nn.Module, recipe: FP8Recipe | str = "hardware") -> Tra
         ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
         >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
         448.3125
+        >>> scaled = simulate_fp8(model.module, scaling="tensorwise")  # 1000 -> 448 -> 1000
+        >>> scaled(torch.ones(1, 2)).item()  # 0.3 * 0.448 rounds to 0.140625, / 0.448
+        1000.3138427734375
     """
     chosen = _check_recipe(recipe)
-    graph_pass = SimulateFormatPass(chosen.operands, chosen.operand_grads, chosen.output_grad)
-    return transformed(module, graph_pass, "simulate_fp8")
+    _check_scaling("simulate_fp8", scaling, history_len)
+    graph_pass = SimulateFormatPass(
+        chosen.operands,
+        chosen.operand_grads,
+        chosen.output_grad,
+        scaling=scaling,
+        history_len=history_len,
+    )
+    return _transformed("simulate_fp8", module, graph_pass)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingCost:
+    """What the per-tensor scales of a simulated-FP8 model cost in one training step.
+
+    Counted from the rewritten graphs that ran in the last call (one count per scaled
+    rounding), not estimated: each scaled rounding reduces its tensor to an amax (the
+    forward ones when the forward runs, the gradient ones in the backward) and computes one
+    scale from it (``"delayed"`` also reduces and updates a history of ``history_len``
+    values per rounding, not counted as a tensor reduction).
+
+    Attributes:
+        scaling: the module's ``scaling``.
+        forward: scaled roundings in the forward pass (operands, weights included).
+        backward: scaled roundings in the backward pass (gradients).
+    """
+
+    scaling: str
+    forward: int
+    backward: int
+
+    @property
+    def amax_reductions(self) -> int:
+        """Full-tensor ``max(abs(x))`` reductions per training step."""
+        return self.forward + self.backward
+
+    @property
+    def scale_computations(self) -> int:
+        """Scales computed per training step (one per amax)."""
+        return self.forward + self.backward
+
+
+def scaling_cost(module: nn.Module) -> ScalingCost:
+    """Count the amax reductions and scale computations of one training step of ``module``.
+
+    Args:
+        module: a model returned by :func:`simulate_fp8` or :func:`simulate_format` (or a
+            chain containing one), called at least once.
+
+    Returns:
+        The counts of the last call (forward, and the backward that follows it).
+
+    Raises:
+        UnitScaleError: ``module`` does not simulate a format, or has not been called.
+
+    Example:
+        >>> model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+        ...                      scaling="tensorwise")
+        >>> _ = model(torch.ones(3, 4))
+        >>> cost = scaling_cost(model)  # 2 linears: 2 operands each, 1 output gradient each
+        >>> cost.forward, cost.backward, cost.amax_reductions
+        (4, 2, 6)
+    """
+    graph_pass = None
+    if isinstance(module, TransformedModule):
+        graph_pass = module.pass_of_type(SimulateFormatPass)
+    if not isinstance(module, TransformedModule) or not isinstance(graph_pass, SimulateFormatPass):
+        raise UnitScaleError(
+            f"scaling_cost: {type(module).__name__} does not simulate a number format; pass "
+            "a model returned by unitscale.transforms.simulate_fp8 or simulate_format"
+        )
+    capture = module.capture
+    trace: list[Invocation] = capture.last_trace if capture is not None else []
+    if not trace:
+        raise UnitScaleError(
+            "scaling_cost: the model has not been called yet; call it once (a training "
+            "step's forward) first, since the counts come from the graphs that ran"
+        )
+    forward = backward = 0
+    for invocation in trace:
+        _, fwd, bwd = invocation.piece.data.get("fp8_scaling", ("none", 0, 0))
+        forward += fwd
+        backward += bwd
+    return ScalingCost(graph_pass.scaling, forward, backward)

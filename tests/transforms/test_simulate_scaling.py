@@ -1,0 +1,252 @@
+"""simulate_fp8's per-tensor scaling: tensorwise (against torchao itself) and delayed."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from unitscale.formats import FormatError
+from unitscale.transforms import (
+    compile,
+    scaling_cost,
+    simulate_format,
+    simulate_fp8,
+    track_scales,
+    unit_scale,
+)
+from unitscale.transforms._simulate import fp8_scale
+
+
+def _torchao(module: str) -> Any:
+    """A torchao module, or a skip: torchao (the ``test`` extra) is the reference
+    implementation, and supports recent torch releases only."""
+    reason = "torchao (the test extra) is the reference implementation of tensorwise scaling"
+    try:
+        return pytest.importorskip(module, reason=reason)
+    except pytest.skip.Exception:
+        raise
+    except Exception as error:  # e.g. an older torch than this torchao supports
+        pytest.skip(f"{reason}, and it does not import with torch {torch.__version__}: {error}")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+
+
+def _step(model: nn.Module, x: Tensor, grad: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """One forward and backward; the output and every gradient (the input's included)."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.backward(grad)
+    inner = getattr(model, "module", model)
+    grads = {n: p.grad.clone() for n, p in inner.named_parameters() if p.grad is not None}
+    assert x.grad is not None
+    grads["x"] = x.grad.clone()
+    for p in inner.parameters():
+        p.grad = None
+    return out.detach(), grads
+
+
+def _far_from_unit() -> tuple[Tensor, Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(16, 64) * 300, torch.randn(16, 32) * 1e-5
+
+
+def _assert_close(ours: Tensor, reference: Tensor, what: str, rtol: float = 2e-6) -> None:
+    error = ((ours - reference).norm() / reference.norm()).item()
+    assert error <= rtol, f"{what}: relative error {error:.3g}"
+
+
+def test_tensorwise_equals_torchao_float8_training_default_config() -> None:
+    """Inputs at scale 300 and incoming gradients at 1e-5: torchao's tensorwise scaling puts
+    both at E4M3's/E5M2's max, and so must ours, forward and backward."""
+    float8 = _torchao("torchao.float8")
+    mlp = _mlp()
+    x, grad = _far_from_unit()
+    reference_out, reference = _step(float8.convert_to_float8_training(copy.deepcopy(mlp)), x, grad)
+    out, grads = _step(simulate_fp8(mlp, scaling="tensorwise"), x, grad)
+    _assert_close(out, reference_out, "output")
+    assert set(grads) == set(reference) == {"x", "0.weight", "0.bias", "2.weight", "2.bias"}
+    for name, expected in reference.items():
+        _assert_close(grads[name], expected, name)  # accumulation order only
+    # Without scales the same model loses most of its gradients (it is not unit-scaled).
+    _, unscaled = _step(simulate_fp8(mlp), x, grad)
+    assert (unscaled["0.weight"] - reference["0.weight"]).norm() > 0.5 * reference[
+        "0.weight"
+    ].norm()
+
+
+def test_tensorwise_scale_follows_torchao_rules() -> None:
+    """scale = float32(fmax / clamp(float64(amax), 1e-12)), not rounded to a power of two;
+    a zero tensor gets a finite scale and stays zero."""
+    float8_utils = _torchao("torchao.float8.float8_utils")
+    for values in ([0.3, -3.7], [0.0, 0.0], [1e-30, 2e-30], [6e4, 1.0]):
+        x = torch.tensor(values)
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            fmax = torch.finfo(dtype).max
+            expected = float8_utils.tensor_to_scale(x, dtype)
+            assert torch.equal(fp8_scale(x, fmax), expected)
+    zero = simulate_fp8(nn.Linear(4, 2, bias=False), scaling="tensorwise")
+    assert torch.equal(zero(torch.zeros(3, 4)), torch.zeros(3, 2))
+
+
+def test_delayed_equals_tensorwise_once_the_history_holds_the_current_amax() -> None:
+    mlp = _mlp()
+    x, grad = _far_from_unit()
+    delayed = simulate_fp8(mlp, scaling="delayed")
+    tensorwise_out, tensorwise = _step(simulate_fp8(mlp, scaling="tensorwise"), x, grad)
+    first_out, first = _step(delayed, x, grad)  # first step: the current amax (stated rule)
+    second_out, second = _step(delayed, x, grad)  # history = this amax (same step again)
+    for out, grads in ((first_out, first), (second_out, second)):
+        assert torch.equal(out, tensorwise_out)
+        for name, expected in tensorwise.items():
+            assert torch.equal(grads[name], expected), name
+    # A step 4x larger is scaled from the history (saturating), not from its own amax.
+    third_out, _ = _step(delayed, 4 * x, grad)
+    tensorwise_big, _ = _step(simulate_fp8(mlp, scaling="tensorwise"), 4 * x, grad)
+    assert not torch.equal(third_out, tensorwise_big)
+    history = delayed.state_dict()["fp8_amax_history_input_scale"]
+    assert history.shape == (16,)  # the default length (torchao's former history_len)
+    amax = x.abs().max()
+    assert history[:3].tolist() == [4 * amax.item(), amax.item(), amax.item()]
+    assert not history[3:].any()
+
+
+def test_delayed_first_step_uses_the_current_amax_and_evaluation_does_not_record() -> None:
+    lin = nn.Linear(4, 1, bias=False)
+    model = simulate_fp8(lin, scaling="delayed", history_len=3)
+    x = torch.tensor([[2.0, -1.0, 0.5, 0.25]])
+    with torch.no_grad():
+        model(x)  # evaluation: reads the (empty) history, so scales as tensorwise, records nothing
+    assert not model.state_dict()["fp8_amax_history_input_scale"].any()
+    model(x).sum().backward()
+    state = model.state_dict()
+    assert state["fp8_amax_history_input_scale"].tolist() == [2.0, 0.0, 0.0]
+    assert state["fp8_amax_history_weight_scale"][0] == lin.weight.abs().max()
+    assert state["fp8_amax_history_linear_grad_quantised"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_delayed_history_is_checkpointed_and_restored_into_a_fresh_model() -> None:
+    mlp = _mlp()
+    x, grad = _far_from_unit()
+    trained = simulate_fp8(mlp, scaling="delayed")
+    _step(trained, x, grad)
+    _step(trained, 2 * x, grad)
+    buffer = io.BytesIO()
+    torch.save(trained.state_dict(), buffer)
+    buffer.seek(0)
+    restored = simulate_fp8(mlp, scaling="delayed")  # never called: histories not built yet
+    restored.load_state_dict(torch.load(buffer))
+    assert restored.state_dict().keys() == trained.state_dict().keys()
+    for key, value in trained.state_dict().items():
+        assert torch.equal(restored.state_dict()[key], value), key
+    # The next step of both scales from the same history.
+    small = x / 8
+    assert torch.equal(_step(restored, small, grad)[0], _step(trained, small, grad)[0])
+    fresh_out = _step(simulate_fp8(mlp, scaling="delayed"), small, grad)[0]
+    assert not torch.equal(fresh_out, _step(trained, small, grad)[0])
+    # The original model's own checkpoint still loads (histories simply start empty).
+    again = simulate_fp8(mlp, scaling="delayed")
+    again.load_state_dict(mlp.state_dict())
+
+
+def test_scaling_cost_counts_each_scaled_rounding() -> None:
+    mlp = _mlp()
+    x, grad = _far_from_unit()
+    for scaling, forward, backward in (("none", 0, 0), ("tensorwise", 4, 2), ("delayed", 4, 2)):
+        model = simulate_fp8(mlp, scaling=scaling)  # type: ignore[arg-type]
+        _step(model, x, grad)
+        cost = scaling_cost(model)
+        assert (cost.forward, cost.backward) == (forward, backward)
+        assert cost.amax_reductions == cost.scale_computations == forward + backward
+    all_operands = simulate_fp8(mlp, recipe="all-operands", scaling="tensorwise")
+    _step(all_operands, x, grad)
+    assert (scaling_cost(all_operands).forward, scaling_cost(all_operands).backward) == (4, 4)
+    with pytest.raises(Exception, match="has not been called yet"):
+        scaling_cost(simulate_fp8(mlp, scaling="tensorwise"))
+    with pytest.raises(Exception, match="does not simulate a number format"):
+        scaling_cost(mlp)
+
+
+def test_scaling_composes_with_unit_scale_track_scales_and_compile() -> None:
+    unit_scaled = unit_scale(_mlp())  # re-initialises weights: one copy for every chain
+    x, grad = _far_from_unit()
+    for scaling in ("tensorwise", "delayed"):
+        eager = simulate_fp8(unit_scaled, scaling=scaling)  # type: ignore[arg-type]
+        out, grads = _step(eager, x, grad)
+        tracked = track_scales(simulate_fp8(unit_scaled, scaling=scaling))  # type: ignore[arg-type]
+        tracked_out, tracked_grads = _step(tracked, x, grad)
+        assert torch.equal(tracked_out, out)
+        # Each forward scale is a node of its own, with the scale as its statistics.
+        nodes = {n.meta.get("clean_name"): n for n in tracked.scales_graph().nodes}
+        assert {"input_scale", "_0_weight_scale", "_2_weight_scale"} <= set(nodes), set(nodes)
+        expected_scale = 448.0 / x.abs().max().item()
+        metrics = nodes["input_scale"].meta["metrics"]
+        assert metrics.fwd.abs_max == pytest.approx(expected_scale, rel=1e-6)
+        weight = unit_scaled.module[0].weight
+        metrics = nodes["_0_weight_scale"].meta["metrics"]
+        assert metrics.fwd.abs_max == pytest.approx(448.0 / weight.abs().max().item(), rel=1e-6)
+        compiled = compile(simulate_fp8(unit_scaled, scaling=scaling))  # type: ignore[arg-type]
+        compiled_out, compiled_grads = _step(compiled, x, grad)
+        _assert_close(compiled_out, out, f"compiled {scaling} output", rtol=1e-5)
+        for name, expected in grads.items():
+            _assert_close(compiled_grads[name], expected, f"compiled {scaling} {name}", rtol=1e-5)
+            assert torch.equal(tracked_grads[name], expected)
+        # The compiled graphs update the same histories, forward and backward.
+        histories = {k: v for k, v in eager.state_dict().items() if "amax_history" in k}
+        assert len(histories) == (6 if scaling == "delayed" else 0)
+        for key, value in histories.items():
+            assert value.any(), key
+            torch.testing.assert_close(compiled.state_dict()[key], value, rtol=1e-6, atol=0)
+            assert torch.equal(tracked.state_dict()[key], value)
+
+
+def test_scaling_arguments_are_validated() -> None:
+    with pytest.raises(FormatError, match=r"argument 'scaling'='dynamic' is not supported"):
+        simulate_fp8(nn.Linear(2, 2), scaling="dynamic")  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match=r"argument 'history_len'=0 must be a positive int"):
+        simulate_format(nn.Linear(2, 2), "e4m3", "e5m2", scaling="delayed", history_len=0)
+
+
+def test_delayed_histories_are_not_advanced_by_a_scale_monitor_replay() -> None:
+    """ScaleMonitor replays a step with track_scales on when it finds a NaN: the replay must
+    leave the histories as the step left them (as for any buffer the forward updates)."""
+    from unitscale.tracking import ScaleMonitor
+
+    torch.manual_seed(0)
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), scaling="delayed")
+    twin = copy.deepcopy(model)  # the same steps, unmonitored
+    monitor = ScaleMonitor(model, every=None, on_non_finite="ignore")
+    inputs = [torch.rand(3, 4) + 0.5 for _ in range(3)]
+    inputs[1][0, 0] = float("nan")  # a NaN reaches the output: step 1 is replayed
+    for step, x in enumerate(inputs):
+        monitor.module(x).mean().backward()
+        report = monitor.step()
+        twin(x).mean().backward()
+        assert (report is not None) == (step == 1)
+        histories = {k: v for k, v in model.state_dict().items() if "amax_history" in k}
+        assert len(histories) == 6
+        for key, value in twin.state_dict().items():
+            torch.testing.assert_close(
+                model.state_dict()[key], value, rtol=0, atol=0, equal_nan=True
+            )
+
+
+def test_delayed_histories_travel_with_deepcopy_pickle_and_to() -> None:
+    import pickle
+
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scaling="delayed")
+    model(torch.randn(3, 4) * 50).sum().backward()
+    x = torch.randn(3, 4)
+    with torch.no_grad():  # reads the histories without recording
+        for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert torch.equal(copied(x), model(x))  # same histories: same scales
+        wide = copy.deepcopy(model).to(torch.float64)
+        assert wide.state_dict()["fp8_amax_history_input_scale"].dtype == torch.float64
+        assert torch.allclose(wide(x.double()).float(), model(x))
