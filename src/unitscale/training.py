@@ -18,6 +18,7 @@ from .experiments.training import (
     train_runs,
     write_losses_csv,
     write_train_report,
+    zoom_limits,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "train_runs",
     "write_losses_csv",
     "write_train_report",
+    "zoom_limits",
 ]

@@ -1,7 +1,11 @@
 """``unitscale train`` data-parallel: ``--nproc 2`` and torchrun give one process's losses.
 
 Each case is one run of 2 gloo ranks (slow). Tolerance: 1e-5 absolute on every loss of a
-few steps (float32 gradient sums in another order; measured ~1e-6).
+few steps (float32 gradient sums in another order; measured ~1e-6). The FP8 runs differed by
+~1e-3 from the first step when each rank's mean loss gave its examples twice one process's
+gradient (issue 28, item 3). FP8 runs with per-tensor scales take each rank's own amax, as
+torchao does by default (``docs/guide/fp8.rst``), so their forward rounding differs from one
+process's: they are checked within 3e-3 (measured up to 9e-4 over 3 steps).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from unitscale.experiments.training import TrainConfig, train_run
+from unitscale.cli import main
+from unitscale.experiments.training import RUN_KINDS, RUN_NAMES, TrainConfig, train_run
 
 pytestmark = pytest.mark.slow
 
@@ -26,29 +31,32 @@ TIMEOUT_S = 300
 ENV = {**os.environ, "UNITSCALE_DEBUG": "", "OMP_NUM_THREADS": "1"}
 
 
-def _one_process_losses() -> list[tuple[str, str]]:
+def _one_process_losses(run: str = RUN) -> list[tuple[str, str]]:
     config = TrainConfig(
         steps=3, batch_size=4, seq_len=16, hidden_size=32, depth=1, heads=2, eval_every=2,
-        eval_batches=1, runs=(RUN,),
+        eval_batches=1, runs=(run,),
     )  # fmt: skip
-    result = train_run(RUN, config, progress=False)
+    result = train_run(run, config, progress=False)
     heldout = {step: f"{loss:.6f}" for step, loss in result.heldout.items()}
     rows = [(f"{loss:.6f}", heldout.get(step, "")) for step, loss in enumerate(result.train_losses)]
     return [*rows, ("", heldout[config.steps])]
 
 
-def _losses(path: Path) -> list[tuple[str, str]]:
+def _losses(path: Path, run: str = RUN) -> list[tuple[str, str]]:
     with path.open() as f:
-        return [(row["train_loss"], row["heldout_loss"]) for row in csv.DictReader(f)]
+        rows = [row for row in csv.DictReader(f) if row["run"] == run]
+        return [(row["train_loss"], row["heldout_loss"]) for row in rows]
 
 
-def _assert_close(got: list[tuple[str, str]], want: list[tuple[str, str]]) -> None:
+def _assert_close(
+    got: list[tuple[str, str]], want: list[tuple[str, str]], tolerance: float = 1e-5
+) -> None:
     assert len(got) == len(want)
     for (train, heldout), (train_ref, heldout_ref) in zip(got, want, strict=True):
         for value, ref in ((train, train_ref), (heldout, heldout_ref)):
             assert (value == "") == (ref == "")
             if ref:
-                assert float(value) == pytest.approx(float(ref), abs=1e-5)
+                assert float(value) == pytest.approx(float(ref), abs=tolerance)
 
 
 def _free_port() -> int:
@@ -57,16 +65,42 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_nproc_2_matches_one_process(tmp_path: Path) -> None:
+def test_nproc_2_matches_one_process_for_every_run_kind(tmp_path: Path) -> None:
+    # Every run kind, FP8 included: the gradients each rank rounds are one process's.
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "unitscale", "train", *SIZE, "--runs", RUN, "--nproc", "2"]
+    command = [sys.executable, "-m", "unitscale", "train", *SIZE, "--nproc", "2"]
+    command += ["--runs", ",".join(RUN_NAMES)]
     result = subprocess.run(
         [*command, "--out", str(out), "--no-progress"],
         capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_close(_losses(out / "losses.csv"), _one_process_losses())
+    for kind in RUN_KINDS:
+        tolerance = 3e-3 if kind.scaling not in ("", "none") else 1e-5  # per-rank amax
+        got = _losses(out / "losses.csv", kind.name)
+        _assert_close(got, _one_process_losses(kind.name), tolerance)
     assert result.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
+    # ...and it alone prints the stage lines.
+    assert result.stderr.count(f"training {len(RUN_NAMES)} run(s)") == 1, result.stderr
+    for run in RUN_NAMES:
+        assert result.stderr.count(f"{run}: done in") == 1, result.stderr
+
+
+def test_a_batch_the_processes_cannot_share_is_a_usage_error_before_they_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unitscale.cli import _launch
+
+    def no_launch(*args: object) -> None:
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(_launch, "launch", no_launch)
+    out = tmp_path / "out"
+    assert main(["train", "--nproc", "2", "--batch-size", "3", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "unitscale train: error: --batch-size 3 is not a multiple of --nproc 2" in captured.err
+    assert not out.exists()
 
 
 def test_torchrun_matches_one_process(tmp_path: Path) -> None:

@@ -36,9 +36,9 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--widths", "0,32"], 2, r"'0' in '0,32' must be at least 1"),
         (["--widths", ","], 2, r"',' lists no sizes"),
         (["--widths", "32,32"], 2, r"'32,32' lists a size twice"),
-        (["--widths", "48,64"], 1, r"widths \[48\] are not multiples of the head size 32"),
-        (["--widths", "64"], 1, r"vary='width' needs at least two widths, got \[64\]"),
-        (["--vary", "depth", "--widths", "32,64"], 1, r"takes one value of widths"),
+        (["--widths", "48,64"], 2, r"widths \[48\] are not multiples of the head size 32"),
+        (["--widths", "64"], 2, r"vary='width' needs at least two widths, got \[64\]"),
+        (["--vary", "depth", "--widths", "32,64"], 2, r"takes one value of widths"),
         (["--vary", "heads"], 2, r"argument --vary: invalid choice: 'heads'"),
         (["--steps", "0"], 2, r"argument --steps: '0' must be at least 1"),
         (["--threads", "0"], 2, r"argument --threads: '0' must be at least 1"),
@@ -115,7 +115,23 @@ def test_quick_run_writes_every_output_and_is_deterministic(tmp_path: Path) -> N
         assert f"claim ({claim['number']}) {claim['statement']}: {claim['verdict']}" in summary
     page = (out / "report.html").read_text()
     assert "data:image/png;base64," in page and "http://" not in page and "https://" not in page
+    # A quick run says so everywhere, and holds no claim.
+    assert document["quick"] is True and "QUICK SMOKE RUN (--quick)" in summary
+    assert "QUICK SMOKE RUN (--quick)" in page
+    assert all(claim["verdict"] != "held" for claim in document["claims"])
+    # Sweeps and claims are HTML tables; the settings show resolved defaults, never None.
+    assert "<pre>" not in page and "<th>k=-1</th>" in page and "<th>verdict</th>" in page
+    assert "<td>warmup_steps</td><td>1 (default: 5% of steps)</td>" in page
+    assert ">None<" not in page
     assert (out / "transfer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_default_output_folders_are_ignored_by_git() -> None:
+    from unitscale.cli import analyse, train, transfer
+
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().splitlines()
+    for command in (analyse, train, transfer):
+        assert f"{command.DEFAULT_OUT}/" in ignored, command.__name__
 
 
 @pytest.mark.slow

@@ -132,3 +132,32 @@ def test_settings_rows_resolve_defaults_and_join_sequences() -> None:
     assert rows["widths"] == "32, 64, 128, 256"
     assert rows["seed"] == "zero"
     assert rows["warmup_steps"] == "default"
+
+
+def test_a_run_kind_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+
+    def transform(model: nn.Module, config: training.TrainConfig) -> nn.Module:
+        built.append(type(model).__name__)
+        return model
+
+    extra = training.RunKind("plain-extra", "plain", transform, "plain-fp32", default=False)
+    kinds = (*training.RUN_KINDS, extra)
+    monkeypatch.setattr(training, "RUN_KINDS", kinds)
+    monkeypatch.setattr(training, "RUN_NAMES", tuple(k.name for k in kinds))
+    monkeypatch.setattr(training, "_KINDS", {k.name: k for k in kinds})
+    assert "plain-extra" not in training.TrainConfig().runs  # not a default run
+    config = training.TrainConfig(
+        steps=1, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1, eval_batches=1,
+        runs=("plain-extra", "plain-fp32", "plain-fp8"),
+    )  # fmt: skip
+    assert config.runs == ("plain-fp32", "plain-fp8", "plain-extra")
+    results = training.train_runs(config, progress=False)
+    assert built == ["PlainGPT"]  # its transform, on its family's model
+    rows = {row[0]: row for row in training.summary_rows(results)}
+    assert rows["plain-extra"][4] != ""  # compared with its baseline
+    # Drawn apart from every other run of its family.
+    labels = {line.get_label() for line in training.plot_losses(results).axes[0].get_lines()}
+    assert {"plain-fp32", "plain-fp8", "plain-extra"} <= labels
+    plain = [k.name for k in kinds if k.family == "plain"]
+    assert len({repr(training._line_style(name)) for name in plain}) == len(plain)

@@ -22,6 +22,7 @@ from unitscale.experiments.training import (
     TrainConfigError,
     build_run_model,
     fp8_gaps,
+    plot_losses,
     summary_text,
     train_run,
     train_runs,
@@ -175,6 +176,11 @@ def test_bad_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown run(s) fp16; choose from plain-fp32,plain-fp8" in err
     assert main(["train", "--steps", "0"]) == 2
     assert "'0' must be at least 1" in capsys.readouterr().err
+    # Options that are each valid but do not go together: a usage error too, in options.
+    assert main(["train", "--width", "10", "--heads", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unitscale train: error: --width 10 must be a multiple of --heads 4" in err
 
 
 def _unitscale(*args: str, cwd: Path) -> subprocess.Popen[str]:
@@ -259,3 +265,20 @@ def test_train_report_shows_results_once_and_no_python_none(tmp_path: Path) -> N
     assert "None" not in visible
     assert "warmup_steps 0 (default: 5% of steps)" in " ".join(visible.split())
     assert "monitor_every off" in " ".join(visible.split())
+
+
+def test_zoomed_panel_spans_the_unit_scaled_fp8_fp32_gap() -> None:
+    # Unit-scaled runs end 0.02 apart near 1.35; plain FP8 did not train (3.3, a spike to 5.5).
+    steps = 200
+    levels = {"plain-fp32": 1.5, "plain-fp8": 3.3, "unit-scaled-fp32": 1.35,
+              "unit-scaled-fp8": 1.37}  # fmt: skip
+    results = {}
+    for name, level in levels.items():
+        losses = [level + 4.0 * math.exp(-s / 20) + 0.005 * math.sin(s) for s in range(steps)]
+        results[name] = RunResult(name, 0.1, train_losses=losses, heldout={steps: level})
+    results["plain-fp8"].train_losses[170] = 5.5
+    low, high = plot_losses(results).axes[1].get_ylim()
+    assert low < 1.35 and high > 1.37
+    # The gap fills a visible part of the panel (it was 0.02 of 1-5.5, i.e. 0.5%).
+    assert 0.02 / (high - low) > 0.2
+    assert plot_losses(results).axes[1].get_xlim() == (150, 200)

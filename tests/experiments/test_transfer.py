@@ -167,6 +167,43 @@ def test_a_diverged_default_fails_claim_three() -> None:
     assert three.held is False and "width 32: n/a (diverged)" in three.detail
 
 
+def test_an_optimum_on_the_grid_s_edge_makes_claims_one_and_three_inconclusive() -> None:
+    curves = {
+        ("u-muP", 32): [2.6, 2.3, 2.20, 2.25, 2.5],  # best k=0
+        ("u-muP", 64): [2.0, 1.85, 1.81, 1.83, 1.80],  # best k=+2: the grid's high edge
+    }
+    one, _, three, _ = evaluate_claims(table(curves))
+    assert one.held is None and one.verdict == "inconclusive"
+    assert "the optimum at width 64 is on the grid's edge" in one.detail
+    assert "moves +2 steps" in one.detail  # the numbers are still shown
+    # Default within 2% of the grid's best (+0.56%), but the true best may be lower.
+    assert three.held is None and three.verdict == "inconclusive"
+    assert "width 64: +0.56%" in three.detail
+
+
+def test_a_default_too_far_from_an_edge_optimum_still_fails_claim_three() -> None:
+    curves = {("u-muP", 32): [2.6, 2.3, 2.2, 2.1, 2.0], ("u-muP", 64): [2.6, 2.3, 2.2, 2.1, 2.0]}
+    three = evaluate_claims(table(curves))[2]
+    assert three.held is False and "width 32: +10.00%" in three.detail
+
+
+def test_a_quick_run_holds_no_claim() -> None:
+    curves = {
+        ("u-muP", 32): [2.6, 2.3, 2.20, 2.25, 2.5],
+        ("u-muP", 256): [2.0, 1.85, 1.80, 1.83, 2.2],
+        ("standard", 32): [2.8, 2.6, 2.4, 2.3, 2.35],
+        ("standard", 256): [2.1, 2.3, 2.5, 2.7, 3.0],
+    }
+    final = table(curves, fp8={32: 2.21, 256: 1.90})
+    full = evaluate_claims(final)
+    quick = evaluate_claims(final, quick=True)
+    assert [c.verdict for c in full] == ["held", "measured", "held", "NOT held"]
+    assert [c.verdict for c in quick] == ["inconclusive", "measured", "inconclusive", "NOT held"]
+    assert all(c.held is not True for c in quick)
+    assert quick[0].detail.startswith("inconclusive: a --quick smoke run cannot support it; ")
+    assert default_config(quick=True).quick and not default_config().quick
+
+
 # -- sweeps (train) --------------------------------------------------------------------------
 TINY = {"steps": 4, "eval_every": 2, "eval_batches": 1, "batch_size": 2, "seq_len": 16}
 
@@ -221,6 +258,34 @@ def test_sweep_is_deterministic_under_the_seed(tmp_path: Path, single_thread: No
         tmp_path / "seed1.csv",
     )  # fmt: skip
     assert other.read_bytes() != paths[0].read_bytes()
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_on_its_pinned_threads_whatever_the_caller_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unitscale.experiments import transfer
+
+    seen: list[int] = []
+    real = transfer.train_one
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transfer, "train_one", spy)
+    config = default_config(quick=True, widths=(32, 64), lr_steps=(0,), fp8=False, **TINY)
+    caller = torch.get_num_threads()
+    paths = []
+    try:
+        for i, threads in enumerate((2, 1)):
+            torch.set_num_threads(threads)
+            paths.append(write_transfer_csv(run_transfer(config), tmp_path / f"{i}.csv"))
+            assert torch.get_num_threads() == threads  # the caller's count is restored
+    finally:
+        torch.set_num_threads(caller)
+    assert set(seen) == {config.threads} == {1} and len(seen) == 8
+    assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
 @pytest.mark.parametrize("width", [32, 256])

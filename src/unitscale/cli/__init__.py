@@ -24,7 +24,15 @@ from typing import NoReturn
 from .._version import __version__
 from ..errors import UnitScaleError
 
-__all__ = ["SUBCOMMANDS", "CommandError", "OptionError", "build_parser", "main"]
+__all__ = [
+    "SUBCOMMANDS",
+    "CommandError",
+    "OptionError",
+    "UsageError",
+    "build_parser",
+    "main",
+    "usage_error",
+]
 
 #: Subcommand modules under ``unitscale.cli``, in the order ``--help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("analyse", "train", "transfer")
@@ -40,7 +48,19 @@ class OptionError(CommandError):
 
 
 class UsageError(Exception):
-    """Bad command-line options (raised instead of argparse's exit)."""
+    """Bad command-line options (raised instead of argparse's exit): exit status 2."""
+
+
+def usage_error(command: str, message: str) -> UsageError:
+    """A :class:`UsageError` of ``unitscale <command>``, worded as the parser's own, for
+    options that are each valid but do not go together (raise it from ``run``).
+
+    Example:
+        >>> print(usage_error("train", "--steps 2 is too few"))
+        unitscale train: error: --steps 2 is too few (see 'unitscale train --help')
+    """
+    prog = f"unitscale {command}"
+    return UsageError(f"{prog}: error: {message} (see '{prog} --help')")
 
 
 class Parser(argparse.ArgumentParser):
@@ -143,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("UNITSCALE_DEBUG", "") not in ("", "0")
     try:
         return int(args.run(args) or 0)
+    except UsageError as exc:  # options that do not go together, found before any work
+        print(exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"unitscale {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -108,7 +109,9 @@ def start_command(command: str) -> Progress:
     return progress
 
 
-def finish_summary(text: str, out: Path, written: list[Path], progress: Progress) -> int:
+def finish_summary(
+    text: str, out: Path, written: list[Path], progress: Callable[[str], None]
+) -> int:
     """What every experiment subcommand does last: add the list of outputs to the summary
     ``text``, write it to ``out/summary.txt``, print it on stdout and say ``done``.
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+from . import usage_error
 from ._args import non_negative_int, positive_float, positive_int
 from ._output import check_out_folder, finish_summary, slug, start_command
 
@@ -200,39 +202,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
-    progress = start_command("train")
+    progress: Callable[[str], None] = start_command("train")
     from ..analysis.tensorboard import tensorboard_available
     from ..experiments import report, training
     from ..tracking import MonitorError
     from ._launch import init_from_environment, is_rank_zero, launch
 
+    config = _config(args, training)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _check_shares(config.batch_size, args.nproc, "--nproc")
         check_out_folder(args.out)
         launch(run, args.nproc, argparse.Namespace(**vars(args)))
         return 0
+    if "WORLD_SIZE" in os.environ:  # under torchrun: checked before joining the group
+        _check_shares(config.batch_size, int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE")
     if init_from_environment() and not is_rank_zero():
         args.no_progress = True  # rank 0 alone shows progress and writes the outputs
+        progress = _silent
         out = Path(args.out)  # checked by rank 0 (ranks checking at once would race)
     else:
         out = check_out_folder(args.out)
-    config = training.TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        hidden_size=args.width,
-        depth=args.depth,
-        heads=args.heads,
-        lr_plain=args.lr if args.lr is not None else args.lr_plain,
-        lr_unit_scaled=args.lr if args.lr is not None else args.lr_unit_scaled,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        monitor_every=args.monitor_every,
-        runs=args.runs,
-        compile_fp8=args.compile,
-        fp8_recipe=args.fp8_recipe,
-    )
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
     progress(
@@ -279,6 +268,59 @@ def run(args: argparse.Namespace) -> int:
 
     written.append(training.write_train_report(results, config, out / "report.html", heatmaps))
     return finish_summary(training.summary_text(results, config), out, written, progress)
+
+
+def _config(args: argparse.Namespace, training: Any) -> Any:
+    """The :class:`~unitscale.training.TrainConfig` of the options; options that do not go
+    together (``--width 10 --heads 4``) are a usage error, found before any work."""
+    try:
+        return training.TrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            hidden_size=args.width,
+            depth=args.depth,
+            heads=args.heads,
+            lr_plain=args.lr if args.lr is not None else args.lr_plain,
+            lr_unit_scaled=args.lr if args.lr is not None else args.lr_unit_scaled,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+            monitor_every=args.monitor_every,
+            runs=args.runs,
+            compile_fp8=args.compile,
+            fp8_recipe=args.fp8_recipe,
+        )
+    except training.TrainConfigError as exc:
+        raise usage_error("train", _option_terms(str(exc))) from None
+
+
+#: TrainConfig's field names as the command's options.
+_OPTIONS = {"hidden_size=": "--width ", "heads=": "--heads ", "batch_size=": "--batch-size "}
+
+
+def _option_terms(message: str) -> str:
+    """A configuration error in the command's terms (``--width 10``, not ``hidden_size=10``)."""
+    message = message.removeprefix("TrainConfig: ")
+    for field_, option in _OPTIONS.items():
+        message = message.replace(field_, option)
+    return message
+
+
+def _check_shares(batch_size: int, processes: int, source: str) -> None:
+    """Every process trains an equal share of each batch: refuse before any process starts."""
+    if batch_size % processes:
+        raise usage_error(
+            "train",
+            f"--batch-size {batch_size} is not a multiple of {source} {processes} (each "
+            "process trains an equal share of every batch); choose e.g. --batch-size "
+            f"{processes * max(1, batch_size // processes)}",
+        )
+
+
+def _silent(message: str) -> None:
+    """The stage lines of a rank other than 0: none (rank 0 shows them)."""
 
 
 def _shared_spans(results: dict[str, Any]) -> dict[str, float | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from . import usage_error
 from ._args import positive_int
 from ._output import check_out_folder, finish_summary, start_command
 
@@ -97,7 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps",
+        help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps "
+        "(its outputs say so, and it reports no claim held)",
     )
     parser.add_argument(
         "--threads",
@@ -122,16 +124,19 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments import report
     from ..experiments import transfer as sweep
 
-    config = sweep.default_config(
-        args.vary,
-        quick=args.quick,
-        widths=args.widths,
-        depths=args.depths,
-        steps=args.steps,
-        seed=args.seed,
-        threads=args.threads,
-        fp8=False if args.no_fp8 else None,
-    )
+    try:
+        config = sweep.default_config(
+            args.vary,
+            quick=args.quick,
+            widths=args.widths,
+            depths=args.depths,
+            steps=args.steps,
+            seed=args.seed,
+            threads=args.threads,
+            fp8=False if args.no_fp8 else None,
+        )
+    except sweep.TransferConfigError as exc:  # options that do not go together
+        raise usage_error("transfer", str(exc).removeprefix("TransferConfig: ")) from None
     out = check_out_folder(args.out)
     sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
     runs = sweeps + (len(config.sizes) if config.fp8 else 0)

@@ -45,7 +45,8 @@ _STYLE = (
     "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
     # Narrow windows (800 px): headers wrap, a table too wide scrolls inside itself.
     "th{white-space:normal}table{display:block;max-width:100%;overflow-x:auto}"
-    "td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}"
+    "td:first-child,th:first-child,table.text td{text-align:left}"
+    "img{max-width:100%;height:auto}"
     "figure{margin:1.5em 0}figcaption{color:#555;font-size:0.9em}"
     "pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style>"
 )
@@ -79,14 +80,17 @@ def write_json(document: Any, path: str | os.PathLike[str]) -> Path:
     return out
 
 
-def html_table(header: Sequence[str] | None, rows: Iterable[Sequence[str]]) -> str:
+def html_table(
+    header: Sequence[str] | None, rows: Iterable[Sequence[str]], text: bool = False
+) -> str:
     """An HTML table of escaped cells (``header``: the first row, as ``th``; None: none).
+    Numbers align right, the first column left; ``text=True`` aligns every cell left (prose).
 
     Example:
         >>> html_table(["a"], [["<1>"]])
         '<table><tr><th>a</th></tr>\\n<tr><td>&lt;1&gt;</td></tr>\\n</table>'
     """
-    lines = ["<table>"]
+    lines = ['<table class="text">' if text else "<table>"]
     if header is not None:
         lines[0] += "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
     lines += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]

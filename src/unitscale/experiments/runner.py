@@ -1,8 +1,8 @@
 """The experiment runner every experiment shares: data, evaluation, schedule and training loop.
 
-``unitscale train`` (:mod:`.training`), ``unitscale transfer`` (:mod:`.transfer`) and any
-experiment that comes next train their runs with the pieces here, so that what they have
-in common is defined once:
+``unitscale train`` (:mod:`unitscale.training`), ``unitscale transfer``
+(``unitscale.experiments.transfer``) and any experiment that comes next train their runs
+with the pieces here, so that what they have in common is defined once:
 
 - :func:`training_batches`: the training stream of a seed (the bundled text's training split);
 - :func:`evaluation_batches`: the fixed evaluation samples of a seed, drawn from their own
@@ -16,7 +16,7 @@ in common is defined once:
 - :func:`evaluate`: the mean loss of a model over fixed batches.
 
 An experiment is then its own short module: its run kinds (how each builds its model and
-optimiser), its claims and its tables; :mod:`.report` writes its files.
+optimiser), its claims and its tables; :mod:`unitscale.experiments.report` writes its files.
 
 Design constraints: nothing here builds a model, parses options or prints; the global RNG
 is never touched (batches come from seeded generators); under ``torch.distributed`` with
@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -109,7 +110,7 @@ class Schedule:
 
     @property
     def warmup_steps(self) -> int:
-        """Warm-up steps: ``warmup``, or 5% of ``steps`` when it is None."""
+        """The warm-up steps (``warmup``, or 5% of ``steps`` when it is None)."""
         return self.steps // 20 if self.warmup is None else self.warmup
 
     def lr(self, peak: float, step: int) -> float:
@@ -164,6 +165,27 @@ def _shard(batch: Batch, rank: int, world: int) -> Batch:
     )
 
 
+def _sum_gradients(state: object, bucket: Any) -> torch.futures.Future[Tensor]:
+    """A DDP communication hook: the gradients' *sum* over the ranks (DDP's default averages)."""
+    work = torch.distributed.all_reduce(bucket.buffer(), async_op=True)
+    assert work is not None  # async_op=True always returns the work
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _data_parallel_module(module: Callable[..., Tensor], unit_scaled_loss: bool) -> nn.Module:
+    """``module`` in ``DistributedDataParallel``, reducing as its loss needs (see
+    :func:`train_loop`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(cast("nn.Module", module))
+    if not unit_scaled_loss:
+        # DDP compares the hook's annotations with its own types, and this module's are
+        # strings (PEP 563): it accepts none.
+        _sum_gradients.__annotations__.clear()
+        wrapped.register_comm_hook(None, _sum_gradients)
+    return wrapped
+
+
 def _mean_over_ranks(loss: Tensor, world: int) -> float:
     """The global batch's loss: the mean of the ranks' (equal) shard losses."""
     if world == 1:
@@ -195,6 +217,21 @@ class LoopResult:
     data_digest: str = ""
 
 
+@contextmanager
+def _data_parallel_size(world: int) -> Iterator[None]:
+    """``set_data_parallel(size=world)`` while training data-parallel (restored after)."""
+    if world == 1:
+        yield
+        return
+    from ..data_parallel import set_data_parallel
+
+    set_data_parallel(size=world)
+    try:
+        yield
+    finally:
+        set_data_parallel()
+
+
 def train_loop(
     model: nn.Module,
     optimiser: torch.optim.Optimizer,
@@ -205,6 +242,7 @@ def train_loop(
     heldout: Sequence[Batch],
     train_eval: Sequence[Batch],
     step_module: Callable[..., Tensor] | None = None,
+    unit_scaled_loss: bool = False,
     eval_grad: bool = True,
     after_backward: Callable[[], object] | None = None,
     on_step: Callable[[float], None] | None = None,
@@ -218,10 +256,22 @@ def train_loop(
     The held-out loss is measured after every ``eval_every`` steps and at the end, and the
     final training loss at the end (both with ``model``, on every rank the whole batches).
 
-    When ``torch.distributed`` is initialised with more than one rank, each rank trains on
-    its block of ``batch_size / world size`` rows of the same global batch and the recorded
-    loss is the global batch's mean (one ``all_reduce`` per step); ``step_module`` (e.g. the
-    ``DistributedDataParallel`` wrapper) is what trains.
+    When ``torch.distributed`` is initialised with N > 1 ranks, each rank trains
+    ``DistributedDataParallel(step_module)`` on its block of ``batch_size / N`` rows of the
+    same global batch, and the recorded loss is the global batch's mean (one ``all_reduce``
+    per step). Every gradient a rank computes per example, and so every gradient an FP8
+    simulation rounds, equals one process's on the global batch:
+
+    - a plain mean loss (``unit_scaled_loss=False``) gives each example the gradient
+      ``1 / rows``, N times one process's ``1 / (N rows)`` (like a loss scale of N, which
+      moves what underflows in FP8). So each rank back-propagates its loss divided by N
+      (each example's gradient is ``1 / global rows``) and the ranks' parameter gradients
+      are *summed*, not averaged;
+    - a unit-scaled loss (``unit_scaled_loss=True``, :func:`unitscale.functional.cross_entropy`)
+      gives each example a unit gradient whatever the rows, and unit-scaled ops correct
+      the gradients of shared tensors for an *average* over the ranks
+      (:mod:`unitscale.data_parallel`): the loss is back-propagated as it is, the gradients
+      averaged (DDP's default), with ``set_data_parallel(size=N)`` for the run.
 
     Args:
         model: the model (evaluated as it is).
@@ -232,6 +282,8 @@ def train_loop(
         heldout: the held-out evaluation batches.
         train_eval: the training evaluation batches (final training loss).
         step_module: what the training step calls (default ``model``).
+        unit_scaled_loss: whether the loss is unit-scaled (see above; only data-parallel
+            runs depend on it).
         eval_grad: evaluate with autograd on (see :func:`evaluate`).
         after_backward: called after each backward (e.g. a scale monitor's ``step``).
         on_step: called with each finite loss after its optimiser step (progress).
@@ -244,37 +296,42 @@ def train_loop(
     """
     rank, world = data_parallel()
     trained: Callable[..., Tensor] = model if step_module is None else step_module
-    peaks = [group["lr"] for group in optimiser.param_groups]
-    digest = hashlib.sha256()
-    stream = iter(data)
-    result = LoopResult()
-    for step in range(schedule.steps):
-        if step % eval_every == 0 and step > 0:
-            result.heldout[step] = evaluate(model, heldout, eval_grad)
-        for group, peak in zip(optimiser.param_groups, peaks, strict=True):
-            group["lr"] = schedule.lr(peak, step)
-        batch = next(stream, None)
-        if batch is None:
-            raise UnitScaleError(
-                f"train_loop: the data ran out after {step} of {schedule.steps} steps; pass "
-                "one batch per step"
-            )
-        digest.update(batch.input_ids.cpu().numpy().tobytes())
-        loss = loss_of(trained, _shard(batch, rank, world))
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        value = _mean_over_ranks(loss, world)
-        result.losses.append(value)
-        if not math.isfinite(value):
-            result.stopped_at = step
-            break
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(value)
-    if result.stopped_at is None:
-        result.heldout[schedule.steps] = evaluate(model, heldout, eval_grad)
-        result.final_train_loss = evaluate(model, train_eval, eval_grad)
-    result.data_digest = digest.hexdigest()[:16]
-    return result
+    loss_factor = 1.0
+    if world > 1:
+        trained = _data_parallel_module(trained, unit_scaled_loss)
+        loss_factor = 1.0 if unit_scaled_loss else 1.0 / world
+    with _data_parallel_size(world):
+        peaks = [group["lr"] for group in optimiser.param_groups]
+        digest = hashlib.sha256()
+        stream = iter(data)
+        result = LoopResult()
+        for step in range(schedule.steps):
+            if step % eval_every == 0 and step > 0:
+                result.heldout[step] = evaluate(model, heldout, eval_grad)
+            for group, peak in zip(optimiser.param_groups, peaks, strict=True):
+                group["lr"] = schedule.lr(peak, step)
+            batch = next(stream, None)
+            if batch is None:
+                raise UnitScaleError(
+                    f"train_loop: the data ran out after {step} of {schedule.steps} steps; pass "
+                    "one batch per step"
+                )
+            digest.update(batch.input_ids.cpu().numpy().tobytes())
+            loss = loss_of(trained, _shard(batch, rank, world))
+            (loss if loss_factor == 1.0 else loss * loss_factor).backward()
+            if after_backward is not None:
+                after_backward()
+            value = _mean_over_ranks(loss, world)
+            result.losses.append(value)
+            if not math.isfinite(value):
+                result.stopped_at = step
+                break
+            optimiser.step()
+            optimiser.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(value)
+        if result.stopped_at is None:
+            result.heldout[schedule.steps] = evaluate(model, heldout, eval_grad)
+            result.final_train_loss = evaluate(model, train_eval, eval_grad)
+        result.data_digest = digest.hexdigest()[:16]
+        return result

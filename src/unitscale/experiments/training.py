@@ -27,7 +27,8 @@ To add a run kind, append a :class:`RunKind` to :data:`RUN_KINDS`: its name, its
 (``"plain"`` or ``"unit-scaled"``: the model and the learning rate), the transform that
 makes it what it is (e.g. ``simulate_fp8`` with another ``scaling``) and the FP32 run it is
 compared with. ``unitscale train --runs`` accepts it at once, and the summary, the CSV,
-the curves and the report show it::
+the curves and the report show it (with ``default=False`` it runs only when asked for by
+``--runs``)::
 
     RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32")
 
@@ -81,8 +82,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # configuration
     "RunKind",
     "RUN_KINDS",
-    "DEFAULT_RUNS",
     "RUN_NAMES",
+    "DEFAULT_RUNS",
     "MONITOR_METRICS",
     "TrainConfig",
     # training
@@ -93,6 +94,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # presentation
     "losses_frame",
     "plot_losses",
+    "zoom_limits",
     "summary_text",
     "write_losses_csv",
     "write_train_report",
@@ -133,12 +135,15 @@ class RunKind:
         transform: applied to the freshly built model (None: the model as built), e.g.
             ``simulate_fp8``.
         baseline: the FP32 run this one is compared with ("vs FP32"), or None.
+        default: whether ``unitscale train`` runs it when ``--runs`` is not given
+            (:data:`DEFAULT_RUNS`); any kind can be asked for by name.
     """
 
     name: str
     family: Family
     transform: Transform | None = None
     baseline: str | None = None
+    default: bool = True
 
     @property
     def fp8(self) -> bool:
@@ -181,7 +186,11 @@ RUN_KINDS: tuple[RunKind, ...] = (
     # The recipes practitioners run on plain models, as baselines: torchao's default
     # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
     RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
-    RunKind("plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32"),
+    # Not in the default run set (``--runs`` adds it), so that the default run stays within a
+    # few minutes on 2 cores.
+    RunKind(
+        "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
+    ),
     RunKind("unit-scaled-fp32", "unit-scaled"),
     RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
 )
@@ -189,9 +198,8 @@ RUN_KINDS: tuple[RunKind, ...] = (
 #: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
 RUN_NAMES: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS)
 
-#: What ``unitscale train`` runs by default: every kind but ``plain-fp8-delayed`` (which
-#: ``--runs`` adds), so that the default run set stays within a few minutes on 2 cores.
-DEFAULT_RUNS: tuple[str, ...] = tuple(name for name in RUN_NAMES if name != "plain-fp8-delayed")
+#: The runs ``unitscale train`` does when ``--runs`` is not given.
+DEFAULT_RUNS: tuple[str, ...] = tuple(kind.name for kind in RUN_KINDS if kind.default)
 
 _KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 
@@ -221,8 +229,8 @@ class TrainConfig:
         eval_every: held-out loss every this many steps (and at the end).
         eval_batches: batches in each evaluation (held-out and final training loss).
         monitor_every: record tensor scales every this many steps (None: no monitor).
-        runs: which of :data:`RUN_NAMES` to train, in that order (default
-            :data:`DEFAULT_RUNS`).
+        runs: which of :data:`RUN_NAMES` to train (default :data:`DEFAULT_RUNS`); they are
+            trained in the order of :data:`RUN_NAMES`.
         compile_fp8: run the FP8 runs through :func:`unitscale.transforms.compile` (Inductor);
             ignored for monitored runs, which cannot be compiled.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key the FP8 runs use
@@ -409,9 +417,13 @@ def train_run(
 
     When ``torch.distributed`` is initialised with more than one rank, the run is
     data-parallel: every rank reads the same global batches, trains
-    ``DistributedDataParallel`` on its block of ``batch_size / world size`` rows (gradients
-    equal one process's, see :mod:`unitscale.data_parallel`) and records the global loss
-    (one ``all_reduce`` per step); evaluation runs the whole batches on every rank.
+    ``DistributedDataParallel`` on its block of ``batch_size / world size`` rows and records
+    the global loss (one ``all_reduce`` per step); evaluation runs the whole batches on every
+    rank. Every gradient a rank computes per example (what the FP8 runs round) and every
+    parameter gradient equal one process's on the global batch, within floating-point
+    reduction order: the plain runs' mean loss is normalised by the global row count and
+    the gradients summed, the unit-scaled runs' loss is unit per example and the gradients
+    averaged (:func:`unitscale.experiments.runner.train_loop`).
 
     Args:
         run: one of :data:`RUN_NAMES`.
@@ -458,10 +470,6 @@ def train_run(
             )
             step_module = monitor.module
             result.monitor = monitor
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            step_module = DistributedDataParallel(step_module)
         model.train()
         optimiser = torch.optim.Adam(
             model.parameters(), lr=result.lr, betas=(0.9, 0.95), weight_decay=0.0
@@ -477,6 +485,7 @@ def train_run(
                 heldout=heldout_data,
                 train_eval=train_eval_data,
                 step_module=step_module,
+                unit_scaled_loss=_family(run) == "unit-scaled",
                 after_backward=None if monitor is None else monitor.step,
                 on_step=bar.update,
             )
@@ -701,8 +710,63 @@ def _pct(value: float) -> str:
     return f"{value:+.2%}" if math.isfinite(value) else "n/a"
 
 
+#: Steps of the moving average the loss curves show.
+SMOOTHING_WINDOW = 10
+
+
+def _smoothed(losses: Sequence[float]) -> list[float]:
+    """The ``SMOOTHING_WINDOW``-step moving average of ``losses`` (shorter at the start)."""
+    values = torch.tensor(list(losses), dtype=torch.float64)
+    return [
+        float(values[max(0, i - SMOOTHING_WINDOW + 1) : i + 1].mean()) for i in range(len(values))
+    ]
+
+
+def zoom_limits(
+    results: dict[str, RunResult],
+) -> tuple[tuple[int, int], tuple[float, float]] | None:
+    """The zoomed panel's ``(x range, y range)``: the last quarter of the steps, and the span
+    of the unit-scaled runs' curves there (their smoothed training loss and held-out points;
+    every run's when there is no unit-scaled run), padded by 10%. None: nothing finite.
+
+    Derived from the curves' final parts, so that the gap between a unit-scaled run in FP8
+    and in FP32 (a percent or two) fills the panel, not the distance to a run that did not
+    train (plain FP8 without loss scaling stays near 3.3 nats, the start is 5.5).
+    """
+    steps = max((len(r.train_losses) for r in results.values()), default=0)
+    if steps == 0:
+        return None
+    first = steps - max(steps // 4, 1)
+    focus = [n for n in results if _family(n) == "unit-scaled"] or list(results)
+    values = []
+    for name in focus:
+        r = results[name]
+        values += _smoothed(r.train_losses)[first:]
+        values += [v for s, v in r.heldout.items() if s >= first]
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    low, high = min(finite), max(finite)
+    pad = 0.1 * (high - low) + 1e-3
+    return (first, steps), (low - pad, high + pad)
+
+
+#: Line styles of a family's FP8 kinds, in :data:`RUN_KINDS` order (its FP32 run is solid).
+_FP8_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)))
+
+
+def _line_style(run: str) -> Any:
+    """Solid for a family's FP32 run; its FP8 kinds dashed, dotted, dash-dotted... in turn."""
+    kind = _kind(run)
+    if not kind.fp8:
+        return "-"
+    siblings = [k.name for k in RUN_KINDS if k.family == kind.family and k.fp8]
+    return _FP8_STYLES[siblings.index(run) % len(_FP8_STYLES)]
+
+
 def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
-    """Training loss (a 10-step moving average) and held-out loss of every run, per step."""
+    """Training loss (a 10-step moving average) and held-out loss of every run, per step:
+    the whole run, and the last quarter zoomed onto the unit-scaled runs (:func:`zoom_limits`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -712,40 +776,22 @@ def plot_losses(results: dict[str, RunResult], title: str = "") -> Figure:
     colours = {"plain": "tab:blue", "unit-scaled": "tab:red"}
     for name, r in results.items():
         colour = colours[_family(name)]
-        style = "--" if _is_fp8(name) else "-"
-        losses = torch.tensor(r.train_losses, dtype=torch.float64)
-        window = 10
-        smoothed = [
-            float(losses[max(0, i - window + 1) : i + 1].mean()) for i in range(len(losses))
-        ]
+        style = _line_style(name)
+        smoothed = _smoothed(r.train_losses)
+        steps = sorted(r.heldout)
         for ax in (left, right):
-            ax.plot(range(len(smoothed)), smoothed, style, color=colour, lw=1.2, label=name)
-            if r.heldout:
-                steps = sorted(r.heldout)
-                ax.plot(
-                    steps,
-                    [r.heldout[s] for s in steps],
-                    style,
-                    color=colour,
-                    marker="o",
-                    ms=3.5,
-                    lw=0.8,
-                    alpha=0.6,
-                )
-    finals = [
-        v
-        for r in results.values()
-        for v in (r.final_heldout_loss, *r.train_losses[-len(r.train_losses) // 2 :])
-        if math.isfinite(v)
-    ]
+            ax.plot(range(len(smoothed)), smoothed, linestyle=style, color=colour, lw=1.2,
+                    label=name)  # fmt: skip
+            if steps:
+                ax.plot(steps, [r.heldout[s] for s in steps], linestyle=style, color=colour,
+                        marker="o", ms=3.5, lw=0.8, alpha=0.6)  # fmt: skip
     left.set_title("whole run", fontsize=10)
-    right.set_title("second half (zoomed)", fontsize=10)
-    if finals:
-        n = max(len(r.train_losses) for r in results.values())
-        right.set_xlim(n // 2, n)
-        low, high = min(finals), max(finals)
-        pad = 0.05 * (high - low) + 1e-3
-        right.set_ylim(low - pad, high + pad)
+    focus = "unit-scaled runs" if any(_family(n) == "unit-scaled" for n in results) else "all runs"
+    right.set_title(f"last quarter, zoomed onto the {focus}", fontsize=10)
+    limits = zoom_limits(results)
+    if limits is not None:
+        right.set_xlim(*limits[0])
+        right.set_ylim(*limits[1])
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per byte)")

@@ -100,7 +100,9 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "best_points",
     "evaluate_claims",
     # presentation
+    "sweep_tables",
     "table_lines",
+    "transfer_claims",
     "summary_text",
     "plot_transfer",
     "write_transfer_csv",
@@ -186,6 +188,9 @@ class TransferConfig:
             shared 2-core machine at load 5, measured once ad hoc: a width-64 step took
             25 ms on one thread, 376 ms on two); one thread also makes the results
             independent of the core count.
+        quick: a smoke run (:func:`default_config` with ``quick=True``): the summary, the
+            JSON and the report say so, and no claim is reported held on it (a few dozen
+            steps on three grid points cannot support one).
 
     Example:
         >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
@@ -209,6 +214,7 @@ class TransferConfig:
     fp8: bool = True
     fp8_recipe: str = "hardware"
     threads: int = 1
+    quick: bool = False
 
     def __post_init__(self) -> None:
         if self.vary not in ("width", "depth"):
@@ -300,6 +306,7 @@ _QUICK = {
     "lr_steps": (-1, 0, 1),
     "eval_every": 12,
     "eval_batches": 4,
+    "quick": True,
 }
 
 
@@ -718,8 +725,9 @@ class Claim:
     Attributes:
         number: 1 to 4.
         statement: what is claimed.
-        held: True or False, or None where the claim is a measurement (claim 2) or could not
-            be evaluated (e.g. no FP8 runs).
+        held: True or False, or None where the claim is a measurement (claim 2), could not
+            be evaluated (e.g. no FP8 runs) or the run cannot decide it (``detail`` starts
+            with ``inconclusive``: an optimum on the grid's edge, a quick run).
         detail: the numbers it rests on.
     """
 
@@ -730,10 +738,14 @@ class Claim:
 
     @property
     def verdict(self) -> str:
-        """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"`` for None."""
+        """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"``/``"inconclusive"``
+        for None."""
         if self.held is not None:
             return "held" if self.held else "NOT held"
-        return "not evaluated" if self.detail.startswith("not evaluated") else "measured"
+        for verdict in ("not evaluated", "inconclusive"):
+            if self.detail.startswith(verdict):
+                return verdict
+        return "measured"
 
 
 def _steps_text(best: pd.DataFrame, size: str) -> str:
@@ -750,7 +762,9 @@ def _gap(a: float, b: float) -> float:
     return (a - b) / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
 
 
-def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]:
+def evaluate_claims(
+    final: pd.DataFrame, tolerance: float = 0.02, quick: bool = False
+) -> list[Claim]:
     """The four claims of the README, evaluated from a table of final losses.
 
     1. u-μP's best learning rate at the largest size is within one grid step of its best at
@@ -762,11 +776,16 @@ def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]
     4. u-μP in simulated FP8 at its best learning rate ends within ``tolerance`` of its FP32
        loss at every size.
 
-    An optimum at the grid's edge is reported as such (the true optimum may lie beyond it).
+    A claim is only reported held where the table supports it: claims 1 and 3 are
+    ``inconclusive`` when a u-μP optimum lies on the grid's edge (the true optimum may lie
+    beyond it, so neither where it is nor how far the default is from it is known; claim 3
+    still fails when the default is already too far from the grid's best), and with
+    ``quick`` no claim is held (a smoke run's verdict would be ``inconclusive``).
 
     Args:
         final: :func:`final_frame`, or any table with its columns.
         tolerance: the relative gap claims 3 and 4 allow.
+        quick: the table comes from a quick smoke run (:attr:`TransferConfig.quick`).
 
     Returns:
         The four :class:`Claim` objects.
@@ -784,12 +803,22 @@ def evaluate_claims(final: pd.DataFrame, tolerance: float = 0.02) -> list[Claim]
     best = best_points(final).sort_values(["parametrisation", size], kind="stable")
     mup = best[best["parametrisation"] == "u-muP"]
     standard = best[best["parametrisation"] == "standard"]
-    return [
+    claims = [
         _claim_transfer(mup, size),
         _claim_standard_moves(standard, size),
         _claim_default(mup, size, tolerance),
         _claim_fp8(final, mup, size, tolerance),
     ]
+    if quick:
+        reason = "inconclusive: a --quick smoke run cannot support it; "
+        claims = [replace(c, held=None, detail=reason + c.detail) if c.held else c for c in claims]
+    return claims
+
+
+def _edges(best: pd.DataFrame, size: str) -> str:
+    """The sizes whose optimum lies on the grid's edge, as text ("" when none)."""
+    at_edge = best[best["at_edge"].astype(bool)]
+    return ", ".join(f"{size} {int(v)}" for v in at_edge[size])
 
 
 def _moved(best: pd.DataFrame) -> int | None:
@@ -807,7 +836,12 @@ def _claim_transfer(mup: pd.DataFrame, size: str) -> Claim:
     moved = _moved(mup)
     if moved is None:
         return Claim(1, statement, None, "not evaluated: a size is missing or diverged")
-    return Claim(1, statement, abs(moved) <= 1, f"moves {moved:+d} steps; {_steps_text(mup, size)}")
+    detail = f"moves {moved:+d} steps; {_steps_text(mup, size)}"
+    edges = _edges(mup, size)
+    if edges:
+        return Claim(1, statement, None, f"inconclusive: the optimum at {edges} is on the "
+                     f"grid's edge (it may lie beyond); {detail}")  # fmt: skip
+    return Claim(1, statement, abs(moved) <= 1, detail)
 
 
 def _claim_standard_moves(standard: pd.DataFrame, size: str) -> Claim:
@@ -831,8 +865,12 @@ def _claim_default(mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
     if not gaps:
         return Claim(3, statement, None, "not evaluated: no u-muP runs")
     held = all(math.isfinite(g) and g <= tolerance for _, g in gaps)
-    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
-    return Claim(3, statement, held, f"default vs best: {detail}")
+    detail = "default vs best: " + "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    edges = _edges(mup, size)
+    if held and edges:  # the true best may be lower: the gap may be larger
+        return Claim(3, statement, None, f"inconclusive: the optimum at {edges} is on the "
+                     f"grid's edge (the true best may be lower); {detail}")  # fmt: skip
+    return Claim(3, statement, held, detail)
 
 
 def _claim_fp8(final: pd.DataFrame, mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
@@ -863,19 +901,20 @@ def _loss_text(value: float) -> str:
     return f"{value:.4f}" if math.isfinite(value) else "div."
 
 
-def table_lines(final: pd.DataFrame, config: TransferConfig) -> list[str]:
-    """The final held-out loss of every run: one line per parametrisation and size, one
-    column per grid step, the best marked ``*``, then the FP8 run's loss."""
+def sweep_tables(
+    final: pd.DataFrame, config: TransferConfig
+) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The final held-out loss of every run, one table per parametrisation: its title, its
+    header and one row per size (a column per grid step, the best marked ``*``, the best
+    learning rate, then the FP8 run's loss)."""
     size = _size_column(final)
     best = best_points(final)
     steps = list(config.lr_steps)
     header = [f"{size}", *(f"k={k:+d}" for k in steps), "best lr", "fp8 at best"]
-    lines: list[str] = []
+    tables = []
     for p in PARAMETRISATIONS:
         grid = dict(config.grid(p))
-        centre = grid[0]
-        lines.append(f"{p}: final held-out loss at lr = {centre:g} x 2^k")
-        rows = [header]
+        rows = []
         chosen = final[final["parametrisation"] == p]
         for (width, depth), group in chosen.groupby(["width", "depth"], sort=True):
             fp32 = group[group["precision"] == "fp32"]
@@ -890,17 +929,36 @@ def table_lines(final: pd.DataFrame, config: TransferConfig) -> list[str]:
             fp8 = group[group["precision"] == "fp8"]
             cells.append(_loss_text(float(fp8["heldout_loss"].iloc[0])) if len(fp8) else "")
             rows.append(cells)
-        widths_ = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        for row in rows:
+        tables.append((f"{p}: final held-out loss at lr = {grid[0]:g} x 2^k", header, rows))
+    return tables
+
+
+def table_lines(final: pd.DataFrame, config: TransferConfig) -> list[str]:
+    """:func:`sweep_tables` as text: a title line, then the columns right-aligned."""
+    lines: list[str] = []
+    for title, header, rows in sweep_tables(final, config):
+        lines.append(title)
+        widths_ = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
             lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths_, strict=True)))
         lines.append("")
     return lines
 
 
-def summary_text(result: TransferResult) -> str:
-    """What ``unitscale transfer`` prints: the settings, the loss table and the claims."""
+def _quick_note(config: TransferConfig) -> str:
+    """The line that marks a quick run ("" for a full one)."""
+    if not config.quick:
+        return ""
+    return (
+        f"QUICK SMOKE RUN (--quick): {config.steps} steps, {len(config.lr_steps)} learning "
+        "rates per size; it checks that the command works and is no evidence for the "
+        "claims: none is reported held"
+    )
+
+
+def _header_lines(result: TransferResult) -> list[str]:
+    """What was run: sizes, steps, batch, seed, the parametrisations (and a quick run's note)."""
     config = result.config
-    final = final_frame(runs_frame(result.runs))
     (width,) = config.widths if config.vary == "depth" else (None,)
     (depth,) = config.depths if config.vary == "width" else (None,)
     fixed = f"depth {depth}" if width is None else f"width {width}"
@@ -913,22 +971,47 @@ def summary_text(result: TransferResult) -> str:
         "unitscale.TransformerDecoder(mup=True) + unitscale.optim.AdamW (default lr "
         f"{config.mup_lr:g}, every mult 1); fp8: u-muP under simulate_fp8 "
         f"({config.fp8_recipe!r} recipe, no loss scaling) at its best lr",
-        "",
-        *table_lines(final, config),
+    ]
+    return [*lines, _quick_note(config)] if config.quick else lines
+
+
+def _losses_note(config: TransferConfig) -> str:
+    return (
         "losses: mean next-byte cross-entropy (nats) over "
         f"{config.eval_batches} fixed held-out batches after the last step; * best of the row; "
-        "div.: diverged (non-finite loss)",
-        "",
-    ]
-    for claim in evaluate_claims(final):
-        lines.append(f"claim ({claim.number}) {claim.statement}: {claim.verdict}")
-        lines.append(f"    {claim.detail}")
+        "div.: diverged (non-finite loss)"
+    )
+
+
+def _time_note(result: TransferResult) -> str:
     load = ", ".join("n/a" if v is None else f"{v:.1f}" for v in result.load_average)
-    lines.append("")
-    lines.append(
-        f"time: {result.seconds:.0f}s for {len(result.runs)} runs on {config.threads} "
+    return (
+        f"time: {result.seconds:.0f}s for {len(result.runs)} runs on {result.config.threads} "
         f"thread(s) (1-minute load average before, after: {load})"
     )
+
+
+def transfer_claims(result: TransferResult) -> list[Claim]:
+    """:func:`evaluate_claims` of a sweep's runs (no claim held for a quick run)."""
+    final = final_frame(runs_frame(result.runs))
+    return evaluate_claims(final, quick=result.config.quick)
+
+
+def summary_text(result: TransferResult) -> str:
+    """What ``unitscale transfer`` prints: the settings, the loss table and the claims."""
+    config = result.config
+    final = final_frame(runs_frame(result.runs))
+    lines = [
+        *_header_lines(result),
+        "",
+        *table_lines(final, config),
+        _losses_note(config),
+        "",
+    ]
+    for claim in transfer_claims(result):
+        lines.append(f"claim ({claim.number}) {claim.statement}: {claim.verdict}")
+        lines.append(f"    {claim.detail}")
+    lines += ["", _time_note(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -997,13 +1080,13 @@ def _finite_or_none(value: float) -> float | None:
 def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) -> Path:
     """Write the settings, every run's final losses and seconds, the claims, the time and the
     load to ``path`` as JSON (the committed results README's table is generated from)."""
-    final = final_frame(runs_frame(result.runs))
     document = {
         "command": "unitscale transfer",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": result.config.threads,
+        "quick": result.config.quick,
         "seconds": round(result.seconds, 1),
         "load_average_before": result.load_average[0],
         "load_average_after": result.load_average[1],
@@ -1027,26 +1110,43 @@ def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) ->
         ],
         "claims": [
             {"number": c.number, "statement": c.statement, "verdict": c.verdict, "detail": c.detail}
-            for c in evaluate_claims(final)
+            for c in transfer_claims(result)
         ],
     }
     return report.write_json(document, path)
 
 
+def _settings_rows(config: TransferConfig) -> list[tuple[str, str]]:
+    """The settings as the report shows them: resolved defaults in words, never ``None``."""
+    shown = {}
+    if config.warmup_steps is None:
+        shown["warmup_steps"] = f"{config.schedule.warmup_steps} (default: 5% of steps)"
+    return report.settings_rows(config, shown)
+
+
 def write_transfer_report(result: TransferResult, path: str | os.PathLike[str]) -> Path:
-    """Write a self-contained HTML page: the summary, the picture inline and the settings."""
+    """Write a self-contained HTML page: what was run (a quick run marked), the picture, the
+    sweeps and the claims as tables, and the settings."""
+    config = result.config
     final = final_frame(runs_frame(result.runs))
-    figure = plot_transfer(final, result.config)
     caption = (
         "Final held-out loss against the peak learning rate; one curve per size, the best of "
         "each starred; crosses: u-muP in simulated FP8 at its best learning rate."
     )
-    body = [
-        report.html_figure(caption, figure),
-        "<h2>Results and claims</h2>",
-        f"<pre>{html.escape(summary_text(result))}</pre>",
+    body = report.html_paragraphs(_header_lines(result)[:2])
+    if config.quick:
+        body.append(f"<p><strong>{html.escape(_quick_note(config))}</strong></p>")
+    body += [report.html_figure(caption, plot_transfer(final, config)), "<h2>Sweeps</h2>"]
+    for title, header, rows in sweep_tables(final, config):
+        body += [f"<h3>{html.escape(title)}</h3>", report.html_table(header, rows)]
+    body += report.html_paragraphs([_losses_note(config)])
+    claims = [(str(c.number), c.statement, c.verdict, c.detail) for c in transfer_claims(result)]
+    body += [
+        "<h2>Claims</h2>",
+        report.html_table(("claim", "statement", "verdict", "numbers"), claims, text=True),
+        *report.html_paragraphs([_time_note(result)]),
         "<h2>Settings</h2>",
-        report.html_table(None, report.settings_rows(result.config)),
+        report.html_table(None, _settings_rows(config)),
     ]
     return report.write_html_page(
         path,
