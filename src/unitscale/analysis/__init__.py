@@ -23,7 +23,13 @@ from .risk import (
     risk_summary,
     structural_zeros,
 )
-from .tensorboard import tensorboard_available, write_scalars
+from .tensorboard import (
+    TensorBoardSink,
+    tensorboard_available,
+    tensorboard_sink,
+    write_scalars,
+    write_tensorboard,
+)
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # errors
@@ -37,8 +43,11 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "scale_heatmap",
     "write_report",
     # export
+    "TensorBoardSink",
     "tensorboard_available",
+    "tensorboard_sink",
     "write_scalars",
+    "write_tensorboard",
     # risk in low-precision formats
     "RISK_FRACTION",
     "FormatRisk",
