@@ -7,9 +7,9 @@ the functions that need them, so importing this package is cheap. ``ScaleMonitor
 :mod:`unitscale.tracking`) records; :func:`scale_heatmap` and the TensorBoard export present.
 """
 
-# DESIGN names example_batch here: the bundled corpus of the demo package, for examples.
+# DESIGN names example_batch here: the bundled corpus (unitscale.data), for examples.
+from ..data import example_batch
 from ..errors import AnalysisError
-from ..experiments.data import example_batch
 from .annotated import analyse_module
 from .dataframe import graph_to_dataframe
 from .heatmap import scale_heatmap
