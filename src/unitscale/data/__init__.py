@@ -1,7 +1,7 @@
 """``unitscale.data``: bundled text, a byte-level tokenizer and deterministic batches.
 
 A layer of its own below :mod:`unitscale.analysis` (whose ``example_batch`` it is) and
-:mod:`unitscale.experiments` (which re-exports it as ``unitscale.experiments.data``): it needs
+``unitscale.experiments`` (which re-exports it as ``unitscale.experiments.data``): it needs
 only :mod:`unitscale.errors` and torch. The code is in ``_corpus.py``.
 """
 

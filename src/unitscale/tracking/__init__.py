@@ -2,7 +2,7 @@
 :class:`ScaleMonitor` (statistics during training, non-finite localisation).
 
 This layer collects and returns tables and records; drawing and TensorBoard export are
-:mod:`unitscale.analysis` functions of them (see :mod:`unitscale.tracking.monitor`)."""
+:mod:`unitscale.analysis` functions of them (see :class:`ScaleMonitor`)."""
 
 from ._join import build_scales_graph
 from ._recorder import TrackScalesPass

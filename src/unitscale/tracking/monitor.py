@@ -279,8 +279,11 @@ class ScaleMonitor:
 
     @property
     def records(self) -> tuple[MonitorRecord, ...]:
-        """Every record so far, in the order recorded: the rows of :meth:`table` (one per
-        step, tensor and direction, its kept metrics in ``metrics``)."""
+        """The records so far, in the order recorded.
+
+        The rows of :meth:`table` before it is laid out long: one per step, tensor and
+        direction, with the kept metrics in ``metrics``.
+        """
         return tuple(self._records)
 
     @property
