@@ -139,7 +139,23 @@ def formats_rows(device: str = "cpu") -> list[str]:
                 f"| {cells} | {target} "
                 f"| {_when({**run, 'threads': entry['threads']}, path)} |"
             )
+        if "users_path" in entry:
+            rows.append(_users_path_row(run, entry, threads, path))
     return rows
+
+
+def _users_path_row(run: dict[str, Any], entry: dict[str, Any], threads: str, path: Path) -> str:
+    """``torch.compile(fmt.quantise)`` as users write it: several formats, one process."""
+    users = entry["users_path"]
+    cells = ", ".join(f"{key} {r['ratio_vs_clone']:.2f}x" for key, r in users.items())
+    worst = max(r["ratio_vs_clone"] for r in users.values())
+    target = min(r["target"] for r in users.values())
+    return (
+        f"| `torch.compile(fmt.quantise)` of {run['numel']:,} float32 values vs `x.clone()`, "
+        f"default options, these formats compiled in one process, {threads} "
+        f"(`bench_formats.py`) | {cells} | each {_met(worst, target)} "
+        f"| {_when({**run, 'threads': entry['threads']}, path)} |"
+    )
 
 
 def tracking_rows(device: str = "cpu") -> list[str]:
