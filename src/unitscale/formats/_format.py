@@ -43,8 +43,10 @@ That addition assumes float32 subnormals are not flushed to zero (PyTorch's defa
 ``torch.set_flush_denormal``).
 For ``rounding="nearest"`` with a preset that has a native torch dtype, the eager path uses
 that dtype's cast (exact, and fewer passes over memory) with saturation done on the narrow
-result; compiled code always takes the bit-manipulation path, which inductor fuses into a
-single pass. See ``benchmarks/bench_formats.py`` for the costs relative to ``x.clone()``.
+result. Compiled code on a CPU calls the one-pass C kernels as custom ops
+(:mod:`._ops`), whatever TorchDynamo makes of the format's numbers; elsewhere it takes the
+bit-manipulation path, which inductor fuses into a single pass. See
+``benchmarks/bench_formats.py`` for the costs relative to ``x.clone()``.
 """
 
 from __future__ import annotations
