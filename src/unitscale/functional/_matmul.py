@@ -305,5 +305,7 @@ def embedding(
     _reject("embedding", "scale_grad_by_freq", scale_grad_by_freq, False, "unit scaling sets it")
     _reject("embedding", "sparse", sparse, False, "use dense gradients (sparse=False)")
     size = shared_size(input.dim() >= 2 and input.shape[0] > 1)
-    weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * size, 1)))
+    # sym_sqrt/sym_max: plain math for ints, symbolic for a dynamic size under torch.compile.
+    rows = torch.sym_max(input.numel() * size, 1)
+    weight = scale_bwd(weight, size * torch.sym_sqrt(weight.shape[0] / rows))
     return F.embedding(input, weight, padding_idx)

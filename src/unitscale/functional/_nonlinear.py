@@ -74,8 +74,12 @@ def _rsqrt(n: float) -> float:
     """``1 / sqrt(n)``, with 1 for an empty fan (nothing is summed, nothing to correct).
 
     A scale is never silently dropped: a NaN, infinite or negative ``n`` (a variance that
-    went wrong) raises instead of leaving the tensor unscaled.
+    went wrong) raises instead of leaving the tensor unscaled. A symbolic ``n`` (a count from
+    a dynamic size under ``torch.compile``, at least 2) gives a symbolic scale, unchecked:
+    a check would specialise the graph to one size.
     """
+    if isinstance(n, torch.SymInt | torch.SymFloat):
+        return 1.0 / torch.sym_sqrt(n)  # type: ignore[no-any-return]
     if not math.isfinite(n) or n < 0:
         raise UnitScaleError(
             f"unitscale.functional: a scale was computed from the variance {n!r}, which is "
@@ -607,11 +611,19 @@ def scaled_dot_product_attention(
             "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
         )
     mult = check_mult("scaled_dot_product_attention", mult)
-    queries, keys = _specialised_int(query.shape[-2]), _specialised_int(key.shape[-2])
     head_dim, value_dim = _specialised_int(query.shape[-1]), value.shape[-1]
     score_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * mult
     if mult != 1.0:
         scale = score_scale
+    if isinstance(query.shape[-2], torch.SymInt) or isinstance(key.shape[-2], torch.SymInt):
+        # Lengths that vary under torch.compile: the same rule with tensor scales, one graph
+        # for every length (specialising would compile a graph per length).
+        from ._attention import dynamic_length_attention
+
+        return dynamic_length_attention(
+            query, key, value, dropout_p, is_causal, score_scale, scale, enable_gqa, constraint
+        )
+    queries, keys = _specialised_int(query.shape[-2]), _specialised_int(key.shape[-2])
     logit_var = score_scale * score_scale * head_dim
     mean_v, mean_g = _attention_moments(queries, keys, bool(is_causal), logit_var)
     keep = 1.0 - dropout_p
@@ -720,7 +732,11 @@ def cross_entropy(
     eps = float(label_smoothing)
     target_sq = (1.0 - eps) ** 2 + 2.0 * eps * (1.0 - eps) / classes + eps * eps / classes
     grad_scale = math.sqrt(classes / max(v - 2.0 / classes + target_sq, 1e-12)) / mult
-    if reduction == "mean":
+    if reduction == "mean" and isinstance(batch, torch.SymInt):
+        # A dynamic size (torch.compile): kept an integer factor of its own, which Inductor
+        # treats as a size; a float product with it would be specialised to one size.
+        input = scale_bwd(input, batch)
+    elif reduction == "mean":
         grad_scale *= batch
     if mult != 1.0:
         input = scale_fwd_bwd(input, mult, mult)  # a true gradient; grad_scale has 1/mult
