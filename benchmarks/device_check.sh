@@ -8,11 +8,15 @@
 # be fetched, so unitscale runs from src/ on PYTHONPATH. In order, each step under its own
 # time limit, a failing step not stopping the next:
 #   1. the CUDA cases of tests/formats and tests/tracking (`-k cuda`; CI runs the rest);
-#   2. bench_formats.py --device cuda;
-#   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; no fresh-process or CPU
-#      statistics parts, which are CPU figures).
+#   2. bench_formats.py --device cuda (with the users' path: torch.compile(fmt.quantise) for
+#      several formats in one process, where Inductor generates the kernels);
+#   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; a step holds and reads its
+#      scales graph; no fresh-process or CPU statistics parts, which are CPU figures);
+#   4. bench_compile_lengths.py --device cuda (graphs of compile(unit_scale(gpt2)) vs
+#      torch.compile over changing lengths).
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
-# the development machine: copy $OUT/formats.json and $OUT/tracking.json over
+# the development machine: copy $OUT/formats.json, $OUT/tracking.json and
+# $OUT/compile_lengths.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -31,10 +35,13 @@ if [ "$DEVICE" = cuda ]; then
   "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
   models=bert4,bert2,tiny,gpt2 rounds=5 formats_numel=24 tests="cuda"
+  lengths=16,32,24,64,16,48
 else
   models=tiny rounds=2 formats_numel=16 tests="cpu and nearest and not stochastic"
+  lengths=16,32,16
 fi
 cp benchmarks/results/formats.json benchmarks/results/tracking.json "$OUT"/
+cp benchmarks/results/compile_lengths.json "$OUT"/ 2>/dev/null || true
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
@@ -52,4 +59,6 @@ step formats 100 "$PYTHON" benchmarks/bench_formats.py --device "$DEVICE" --roun
   --log2-numel "$formats_numel" --output "$OUT/formats.json"
 step tracking 150 "$PYTHON" benchmarks/bench_tracking.py --device "$DEVICE" --models "$models" \
   --rounds "$rounds" --no-variable-lengths --out "$OUT/tracking.json"
+step compile_lengths 90 "$PYTHON" benchmarks/bench_compile_lengths.py --device "$DEVICE" \
+  --lengths "$lengths" --output "$OUT/compile_lengths.json"
 exit "$status"
