@@ -79,7 +79,7 @@ def _rsqrt(n: float) -> float:
     a check would specialise the graph to one size.
     """
     if isinstance(n, torch.SymInt | torch.SymFloat):
-        return 1.0 / torch.sym_sqrt(n)  # type: ignore[no-any-return]
+        return 1.0 / torch.sym_sqrt(n)
     if not math.isfinite(n) or n < 0:
         raise UnitScaleError(
             f"unitscale.functional: a scale was computed from the variance {n!r}, which is "
