@@ -176,7 +176,7 @@ def tracking_rows(device: str = "cpu") -> list[str]:
             if "read_s" in result:  # the step reads the graph: its cost shown apart
                 how += "; step = forward, backward, `scales_graph()` held and read"
                 first_text += (
-                    f", reading {result['read_share_of_untracked_step']:.2f}x an untracked "
+                    f", reading {result['read_share_of_untracked_step']:.1%} of an untracked "
                     f"step (without it {result['time_ratio_without_read']:.2f}x)"
                 )
         else:  # older format: separate processes, ru_maxrss
