@@ -312,9 +312,28 @@ def analyse_rows() -> list[str]:
     ]
 
 
+def compile_lengths_rows() -> list[str]:
+    """Graphs compiled over changing lengths (``bench_compile_lengths.py``), if measured."""
+    path = RESULTS / "compile_lengths.json"
+    if not path.exists():
+        return []
+    run = latest_run(path)
+    ours, theirs = run["unitscale_compile_unit_scale"], run["torch_compile"]
+    lengths = ", ".join(str(n) for n in run["lengths"])
+    verdict = "met" if run["meets_target"] else "not met"
+    return [
+        f"| `compile(unit_scale(gpt2))` vs `torch.compile(model)`, lengths {lengths}, "
+        f"forward + backward (`bench_compile_lengths.py`) "
+        f"| {ours['graphs']} graphs vs {theirs['graphs']}; "
+        f"{ours['graphs_at_lengths_seen_before']} at lengths seen before "
+        f"| no more graphs, none for a seen length ({verdict}) | {_when(run, path)} |"
+    ]
+
+
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
     lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
+    lines += compile_lengths_rows()
     lines += analyse_rows()
     lines += optim_rows() + distributed_rows()
     # Where a GPU was lent: the same benchmarks' newest CUDA runs (benchmarks/device_check.sh).
