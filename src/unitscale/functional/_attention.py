@@ -80,7 +80,9 @@ def _moment_tables(
     :func:`softmax_moment_table` for a symbolic ``keys`` (a dynamic length), and always
     under TorchDynamo, which shows a symbolic size to ``isinstance`` as an int."""
     if isinstance(keys, torch.SymInt) or torch.compiler.is_dynamo_compiling():
-        table = softmax_moment_table(like, keys, logit_var, dtype)
+        # Detached: the scales carry no gradient (none would reach ``like`` anyway, but the
+        # backward would reduce every scaled tensor to compute it).
+        table = softmax_moment_table(like.detach(), keys, logit_var, dtype)
         return table[0], table[1]
     v, g = _moment_lists(keys, logit_var)
     device = like.device
