@@ -158,12 +158,15 @@ def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() 
     assert ours[-1] == ours[1]  # from the second length on, one graph serves all
     for length in (16, 40):  # 40: a length neither has seen
         ids = torch.randint(0, 128, (2, length))
-        torch.testing.assert_close(
-            fast(input_ids=ids, labels=ids).loss,
-            eager(input_ids=ids, labels=ids).loss,
-            rtol=1e-4,
-            atol=1e-5,
-        )
+        losses = []
+        for run in (fast, eager):
+            run.zero_grad()
+            losses.append(run(input_ids=ids, labels=ids).loss)
+            losses[-1].backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+        for mine, theirs_ in zip(fast.parameters(), eager.parameters(), strict=True):
+            if theirs_.grad is not None:  # every scale, the gradients' included, symbolic
+                torch.testing.assert_close(mine.grad, theirs_.grad, rtol=1e-4, atol=1e-6)
     assert graphs == ours[-1]
     torch._dynamo.reset()
 
