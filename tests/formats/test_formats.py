@@ -428,7 +428,7 @@ def test_an_error_inside_the_c_kernel_surfaces(rounding: str) -> None:
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_same_results(rounding: str) -> None:
     fmt = dataclasses.replace(E4M3, rounding=rounding)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 100
-    expected = _kernels._quantise(fmt, x, torch.Generator().manual_seed(5), allow_c=False)
+    expected = _kernels._quantise(fmt._kernel, x, torch.Generator().manual_seed(5), allow_c=False)
     unbuilt = _native.NativeRounding()
     with (
         mock.patch.object(_cbuild, "compiler", return_value=None),
@@ -451,14 +451,14 @@ def test_the_c_kernel_is_never_given_tensors_without_memory_of_their_own() -> No
         mock.patch.object(_native.rounding, "nearest", side_effect=called),
         mock.patch.object(_native.rounding, "stochastic", side_effect=called),
     ):
-        expected = _kernels._quantise(nearest, x, None, allow_c=False)
+        expected = _kernels._quantise(nearest._kernel, x, None, allow_c=False)
         assert_same_bits(torch.vmap(nearest.quantise)(x), expected)
         assert_same_bits(torch.func.functionalize(nearest.quantise)(x), expected)
         gradient = torch.func.grad(lambda t: (nearest.quantise(t) * t).sum())(x[0])
         assert_same_bits(gradient, expected[0])  # the rounding is a constant to grad
         rounded = torch.vmap(E4M3.quantise, randomness="different")(x)
         # Stochastic rounding: a value of the format (rounding it again keeps it) next to x.
-        assert_same_bits(_kernels._quantise(nearest, rounded, None, allow_c=False), rounded)
+        assert_same_bits(_kernels._quantise(nearest._kernel, rounded, None, allow_c=False), rounded)
         assert ((rounded - x).abs() <= x.abs() / 8 + 2**-9).all()
 
 
