@@ -9,6 +9,15 @@ alike. For formats with a torch dtype, torch's own cast round trip
 stochastic at most 1.3x a clone (one read and one write, what a fused kernel costs); eager
 nearest no slower than torch's own round trip.
 
+The ``compiled`` figures compile each format on its own (``torch._dynamo.reset()`` first,
+``fullgraph=True``), which no model can do. ``users_path`` measures what a user writes:
+``torch.compile(fmt.quantise)`` with default options, E4M3 and E5M2 to nearest and E4M3
+stochastic compiled in one process (as an FP8 simulation uses several formats), each timed
+against a clone in the same rounds. All of one function's formats share one code object, so
+TorchDynamo recompiles it per format and, from the second on, makes the format's numbers
+symbolic; before the C kernels were custom ops that gave a slower kernel (2.6-3.9x a clone
+on the stochastic one, where the isolated figure said 1.3x). Both figures are kept.
+
 Each run is appended to ``benchmarks/results/formats.json`` with the date and load.
 
 Run: ``python benchmarks/bench_formats.py [--threads 1,2] [--rounds N] [--device cpu|cuda]``
@@ -72,9 +81,51 @@ def compare(
     return statistics.median(ours), statistics.median(theirs)
 
 
+USERS_FORMATS = {
+    "e4m3 nearest": dataclasses.replace(PRESETS["e4m3"], rounding="nearest"),
+    "e5m2 nearest": dataclasses.replace(PRESETS["e5m2"], rounding="nearest"),
+    "e4m3 stochastic": PRESETS["e4m3"],
+}
+
+
+def users_path(x: torch.Tensor, device: str, rounds: int, iters: int) -> dict[str, Any]:
+    """``torch.compile(fmt.quantise)`` (default options, no reset) for several formats in one
+    process, each against ``x.clone()``, all timed in the same interleaved rounds."""
+    compiled = {key: torch.compile(fmt.quantise) for key, fmt in USERS_FORMATS.items()}
+    first_call = {}
+    for key, quantise in compiled.items():
+        t0 = time.perf_counter()
+        quantise(x)
+        first_call[key] = time.perf_counter() - t0
+    ours: dict[str, list[float]] = {key: [] for key in compiled}
+    theirs: dict[str, list[float]] = {key: [] for key in compiled}
+    for _ in range(rounds):
+        for key, quantise in compiled.items():
+            theirs[key].append(timed(lambda: x.clone(), device, iters))
+            ours[key].append(timed(lambda q=quantise: q(x), device, iters))
+    results = {}
+    for key in compiled:
+        mine, clone = statistics.median(ours[key]), statistics.median(theirs[key])
+        rounding = USERS_FORMATS[key].rounding
+        results[key] = {
+            "ms": round(mine * 1e3, 3),
+            "clone_ms": round(clone * 1e3, 3),
+            "ratio_vs_clone": round(mine / clone, 3),
+            "first_call_s": round(first_call[key], 3),
+            "target": TARGETS[rounding],
+            "meets_target": mine / clone <= TARGETS[rounding],
+        }
+        print(
+            f"threads={torch.get_num_threads()} users'  {key:26s} {mine / clone:6.2f}x clone",
+            flush=True,
+        )
+    return results
+
+
 def run(x: torch.Tensor, device: str, rounds: int, iters: int) -> dict[str, Any]:
     """Ratios of every format, rounding and mode against ``x.clone()``."""
     clone = lambda: x.clone()  # noqa: E731
+    users = users_path(x, device, rounds, iters)  # first: no reset has run in this process
     results: dict[str, Any] = {"eager": {}, "compiled": {}}
     clone_times = []
     for mode in ("eager", "compiled"):
@@ -130,11 +181,13 @@ def run(x: torch.Tensor, device: str, rounds: int, iters: int) -> dict[str, Any]
         for row in results["eager"].values()
         if "ratio_vs_torch_cast" in row["nearest"]
     )
+    summary["users_path_worst_ratio"] = max(r["ratio_vs_clone"] for r in users.values())
     return {
         "threads": torch.get_num_threads(),
         "clone_ms_median": round(statistics.median(clone_times) * 1e3, 3),
         "summary": summary,
         "results": results,
+        "users_path": users,
     }
 
 
@@ -168,7 +221,9 @@ def main() -> None:
             "dtype": "float32",
             "rounds": args.rounds,
             "iters_per_round": args.iters,
-            "targets_ratio_vs_clone": {"compiled": TARGETS},
+            "targets_ratio_vs_clone": {"compiled": TARGETS, "users_path": TARGETS},
+            "users_path": "torch.compile(fmt.quantise), default options, these formats in one "
+            "process, no torch._dynamo.reset()",
             "target_eager_nearest": "no slower than torch's cast round trip",
             # Eager nearest and stochastic on float32 CPU: the one-pass C kernels, or PyTorch
             # ops without them.

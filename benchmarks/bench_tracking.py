@@ -2,13 +2,17 @@
 
 One process per model: the untracked model and its tracked copy (``track_scales``) run
 alternately on the same batch, one step of each per round, so that other work on the machine
-slows both alike; the reported time ratio is the median of the per-round ratios. A step is
-forward + backward + (tracked only) ``scales_graph()``, reading the statistics being part of
-tracking's cost. Also reported: each one's first call (Dynamo capture and any compile
-included), and each step's own peak memory: on CPU the peak resident set size of the step
-above the resident size just before it (the kernel's high-water mark is reset before each
-step and freed heap memory returned to the system, so earlier steps and model building do
-not count); on CUDA ``max_memory_allocated`` above the allocation before the step.
+slows both alike; the reported time ratio is the median of the per-round ratios. A tracked step
+is what a user does: forward, backward, ``graph = tracked.scales_graph()`` kept until the next
+step's (a user's loop holds the last graph, so it cannot be refilled in place), and every
+node's forward and backward statistics read. The reading (``scales_graph()`` and the reads) is
+timed on its own too: ``read_s`` and ``read_share_of_untracked_step``, and
+``time_ratio_without_read`` (forward and backward only). Also reported: each one's first
+call (Dynamo capture and any compile included), and each step's own peak memory: on CPU
+the peak resident set size of the step above the resident size just before it (the kernel's
+high-water mark is reset before each step and freed heap memory returned to the system, so
+earlier steps and model building do not count); on CUDA
+``max_memory_allocated`` above the allocation before the step.
 
 Models are built from ``transformers`` configs with random weights (no download):
 
@@ -143,16 +147,23 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
         plain.zero_grad(set_to_none=True)
         plain(**inputs).loss.backward()
 
+    held: list[Any] = [None]  # the user's last graph, held until the next step's
+    read_times: list[float] = []
+
     def tracked_step() -> None:
         tracked.zero_grad(set_to_none=True)
         tracked(**inputs).loss.backward()
-        tracked.scales_graph()
+        start = time.perf_counter()
+        held[0] = tracked.scales_graph()
+        read_statistics(held[0])
+        read_times.append(time.perf_counter() - start)
 
     first = {
         "untracked": measured_step(plain_step, device)[0],
         "tracked": measured_step(tracked_step, device)[0],
     }
     plain_step(), tracked_step()  # warm: allocator caches, any second-call work
+    read_times.clear()
     times: dict[str, list[float]] = {"untracked": [], "tracked": []}
     peaks: dict[str, list[int]] = {"untracked": [], "tracked": []}
     for _ in range(rounds):
@@ -160,18 +171,36 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
             seconds, peak = measured_step(step, device)
             times[key].append(seconds)
             peaks[key].append(peak)
-    ratios = [t / u for t, u in zip(times["tracked"], times["untracked"], strict=True)]
+    pairs = list(zip(times["tracked"], times["untracked"], read_times, strict=True))
+    ratios = [t / u for t, u, _ in pairs]
     peak = {key: statistics.median(values) for key, values in peaks.items()}
     return {
         "layers_hidden_vocab_batch_seq": list(SIZES[name]),
+        "step": "forward, backward, scales_graph() held, every node's statistics read",
         "step_s": {key: round(statistics.median(v), 5) for key, v in times.items()},
         "time_ratio": round(statistics.median(ratios), 4),
         "time_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "read_s": round(statistics.median(read_times), 5),
+        "read_share_of_untracked_step": round(statistics.median(r / u for _, u, r in pairs), 4),
+        "time_ratio_without_read": round(statistics.median((t - r) / u for t, u, r in pairs), 4),
         "target": TARGETS.get(name),
         "first_call_s": {key: round(v, 3) for key, v in first.items()},
         "step_peak_bytes": {key: int(v) for key, v in peak.items()},
         "peak_memory_ratio": round(peak["tracked"] / max(peak["untracked"], 1), 4),
     }
+
+
+def read_statistics(graph: Any) -> float:
+    """What a user reads of a scales graph: every node's forward and backward statistics."""
+    total = 0.0
+    for node in graph.nodes:
+        metrics = node.meta.get("metrics")
+        if metrics is None:
+            continue
+        for data in (metrics.fwd, metrics.bwd):
+            if data is not None:
+                total += data.std + data.abs_max
+    return total
 
 
 def variable_lengths(name: str, device: str) -> dict[str, Any]:
@@ -193,11 +222,14 @@ def variable_lengths(name: str, device: str) -> dict[str, Any]:
         ids = torch.randint(0, min(vocab, 1000), (batch, length), device=device)
         batches[length] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
+    held: list[Any] = [None]
+
     def step(model: torch.nn.Module, length: int) -> None:
         model.zero_grad(set_to_none=True)
         model(**batches[length]).loss.backward()
         if model is tracked:
-            tracked.scales_graph()  # type: ignore[operator]
+            held[0] = tracked.scales_graph()  # type: ignore[operator]
+            read_statistics(held[0])
 
     captures_before = counters["stats"]["unique_graphs"]
     passes = []

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one prepared run for a session that is lent one (the
-# workplace's `device` tool), sized to leave time for a rerun inside 15 minutes of device time:
+# workplace's `device` tool), sized so that its steps' limits (480 s in all) fit one call
+# (a rerun may not fit in 15 minutes of device time):
 #
-#   run(command="bash benchmarks/device_check.sh", timeout_s=480)
+#   run(command="bash benchmarks/device_check.sh", timeout_s=500)
 #
 # There, python3 already holds a CUDA build of PyTorch (and transformers, pytest); nothing can
 # be fetched, so unitscale runs from src/ on PYTHONPATH. In order, each step under its own
 # time limit, a failing step not stopping the next:
 #   1. the CUDA cases of tests/formats and tests/tracking (`-k cuda`; CI runs the rest);
-#   2. bench_formats.py --device cuda;
-#   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; no fresh-process or CPU
-#      statistics parts, which are CPU figures);
+#   2. bench_formats.py --device cuda (with the users' path: torch.compile(fmt.quantise) for
+#      several formats in one process, where Inductor generates the kernels);
+#   3. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2; a step holds and reads its
+#      scales graph; no fresh-process or CPU statistics parts, which are CPU figures);
 #   4. bench_fp8_scaling.py --device cuda: step time of simulate_fp8's scaling="tensorwise"
-#      and "delayed" against "none" (the CUDA line of what per-tensor scales cost).
+#      and "delayed" against "none" (the CUDA line of what per-tensor scales cost);
+#   5. bench_compile_lengths.py --device cuda (graphs of compile(unit_scale(gpt2)) vs
+#      torch.compile over changing lengths).
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
-# the development machine: copy $OUT/formats.json, $OUT/tracking.json and
-# $OUT/fp8_scaling.json over
+# the development machine: copy $OUT/formats.json, $OUT/tracking.json,
+# $OUT/fp8_scaling.json and $OUT/compile_lengths.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -34,11 +38,14 @@ if [ "$DEVICE" = cuda ]; then
   "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
   models=bert4,bert2,tiny,gpt2 rounds=5 formats_numel=24 tests="cuda"
+  lengths=16,32,24,64,16,48
 else
   models=tiny rounds=2 formats_numel=16 tests="cpu and nearest and not stochastic"
+  lengths=16,32,16
 fi
 cp benchmarks/results/formats.json benchmarks/results/tracking.json \
   benchmarks/results/fp8_scaling.json "$OUT"/
+cp benchmarks/results/compile_lengths.json "$OUT"/ 2>/dev/null || true
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
@@ -54,8 +61,10 @@ step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, it
 step tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/formats tests/tracking -k "$tests"
 step formats 100 "$PYTHON" benchmarks/bench_formats.py --device "$DEVICE" --rounds "$rounds" \
   --log2-numel "$formats_numel" --output "$OUT/formats.json"
-step tracking 150 "$PYTHON" benchmarks/bench_tracking.py --device "$DEVICE" --models "$models" \
+step tracking 120 "$PYTHON" benchmarks/bench_tracking.py --device "$DEVICE" --models "$models" \
   --rounds "$rounds" --no-variable-lengths --out "$OUT/tracking.json"
-step fp8_scaling 90 "$PYTHON" benchmarks/bench_fp8_scaling.py --device "$DEVICE" \
+step fp8_scaling 70 "$PYTHON" benchmarks/bench_fp8_scaling.py --device "$DEVICE" \
   --rounds "$rounds" --steps-per-round 3 --output "$OUT/fp8_scaling.json"
+step compile_lengths 70 "$PYTHON" benchmarks/bench_compile_lengths.py --device "$DEVICE" \
+  --lengths "$lengths" --output "$OUT/compile_lengths.json"
 exit "$status"

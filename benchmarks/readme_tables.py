@@ -145,7 +145,23 @@ def formats_rows(device: str = "cpu") -> list[str]:
                 f"| {cells} | {target} "
                 f"| {_when({**run, 'threads': entry['threads']}, path)} |"
             )
+        if "users_path" in entry:
+            rows.append(_users_path_row(run, entry, threads, path))
     return rows
+
+
+def _users_path_row(run: dict[str, Any], entry: dict[str, Any], threads: str, path: Path) -> str:
+    """``torch.compile(fmt.quantise)`` as users write it: several formats, one process."""
+    users = entry["users_path"]
+    cells = ", ".join(f"{key} {r['ratio_vs_clone']:.2f}x" for key, r in users.items())
+    worst = max(r["ratio_vs_clone"] for r in users.values())
+    target = min(r["target"] for r in users.values())
+    return (
+        f"| `torch.compile(fmt.quantise)` of {run['numel']:,} float32 values vs `x.clone()`, "
+        f"default options, these formats compiled in one process, {threads} "
+        f"(`bench_formats.py`) | {cells} | each {_met(worst, target)} "
+        f"| {_when({**run, 'threads': entry['threads']}, path)} |"
+    )
 
 
 def tracking_rows(device: str = "cpu") -> list[str]:
@@ -163,6 +179,12 @@ def tracking_rows(device: str = "cpu") -> list[str]:
             first_text = f"first call {tracked} (untracked {untracked})"
             how = "interleaved, median of per-round ratios"
             target = result.get("target")
+            if "read_s" in result:  # the step reads the graph: its cost shown apart
+                how += "; step = forward, backward, `scales_graph()` held and read"
+                first_text += (
+                    f", reading {result['read_share_of_untracked_step']:.1%} of an untracked "
+                    f"step (without it {result['time_ratio_without_read']:.2f}x)"
+                )
         else:  # older format: separate processes, ru_maxrss
             ratio, memory = result["time_ratio"], result["peak_memory_ratio"]
             first_text = (
@@ -296,9 +318,28 @@ def analyse_rows() -> list[str]:
     ]
 
 
+def compile_lengths_rows() -> list[str]:
+    """Graphs compiled over changing lengths (``bench_compile_lengths.py``), if measured."""
+    path = RESULTS / "compile_lengths.json"
+    if not path.exists():
+        return []
+    run = latest_run(path)
+    ours, theirs = run["unitscale_compile_unit_scale"], run["torch_compile"]
+    lengths = ", ".join(str(n) for n in run["lengths"])
+    verdict = "met" if run["meets_target"] else "not met"
+    return [
+        f"| `compile(unit_scale(gpt2))` vs `torch.compile(model)`, lengths {lengths}, "
+        f"forward + backward (`bench_compile_lengths.py`) "
+        f"| {ours['graphs']} graphs vs {theirs['graphs']}; "
+        f"{ours['graphs_at_lengths_seen_before']} at lengths seen before "
+        f"| no more graphs, none for a seen length ({verdict}) | {_when(run, path)} |"
+    ]
+
+
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
     lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
+    lines += compile_lengths_rows()
     lines += analyse_rows()
     lines += optim_rows() + distributed_rows()
     # Where a GPU was lent: the same benchmarks' newest CUDA runs (benchmarks/device_check.sh).

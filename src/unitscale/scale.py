@@ -9,7 +9,10 @@ that is allowed.
 
 Design constraints: scales are Python floats, so that they fold into compiled graphs as
 constants; a scale of exactly 1 costs nothing (the tensor itself, or a view, is returned), and
-equal forward and backward scales are a plain multiplication (no autograd function).
+equal forward and backward scales are a plain multiplication (no autograd function). Under
+``torch.compile`` with dynamic shapes a scale computed from a size that varies is a symbolic
+float (``torch.SymFloat``): it is used as it is, never compared or converted, since either
+would specialise the graph to one size (a recompile per length).
 """
 
 from __future__ import annotations
@@ -28,15 +31,25 @@ class _ScaleFwdBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
         ctx.bwd_scale = bwd_scale
-        if fwd_scale == 1.0:
+        if _is_one(fwd_scale):
             return x.view_as(x)
         return x * fwd_scale
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        if ctx.bwd_scale == 1.0:
+        if _is_one(ctx.bwd_scale):
             return grad, None, None
         return grad * ctx.bwd_scale, None, None
+
+
+def _is_symbolic(scale: object) -> bool:
+    """Whether ``scale`` was computed from a dynamic size while being compiled."""
+    return isinstance(scale, torch.SymFloat | torch.SymInt)
+
+
+def _is_one(scale: float) -> bool:
+    """``scale == 1``, False for a symbolic scale (comparing it would specialise the graph)."""
+    return not _is_symbolic(scale) and scale == 1.0
 
 
 def _check_scale(name: str, scale: float) -> float:
@@ -44,6 +57,8 @@ def _check_scale(name: str, scale: float) -> float:
         raise TypeError(
             f"unitscale.scale: {name} must be a Python number, got a Tensor; use float(...)"
         )
+    if _is_symbolic(scale):
+        return scale  # a SymInt stays one: Inductor handles it as a size
     return float(scale)
 
 
@@ -73,6 +88,12 @@ def scale_fwd_bwd(
     """
     fwd = _check_scale("fwd_scale", fwd_scale)
     bwd = _check_scale("bwd_scale", bwd_scale)
+    if _is_symbolic(fwd) or _is_symbolic(bwd):
+        if fwd is bwd:  # one symbolic scale: a true gradient
+            return x * fwd
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return x if _is_one(fwd) else x * fwd
+        return _ScaleFwdBwd.apply(x, fwd, bwd)
     if fwd == bwd:
         # Equal scales are an ordinary multiplication, whose true gradient is grad * bwd: no
         # autograd.Function needed (cheaper in eager, and nothing for Dynamo to trace).

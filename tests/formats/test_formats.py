@@ -30,6 +30,7 @@ from unitscale.formats import (
     FPFormat,
     _kernels,
     _native,
+    _ops,
     get_format,
 )
 from unitscale.tracking.metrics import FORMAT_RANGES
@@ -125,12 +126,12 @@ def quantise(fmt: FPFormat, x: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "public":
         return fmt.quantise(x)
     if impl == "torch":
-        return _kernels._quantise(fmt, x, None, allow_c=False)
+        return _kernels._quantise(fmt._kernel, x, None, allow_c=False)
     if impl == "unprobed":
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         with mock.patch.dict(_kernels._CAST_SATURATES, {(x.device.type, d): False for d in fp8}):
-            return _kernels._quantise(fmt, x, None, allow_c=False)
-    return _kernels._quantise(fmt, x, None, allow_native=False, allow_c=False)
+            return _kernels._quantise(fmt._kernel, x, None, allow_c=False)
+    return _kernels._quantise(fmt._kernel, x, None, allow_native=False, allow_c=False)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -367,7 +368,7 @@ def test_c_kernel_matches_the_pytorch_path_bit_for_bit(fmt: FPFormat) -> None:
             random_bits.view(torch.float32),
         ]
     )
-    pytorch = _kernels._quantise(fmt, x, None, allow_native=False, allow_c=False)
+    pytorch = _kernels._quantise(fmt._kernel, x, None, allow_native=False, allow_c=False)
     assert_same_bits(fmt.quantise(x), pytorch)
     for n in (0, 1, 7, 31, 65537):  # vector remainders, the parallel threshold
         assert_same_bits(fmt.quantise(x[-n:] if n else x[:0]), pytorch[-n:] if n else x[:0])
@@ -395,7 +396,7 @@ def test_c_stochastic_kernel_matches_the_hashed_pytorch_path_and_compiled(fmt: F
     c = _native.rounding.stochastic(x, drop, bound, fmt._min_normal_exponent, seeds)
 
     def pytorch(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return _kernels._stochastic_bits(t, fmt, _kernels._WORK32, bound, None, s)
+        return _kernels._stochastic_bits(t, fmt._kernel, _kernels._WORK32, bound, None, s)
 
     assert_same_bits(c, pytorch(x, seeds))
     torch._dynamo.reset()  # one graph per format: no recompile limit
@@ -427,7 +428,7 @@ def test_an_error_inside_the_c_kernel_surfaces(rounding: str) -> None:
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_same_results(rounding: str) -> None:
     fmt = dataclasses.replace(E4M3, rounding=rounding)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 100
-    expected = _kernels._quantise(fmt, x, torch.Generator().manual_seed(5), allow_c=False)
+    expected = _kernels._quantise(fmt._kernel, x, torch.Generator().manual_seed(5), allow_c=False)
     unbuilt = _native.NativeRounding()
     with (
         mock.patch.object(_cbuild, "compiler", return_value=None),
@@ -450,14 +451,14 @@ def test_the_c_kernel_is_never_given_tensors_without_memory_of_their_own() -> No
         mock.patch.object(_native.rounding, "nearest", side_effect=called),
         mock.patch.object(_native.rounding, "stochastic", side_effect=called),
     ):
-        expected = _kernels._quantise(nearest, x, None, allow_c=False)
+        expected = _kernels._quantise(nearest._kernel, x, None, allow_c=False)
         assert_same_bits(torch.vmap(nearest.quantise)(x), expected)
         assert_same_bits(torch.func.functionalize(nearest.quantise)(x), expected)
         gradient = torch.func.grad(lambda t: (nearest.quantise(t) * t).sum())(x[0])
         assert_same_bits(gradient, expected[0])  # the rounding is a constant to grad
         rounded = torch.vmap(E4M3.quantise, randomness="different")(x)
         # Stochastic rounding: a value of the format (rounding it again keeps it) next to x.
-        assert_same_bits(_kernels._quantise(nearest, rounded, None, allow_c=False), rounded)
+        assert_same_bits(_kernels._quantise(nearest._kernel, rounded, None, allow_c=False), rounded)
         assert ((rounded - x).abs() <= x.abs() / 8 + 2**-9).all()
 
 
@@ -657,7 +658,14 @@ def test_quantise_fwd_and_bwd_gradients(compiled: bool) -> None:
 # -- torch.compile (inductor): the generic path and the hashed random bits -----------------------
 
 
-def test_compiled_matches_eager() -> None:
+@pytest.mark.parametrize("native_op", [True, False], ids=["c-op", "inductor"])
+def test_compiled_matches_eager(native_op: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a CPU compiled code calls the C kernels as custom ops where they are built; without
+    # them (and on other devices) Inductor fuses the PyTorch path: both are checked.
+    if native_op and not _native.rounding.available():
+        pytest.skip("no C compiler: the rounding kernel is not built")
+    monkeypatch.setattr(_ops, "native_available", lambda: native_op)
+    torch._dynamo.reset()
     nearest = [NEAREST[key] for key in PRESETS] + [GENERIC[0]]
     stochastic = E4M3
 
@@ -715,3 +723,76 @@ def test_compiled_random_bits_are_uniform_and_uncorrelated() -> None:
         previous = u
     stderr = math.sqrt(2 / (bins - 1) / seeds)
     assert abs(sum(chi) / seeds - 1) < 4 * stderr, chi
+
+
+# -- compiled as users write it: torch.compile(fmt.quantise), several formats, one process -------
+
+
+@pytest.mark.skipif(
+    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+)
+def test_compiled_quantise_of_several_formats_runs_the_c_kernels_bit_for_bit() -> None:
+    # torch.compile(fmt.quantise) with default options for formats that share one code object
+    # (the second recompiles it, and Dynamo then makes the format's numbers symbolic): every
+    # graph calls the one-pass C kernel as a custom op, with the eager results bit for bit
+    # (stochastic too: the seeds come from the same generator draws).
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    formats = [NEAREST["e4m3"], NEAREST["e5m2"], E4M3, NEAREST["e4m3"]]
+    x = torch.cat([all_16bit(torch.float16).float(), boundary_grid(E4M3, "cpu")])
+    backend = EagerAndRecordGraphs()
+    for fmt in formats:
+        compiled = torch.compile(fmt.quantise, backend=backend)
+        torch.manual_seed(3)
+        out = compiled(x)
+        torch.manual_seed(3)
+        assert_same_bits(out, fmt.quantise(x))
+        inductor = torch.compile(fmt.quantise)
+        torch.manual_seed(3)
+        assert_same_bits(inductor(x), out)
+    ops = [
+        {str(n.target) for n in g.graph.nodes if "unitscale" in str(n.target)}
+        for g in backend.graphs
+    ]
+    assert ops == [
+        {"unitscale.round_nearest.default"},
+        {"unitscale.round_nearest.default"},
+        {"unitscale.round_stochastic.default"},
+    ]  # the fourth call reused the first graph
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(
+    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rounding_custom_ops_pass_opcheck(dtype: torch.dtype) -> None:
+    # Schema, fake (meta) implementation, autograd registration and tracing of both ops.
+    x = (torch.randn(5, 7) * 100).to(dtype).t()  # strided: the ops make it contiguous
+    fmt = E4M3._kernel
+    seeds = torch.tensor([5, -7], dtype=torch.int32)
+    stochastic = (x, 20, fmt.bounds[dtype], fmt.min_normal_exponent, seeds)
+    torch.library.opcheck(torch.ops.unitscale.round_stochastic.default, stochastic)
+    x32 = x.float().requires_grad_()
+    nearest = (x32, 20, fmt.bounds[torch.float32], fmt.min_normal_exponent)
+    torch.library.opcheck(torch.ops.unitscale.round_nearest.default, nearest)
+    assert_same_bits(torch.ops.unitscale.round_nearest(*nearest), NEAREST["e4m3"].quantise(x32))
+
+
+def test_kernels_take_plain_numbers_and_never_import_the_format() -> None:
+    # No import circle (issue 30): _kernels reads a KernelFormat, never FPFormat.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(_kernels))
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    assert "_format" not in imported and "unitscale.formats._format" not in imported
+    assert "FPFormat" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert E4M3._kernel == _kernels.KernelFormat(
+        4, 3, "stochastic", "nan_only", 448.0, -6, torch.float8_e4m3fn, E4M3._bounds
+    )

@@ -767,17 +767,51 @@ def test_torch_map_replacements_accept_the_graphs_arguments() -> None:
     assert torch.isfinite(loss)
 
 
-def test_attention_specialises_on_sequence_length_under_compile() -> None:
-    from torch._dynamo.testing import CompileCounter
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_compiles_one_graph_for_every_length(causal: bool, masked: bool) -> None:
+    # Under torch.compile with dynamic shapes the scales come from the symbolic lengths
+    # (tensors of the key counts), not from a specialised int: one graph serves every
+    # length, with the eager scales (outputs and every input gradient).
+    from torch._dynamo.testing import CompileCounterWithBackend
 
-    def attend(q: Tensor) -> Tensor:
-        return U.scaled_dot_product_attention(q, q, q, is_causal=True)
+    from unitscale.functional._attention import masked_scaled_dot_product_attention
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if masked:
+            return masked_scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        return U.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     torch._dynamo.reset()
-    counter = CompileCounter()
-    compiled = torch.compile(attend, backend=counter, fullgraph=True)
-    for length in (8, 16, 32):  # the second call would make the length dynamic
-        q = torch.randn(2, 4, length, 16)
-        assert torch.allclose(compiled(q), attend(q), atol=1e-6)
-    assert counter.frame_count == 3
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
+    torch.manual_seed(0)
+    compiled_after_first = None
+    for length in (8, 16, 12, 32, 8):
+        q, k, v = (torch.randn(2, 4, length, 16, requires_grad=True) for _ in range(3))
+        mask = torch.rand(length, length) > 0.3 if masked else None
+        if mask is not None:
+            mask |= torch.eye(length, dtype=torch.bool)  # every row sees a key
+        grad = torch.randn(2, 4, length, 16)
+        expected = attend(q, k, v, mask)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+        out = compiled(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for actual, wanted in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5)
+        if compiled_after_first is None:
+            compiled_after_first = counter.frame_count
+    assert counter.frame_count == compiled_after_first  # no length compiled again
     torch._dynamo.reset()
+
+
+def test_attention_moment_table_op_passes_opcheck() -> None:
+    from unitscale.functional._attention import _moment_lists
+
+    like = torch.randn(3, 5, requires_grad=True)
+    args = (like, 6, 0.75, torch.float32)
+    torch.library.opcheck(torch.ops.unitscale.softmax_moment_table.default, args)
+    v, g = _moment_lists(6, 0.75)
+    expected = torch.tensor([v, g], dtype=torch.float32)
+    assert torch.equal(torch.ops.unitscale.softmax_moment_table(*args), expected)

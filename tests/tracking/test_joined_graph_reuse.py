@@ -85,6 +85,34 @@ def test_a_held_graph_never_changes(tracked: nn.Module) -> None:
     assert rows(second) != rows(first)
 
 
+def test_a_held_graph_is_copied_and_refilled_not_joined_again(
+    tracked: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user's loop holds the last graph (`graph = tracked.scales_graph()`) until the next
+    # read: that read copies the held graph's nodes and refills the copy (joining the pieces
+    # again costs several times more), equal to a fresh build, the held graph unchanged.
+    from unitscale.tracking import _join, _recorder
+
+    builds = []
+    build = _join._build
+    monkeypatch.setattr(_join, "_build", lambda *a, **k: builds.append(1) or build(*a, **k))
+    track = next(p for p in tracked.passes if isinstance(p, _recorder.TrackScalesPass))
+    step(tracked, torch.randn(4, 8))
+    held = tracked.scales_graph()
+    for i in range(3):
+        before = metas(held)
+        step(tracked, torch.randn(4, 8) * (i + 2))
+        graph = tracked.scales_graph()
+        assert graph is not held and metas(held) == before
+        joined, track._joined = track._joined, None
+        fresh = tracked.scales_graph()  # joined anew, to compare with
+        track._joined = joined
+        assert metas(graph) == metas(fresh)
+        assert rows(graph) == rows(fresh)
+        held = graph
+    assert len(builds) == 1 + 3  # the first read and the three fresh ones only
+
+
 @pytest.mark.parametrize("held", ["node", "meta", "metrics"])
 def test_a_held_node_meta_or_metrics_never_changes(tracked: nn.Module, held: str) -> None:
     step(tracked, torch.randn(4, 8))

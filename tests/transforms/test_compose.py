@@ -108,6 +108,69 @@ def test_compiled_chain_matches_eager_chain() -> None:
     assert compiled.passes[-1].stage is Stage.COMPILE
 
 
+@pytest.mark.slow
+def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() -> None:
+    # Scale factors from sizes that vary (sequence length, batch rows) are symbolic under
+    # compile: one dynamic graph per piece serves every later length, as for torch.compile,
+    # and a length seen before compiles nothing. Losses equal the eager unit-scaled model's.
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from unitscale.transforms._compile import CompilePass
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=128,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    lengths = (16, 32, 24, 64, 16, 48)
+
+    def steps(run: Callable[..., object], counted: Callable[[], int]) -> list[int]:
+        counts = []
+        for length in lengths:
+            ids = torch.randint(0, 128, (2, length))
+            run(input_ids=ids, labels=ids).loss.backward()  # type: ignore[attr-defined]
+            counts.append(counted())
+        return counts
+
+    torch._dynamo.reset()
+    reference = CompileCounterWithBackend("inductor")
+    theirs = steps(torch.compile(model, backend=reference), lambda: reference.frame_count)
+
+    graphs = 0
+    compile_graph = CompilePass.compile_graph
+
+    def counting(self: CompilePass, *args: object) -> object:
+        nonlocal graphs
+        graphs += 1
+        return compile_graph(self, *args)  # type: ignore[arg-type]
+
+    scaled = unit_scale(model)
+    eager = copy.deepcopy(scaled)
+    fast = compile(scaled)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompilePass, "compile_graph", counting)
+        ours = steps(fast, lambda: graphs)
+    assert ours[-1] <= theirs[-1]
+    assert ours[4] == ours[3]  # length 16 again: nothing compiled
+    assert ours[-1] == ours[1]  # from the second length on, one graph serves all
+    for length in (16, 40):  # 40: a length neither has seen
+        ids = torch.randint(0, 128, (2, length))
+        losses = []
+        for run in (fast, eager):
+            run.zero_grad()
+            losses.append(run(input_ids=ids, labels=ids).loss)
+            losses[-1].backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+        for mine, theirs_ in zip(fast.parameters(), eager.parameters(), strict=True):
+            if theirs_.grad is not None:  # every scale, the gradients' included, symbolic
+                torch.testing.assert_close(mine.grad, theirs_.grad, rtol=1e-4, atol=1e-6)
+    assert graphs == ours[-1]
+    torch._dynamo.reset()
+
+
 def test_compile_order_errors() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(CaptureError, match=r"track_scales: the module is already compiled"):

@@ -43,8 +43,10 @@ That addition assumes float32 subnormals are not flushed to zero (PyTorch's defa
 ``torch.set_flush_denormal``).
 For ``rounding="nearest"`` with a preset that has a native torch dtype, the eager path uses
 that dtype's cast (exact, and fewer passes over memory) with saturation done on the narrow
-result; compiled code always takes the bit-manipulation path, which inductor fuses into a
-single pass. See ``benchmarks/bench_formats.py`` for the costs relative to ``x.clone()``.
+result. Compiled code on a CPU calls the one-pass C kernels as custom ops
+(:mod:`._ops`), whatever TorchDynamo makes of the format's numbers; elsewhere it takes the
+bit-manipulation path, which inductor fuses into a single pass. See
+``benchmarks/bench_formats.py`` for the costs relative to ``x.clone()``.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UnitScaleError
-from ._kernels import _quantise, _QuantiseBackward, _QuantiseForward
+from ._kernels import KernelFormat, _quantise, _QuantiseBackward, _QuantiseForward
 
 __all__ = [
     # formats
@@ -103,6 +105,15 @@ _DTYPE_LAYOUT: dict[torch.dtype, tuple[int, int]] = {
     torch.bfloat16: (7, -126),
     torch.float32: (23, -126),
     torch.float64: (52, -1022),
+}
+
+
+# The torch dtype holding exactly a format's values: (exponent, mantissa bits, special values).
+_NATIVE_DTYPES: dict[tuple[int, int, str], torch.dtype] = {
+    (4, 3, "nan_only"): torch.float8_e4m3fn,
+    (5, 2, "ieee"): torch.float8_e5m2,
+    (5, 10, "ieee"): torch.float16,
+    (8, 7, "ieee"): torch.bfloat16,
 }
 
 
@@ -204,6 +215,17 @@ class FPFormat:
             bound = _floor_to_grid(bound, m, self._min_normal_exponent)
             bounds[dtype] = _floor_to_grid(bound, dtype_mantissa, dtype_min_exponent)
         object.__setattr__(self, "_derived", (max_value, bounds))
+        kernel_format = KernelFormat(
+            e,
+            m,
+            self.rounding,
+            self.special_values,
+            max_value,
+            self._min_normal_exponent,
+            self.torch_dtype,
+            bounds,
+        )
+        object.__setattr__(self, "_kernel_format", kernel_format)
 
     @property
     def _max(self) -> float:
@@ -214,6 +236,11 @@ class FPFormat:
     def _bounds(self) -> dict[torch.dtype, float]:
         """Saturation bound per dtype: the largest value of this format that dtype holds."""
         return self._derived[1]  # type: ignore[attr-defined]
+
+    @property
+    def _kernel(self) -> KernelFormat:
+        """This format as the plain numbers the rounding kernels read."""
+        return self._kernel_format  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         extra = "" if self.special_values == "ieee" else f", special_values={self.special_values!r}"
@@ -285,7 +312,7 @@ class FPFormat:
         """
         x = self._check_input(x, "quantise")
         with torch.no_grad():
-            return _quantise(self, x.detach(), generator)
+            return _quantise(self._kernel, x.detach(), generator)
 
     def quantise_fwd(self, x: Tensor) -> Tensor:
         """Quantise ``x`` in the forward pass; pass its gradient through unchanged.
@@ -304,7 +331,7 @@ class FPFormat:
             ([1.0, 2.0], [1.25, 2.5])
         """
         x = self._check_input(x, "quantise_fwd")
-        return _QuantiseForward.apply(x, self)
+        return _QuantiseForward.apply(x, self._kernel)
 
     def quantise_bwd(self, x: Tensor) -> Tensor:
         """Leave ``x`` unchanged in the forward pass; quantise its gradient in the backward.
@@ -324,7 +351,7 @@ class FPFormat:
             ([1.25, 2.5], [1.0, 2.0])
         """
         x = self._check_input(x, "quantise_bwd")
-        return _QuantiseBackward.apply(x, self)
+        return _QuantiseBackward.apply(x, self._kernel)
 
     def _check_input(self, x: object, method: str) -> Tensor:
         if not isinstance(x, Tensor):
@@ -362,12 +389,6 @@ PRESETS: MappingProxyType[str, FPFormat] = MappingProxyType(
 )
 """The presets by key; the keys match ``unitscale.tracking.metrics.FORMAT_KEYS``."""
 
-_NATIVE_DTYPES: dict[tuple[int, int, str], torch.dtype] = {
-    (4, 3, "nan_only"): torch.float8_e4m3fn,
-    (5, 2, "ieee"): torch.float8_e5m2,
-    (5, 10, "ieee"): torch.float16,
-    (8, 7, "ieee"): torch.bfloat16,
-}
 _PRESET_BY_DTYPE = {fmt.torch_dtype: fmt for fmt in PRESETS.values()}
 
 

@@ -1,22 +1,35 @@
 """Rounding kernels behind :meth:`FPFormat.quantise`: native casts where PyTorch has the
 format, bit manipulation otherwise, and a hashed random-bits generator for stochastic rounding.
 
-Design constraints: the kernels read only the format's fields; they never allocate more than
-a few buffers the size of the input, and they compile (no data-dependent Python control flow).
+Design constraints: the kernels read only plain numbers (:class:`KernelFormat`, which
+:class:`~unitscale.formats.FPFormat` builds; this module never imports it); they never
+allocate more than a few buffers the size of the input, and they compile (no data-dependent
+Python control flow).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from . import _ops
 from ._native import rounding
 
-if TYPE_CHECKING:
-    from ._format import FPFormat
+
+class KernelFormat(NamedTuple):
+    """What the kernels need to know of a format, as plain numbers (built by ``FPFormat``)."""
+
+    exponent_bits: int
+    mantissa_bits: int
+    rounding: str  # "nearest" or "stochastic"
+    special_values: str  # "ieee", "nan_only" or "none"
+    max_absolute_value: float
+    min_normal_exponent: int
+    torch_dtype: torch.dtype | None
+    bounds: dict[torch.dtype, float]  # per input dtype: the largest value it holds
 
 
 class _Work(NamedTuple):
@@ -36,7 +49,7 @@ class _QuantiseForward(torch.autograd.Function):
     """``y = fmt.quantise(x)``; ``grad_x = grad_y``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+    def forward(ctx: Any, x: Tensor, fmt: KernelFormat) -> Tensor:
         return _quantise(fmt, x, None)
 
     @staticmethod
@@ -48,7 +61,7 @@ class _QuantiseBackward(torch.autograd.Function):
     """``y = x``; ``grad_x = fmt.quantise(grad_y)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fmt: FPFormat) -> Tensor:
+    def forward(ctx: Any, x: Tensor, fmt: KernelFormat) -> Tensor:
         ctx.fmt = fmt
         # A copy, not a view: the caller may modify the result in place (``y += x``), which
         # autograd forbids on a view returned by a custom Function.
@@ -60,7 +73,7 @@ class _QuantiseBackward(torch.autograd.Function):
 
 
 def _quantise(
-    fmt: FPFormat,
+    fmt: KernelFormat,
     x: Tensor,
     generator: torch.Generator | None,
     allow_native: bool = True,
@@ -69,12 +82,16 @@ def _quantise(
     """``fmt``'s rounding of ``x``. ``allow_native``: torch's own casts where it has the
     format; ``allow_c``: the C kernel for contiguous float32 CPU tensors (both bit for bit
     the same as the bit-manipulation path, which is what runs without them)."""
-    bound = fmt._bounds[x.dtype]
+    bound = fmt.bounds[x.dtype]
+    if allow_c and torch.compiler.is_compiling():
+        compiled = _native_op(fmt, x, bound, generator)
+        if compiled is not None:
+            return compiled
     if fmt.rounding == "nearest":
         if allow_c and _c_nearest_applies(fmt, x) and rounding.available():
             # No exception is caught here: whether the kernel applies is decided above, so
             # an error from it is a bug to surface, not a reason to fall back.
-            return rounding.nearest(x, 23 - fmt.mantissa_bits, bound, fmt._min_normal_exponent)
+            return rounding.nearest(x, 23 - fmt.mantissa_bits, bound, fmt.min_normal_exponent)
         native = fmt.torch_dtype
         if (
             allow_native
@@ -95,11 +112,29 @@ def _quantise(
         # logical order only, so a copy in float32 rounds the same.
         x32 = x.to(torch.float32).contiguous()
         seeds = _draw_seeds(x.device, generator)
-        return rounding.stochastic(x32, drop, bound, fmt._min_normal_exponent, seeds).to(x.dtype)
+        return rounding.stochastic(x32, drop, bound, fmt.min_normal_exponent, seeds).to(x.dtype)
     return _stochastic_bits(x, fmt, _WORK64 if wide else _WORK32, bound, generator)
 
 
-def _c_nearest_applies(fmt: FPFormat, x: Tensor) -> bool:
+def _native_op(
+    fmt: KernelFormat, x: Tensor, bound: float, generator: torch.Generator | None
+) -> Tensor | None:
+    """While compiling: the C kernel's rounding of ``x`` as a custom op (see :mod:`._ops`),
+    or None where it does not take ``x`` (then Inductor fuses the PyTorch path)."""
+    if x.device.type != "cpu" or not _ops.native_available():
+        return None
+    drop = 23 - fmt.mantissa_bits
+    if fmt.rounding == "nearest":
+        if x.dtype != torch.float32:
+            return None
+        return _ops.round_nearest(x, drop, bound, fmt.min_normal_exponent)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or drop == 0:
+        return None
+    seeds = _draw_seeds(x.device, generator)
+    return _ops.round_stochastic(x, drop, bound, fmt.min_normal_exponent, seeds)
+
+
+def _c_nearest_applies(fmt: KernelFormat, x: Tensor) -> bool:
     """Whether the C kernel computes ``fmt``'s nearest rounding of ``x``: a plain contiguous
     float32 CPU tensor, outside compilation (every format fits in float32's layout)."""
     return _c_kernel_takes(x) and x.dtype == torch.float32 and x.is_contiguous()
@@ -150,7 +185,7 @@ def _cast_saturates(device: torch.device, dtype: torch.dtype, max_value: float) 
     return known
 
 
-def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float) -> Tensor:
+def _nearest_native(x: Tensor, fmt: KernelFormat, native: torch.dtype, bound: float) -> Tensor:
     """Round to nearest with torch's own cast to ``native``, saturating at ``±bound``.
 
     Each variant makes as few passes over memory as it can: the saturation is done on the
@@ -176,7 +211,7 @@ def _nearest_native(x: Tensor, fmt: FPFormat, native: torch.dtype, bound: float)
     return x.clamp(-bound, bound).to(native).to(x.dtype)
 
 
-def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor:
+def _nearest_bits(x: Tensor, fmt: KernelFormat, work: _Work, bound: float) -> Tensor:
     """Round ``x`` to nearest, ties to even, saturating at ``±bound``, in ``work``'s dtype.
 
     Written for few passes over memory in eager mode: two fresh buffers and a mask, the rest
@@ -202,7 +237,7 @@ def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor
     # Subnormal range: one float addition rounds to nearest-even at the step of a number
     # whose ulp is the format's subnormal step. NaN takes this branch and stays NaN. (The
     # rounded bits above kept x's sign, so xf itself can become the magnitude.)
-    emin = fmt._min_normal_exponent
+    emin = fmt.min_normal_exponent
     magnitude = xf.abs_()
     is_normal = magnitude >= 2.0**emin
     magic = 2.0 ** (emin + drop)
@@ -214,7 +249,7 @@ def _nearest_bits(x: Tensor, fmt: FPFormat, work: _Work, bound: float) -> Tensor
 
 def _stochastic_bits(
     x: Tensor,
-    fmt: FPFormat,
+    fmt: KernelFormat,
     work: _Work,
     bound: float,
     generator: torch.Generator | None,
@@ -237,7 +272,7 @@ def _stochastic_bits(
     # Below the format's smallest normal, shift the value into the binade [2**emin,
     # 2**(emin + 1)), whose step in the format is the subnormal step, and shift it back after
     # (both exact, but for the first addition's rounding to the working precision).
-    emin = fmt._min_normal_exponent
+    emin = fmt.min_normal_exponent
     if emin > work.min_normal_exponent:
         small = _is_below(magnitude, emin, work)
         magnitude.add_(small, alpha=2.0**emin)

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import custom_op
 
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
@@ -122,11 +123,17 @@ def scaled_dot_product_attention(
             "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
         )
     mult = check_mult("scaled_dot_product_attention", mult)
-    queries, keys = _specialised_int(query.shape[-2]), _specialised_int(key.shape[-2])
     head_dim, value_dim = _specialised_int(query.shape[-1]), value.shape[-1]
     score_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * mult
     if mult != 1.0:
         scale = score_scale
+    if isinstance(query.shape[-2], torch.SymInt) or isinstance(key.shape[-2], torch.SymInt):
+        # Lengths that vary under torch.compile: the same rule with tensor scales, one graph
+        # for every length (specialising would compile a graph per length).
+        return dynamic_length_attention(
+            query, key, value, dropout_p, is_causal, score_scale, scale, enable_gqa, constraint
+        )
+    queries, keys = _specialised_int(query.shape[-2]), _specialised_int(key.shape[-2])
     logit_var = score_scale * score_scale * head_dim
     mean_v, mean_g = _attention_moments(queries, keys, bool(is_causal), logit_var)
     keep = 1.0 - dropout_p
@@ -171,12 +178,44 @@ def _moment_lists(keys: int, logit_var: float) -> tuple[list[float], list[float]
     return _TABLES[cache_key]
 
 
+@custom_op("unitscale::softmax_moment_table", mutates_args=())
+def softmax_moment_table(like: Tensor, keys: int, logit_var: float, dtype: torch.dtype) -> Tensor:
+    """``v(n)`` and ``G(n)`` for ``n = 0..keys`` (:func:`_moment_lists`) as one ``(2, keys + 1)``
+    tensor on ``like``'s device: an op, so that under ``torch.compile`` ``keys`` can be a
+    dynamic size (the tables are integrated numerically, for the concrete length, at run
+    time) and one graph serves every length."""
+    v, g = _moment_lists(int(keys), logit_var)
+    return torch.tensor([v, g], device=like.device, dtype=dtype)
+
+
+@softmax_moment_table.register_fake
+def _softmax_moment_table_fake(
+    like: Tensor, keys: int, logit_var: float, dtype: torch.dtype
+) -> Tensor:
+    return like.new_empty((2, keys + 1), dtype=dtype)
+
+
+def _no_gradient(ctx: object, grad: Tensor) -> tuple[None, None, None, None]:
+    """The tables depend on ``like``'s sizes, not its values."""
+    return None, None, None, None
+
+
+softmax_moment_table.register_autograd(_no_gradient)
+
+
 def _moment_tables(
     keys: int, logit_var: float, like: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """The moment tables as tensors on ``like``'s device: cached per device in eager mode;
     built from Python floats (constants of the graph) while being compiled or traced with
-    fake tensors (a cached real tensor cannot be indexed by a fake one on torch < 2.8)."""
+    fake tensors (a cached real tensor cannot be indexed by a fake one on torch < 2.8); from
+    :func:`softmax_moment_table` for a symbolic ``keys`` (a dynamic length), and always
+    under TorchDynamo, which shows a symbolic size to ``isinstance`` as an int."""
+    if isinstance(keys, torch.SymInt) or torch.compiler.is_dynamo_compiling():
+        # Detached: the scales carry no gradient (none would reach ``like`` anyway, but the
+        # backward would reduce every scaled tensor to compute it).
+        table = softmax_moment_table(like.detach(), keys, logit_var, dtype)
+        return table[0], table[1]
     v, g = _moment_lists(keys, logit_var)
     device = like.device
     if torch.compiler.is_compiling() or type(like) not in (Tensor, torch.nn.Parameter):
@@ -247,10 +286,9 @@ def masked_scaled_dot_product_attention(
         raise UnsupportedArgumentError(
             "scaled_dot_product_attention", "dropout_p", dropout_p, "use 0 <= dropout_p < 1"
         )
-    queries, keys = int(query.shape[-2]), int(key.shape[-2])
-    head_dim, value_dim = int(query.shape[-1]), int(value.shape[-1])
+    queries, keys = _length(query.shape[-2]), _length(key.shape[-2])
+    head_dim = _specialised_int(query.shape[-1])
     score_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    logit_var = score_scale * score_scale * head_dim
     visible = _visible(attn_mask)
     if is_causal:
         # PyTorch's kernels then show a key where both the mask and the causal rule allow it
@@ -264,6 +302,65 @@ def masked_scaled_dot_product_attention(
             attn_mask = torch.where(causal, attn_mask, float("-inf"))
     visible = visible.expand(*visible.shape[:-2], queries, keys)
     counts = visible.sum(-1).clamp(max=keys)
+    return _attend(
+        query, key, value, attn_mask, False, counts, score_scale, scale, dropout_p, enable_gqa,
+        constraint,
+    )  # fmt: skip
+
+
+def dynamic_length_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    score_scale: float,
+    scale: float | None,
+    enable_gqa: bool,
+    constraint: str | None,
+) -> Tensor:
+    """:func:`unitscale.functional.scaled_dot_product_attention` (no mask) for query or key
+    lengths that are dynamic sizes under ``torch.compile``: the same rule, with the key count
+    of each query row (``min(i + 1, keys)`` if ``is_causal``, else ``keys``) as a tensor and
+    the scales as 0-dim tensors, so that one graph serves every length instead of one graph
+    (and one compilation) per length. ``score_scale`` is the rule's score scale (the
+    caller's, ``mult`` included); ``scale`` is what ``F.scaled_dot_product_attention`` gets."""
+    queries, keys = query.shape[-2], key.shape[-2]
+    if is_causal:
+        rows = torch.arange(1, queries + 1, device=query.device)
+        counts = rows.clamp(max=keys)
+    else:
+        counts = torch.full((1,), keys, device=query.device)
+    return _attend(
+        query, key, value, None, is_causal, counts, score_scale, scale, dropout_p, enable_gqa,
+        constraint,
+    )  # fmt: skip
+
+
+def _length(size: int) -> int:
+    """A sequence length as it is: an int, or a symbolic size under ``torch.compile``
+    (``int()`` would specialise the graph to it: a recompile per length)."""
+    return size if isinstance(size, torch.SymInt) else int(size)
+
+
+def _attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    counts: Tensor,
+    score_scale: float,
+    scale: float | None,
+    dropout_p: float,
+    enable_gqa: bool,
+    constraint: str | None,
+) -> Tensor:
+    """Attention scaled by the rule for the key ``counts`` of the query rows (a tensor):
+    the moments averaged over the rows, the scales as 0-dim tensors (no host sync)."""
+    queries, keys = _length(query.shape[-2]), _length(key.shape[-2])
+    head_dim, value_dim = _specialised_int(query.shape[-1]), _specialised_int(value.shape[-1])
+    logit_var = score_scale * score_scale * head_dim
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32
     v_table, g_table = _moment_tables(keys, logit_var, query, dtype)
     mean_v = v_table[counts].mean()
@@ -285,6 +382,7 @@ def masked_scaled_dot_product_attention(
         _scale_grad(value, v_scale / out_scale),
         attn_mask=attn_mask,
         dropout_p=dropout_p,
+        is_causal=is_causal,
         scale=scale,
         enable_gqa=enable_gqa,
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..errors import UnitScaleError, UnsupportedArgumentError
@@ -59,8 +60,12 @@ def _rsqrt(n: float) -> float:
     """``1 / sqrt(n)``, with 1 for an empty fan (nothing is summed, nothing to correct).
 
     A scale is never silently dropped: a NaN, infinite or negative ``n`` (a variance that
-    went wrong) raises instead of leaving the tensor unscaled.
+    went wrong) raises instead of leaving the tensor unscaled. A symbolic ``n`` (a count from
+    a dynamic size under ``torch.compile``, at least 2) gives a symbolic scale, unchecked:
+    a check would specialise the graph to one size.
     """
+    if isinstance(n, torch.SymInt | torch.SymFloat):
+        return 1.0 / torch.sym_sqrt(n)
     if not math.isfinite(n) or n < 0:
         raise UnitScaleError(
             f"unitscale.functional: a scale was computed from the variance {n!r}, which is "

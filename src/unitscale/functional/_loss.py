@@ -100,7 +100,11 @@ def cross_entropy(
     eps = float(label_smoothing)
     target_sq = (1.0 - eps) ** 2 + 2.0 * eps * (1.0 - eps) / classes + eps * eps / classes
     grad_scale = math.sqrt(classes / max(v - 2.0 / classes + target_sq, 1e-12)) / mult
-    if reduction == "mean":
+    if reduction == "mean" and isinstance(batch, torch.SymInt):
+        # A dynamic size (torch.compile): kept an integer factor of its own, which Inductor
+        # treats as a size; a float product with it would be specialised to one size.
+        input = scale_bwd(input, batch)
+    elif reduction == "mean":
         grad_scale *= batch
     if mult != 1.0:
         input = scale_fwd_bwd(input, mult, mult)  # a true gradient; grad_scale has 1/mult

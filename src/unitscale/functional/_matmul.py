@@ -329,5 +329,7 @@ def scaled_embedding(
     """:func:`embedding`'s scaling, told whether dimension 0 of ``input`` is the sharded
     batch (token ids) or not (position ids shared by every example)."""
     shards, size = shared_counts(batched)
-    weight = scale_bwd(weight, size * math.sqrt(weight.shape[0] / max(input.numel() * shards, 1)))
+    # sym_sqrt/sym_max: plain math for ints, symbolic for a dynamic size under torch.compile.
+    rows = torch.sym_max(input.numel() * shards, 1)
+    weight = scale_bwd(weight, size * torch.sym_sqrt(weight.shape[0] / rows))
     return F.embedding(input, weight, padding_idx)

@@ -81,8 +81,16 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
-    if cached is not None and cached.key == key and cached.unshared():
-        return cached.refill(trace, track)
+    if cached is not None and cached.key == key and cached.intact():
+        if cached.unshared():
+            return cached.refill(trace, track)
+        # The caller holds the last graph (a loop's ``graph = scales_graph()``), which must
+        # not change: refill a copy of its nodes instead of joining the pieces again.
+        joined = cached.copy()
+        joined.refill(trace, track)
+        joined.seal()
+        track._joined = joined
+        return joined.graph
     track._joined = None  # drop the old graph before building the new one
     graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
     joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
@@ -170,10 +178,12 @@ class _Joined:
         self.counts = self._counts()
 
     def unshared(self) -> bool:
-        """True when only this object refers to the graph, its nodes and their meta dicts,
-        and the nodes are as built."""
-        if self.counts is None or self._counts() != self.counts:
-            return False
+        """True when only this object refers to the graph, its nodes and their meta dicts
+        (and the nodes are as built: see :meth:`intact`)."""
+        return self.counts is not None and self._counts() == self.counts
+
+    def intact(self) -> bool:
+        """True when the graph's nodes are as built (none added, removed or edited)."""
         nodes = self.graph.nodes
         if len(nodes) != len(self.nodes):
             return False
@@ -188,6 +198,19 @@ class _Joined:
             ):
                 return False
         return True
+
+    def copy(self) -> _Joined:
+        """A new graph with this one's nodes (names, ops, targets, args; their meta left to
+        :meth:`refill`), for when this graph is held elsewhere and must not change: copying
+        nodes costs a fraction of joining the pieces again."""
+        graph = fx.Graph()
+        copies: dict[fx.Node, fx.Node] = {}
+        for node in self.graph.nodes:
+            duplicate = graph.node_copy(node, lambda arg: copies[arg])
+            duplicate.meta = {}  # a plan node's meta is refilled; no other node has any
+            copies[node] = duplicate
+        plan = [(kind, copies[node], *rest) for kind, node, *rest in self.plan]
+        return _Joined(self.key, graph, plan, self.pieces)
 
     def refill(self, trace: Sequence[Invocation], track: TrackScalesPass) -> fx.Graph:
         """The kept graph with this call's shapes and statistics (new ``Metrics``)."""
