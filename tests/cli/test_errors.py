@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import unitscale.analysis
 from unitscale.cli import main
-from unitscale.tracking import ScaleMonitor
 
 FACTORY = """
 import torch
@@ -53,10 +53,10 @@ def test_analyse_fails_when_the_unit_scaled_twin_cannot_be_built(
 def test_train_does_not_turn_a_heatmap_bug_into_a_note(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def broken_heatmap(self: ScaleMonitor, *args: object, **kwargs: object) -> None:
+    def broken_heatmap(*args: object, **kwargs: object) -> None:
         raise ValueError("a bug in the heatmap")
 
-    monkeypatch.setattr(ScaleMonitor, "heatmap", broken_heatmap)
+    monkeypatch.setattr(unitscale.analysis, "scale_heatmap", broken_heatmap)
     monkeypatch.delenv("UNITSCALE_DEBUG", raising=False)
     tiny = ["--steps", "2", "--width", "8", "--heads", "1", "--depth", "1", "--seq-len", "8"]
     tiny += ["--batch-size", "2", "--eval-every", "1", "--eval-batches", "1", "--no-progress"]

@@ -7,22 +7,22 @@ from typing import Any
 
 import pytest
 
+import unitscale.analysis
 from unitscale.cli import main
-from unitscale.tracking import ScaleMonitor
 
 
 def test_every_run_s_heatmap_shares_one_colour_range_per_direction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     drawn: list[tuple[str, float]] = []
-    original = ScaleMonitor.heatmap
+    original = unitscale.analysis.scale_heatmap
 
-    def recording(self: ScaleMonitor, *args: Any, **kwargs: Any) -> Any:
-        ax = original(self, *args, **kwargs)
-        drawn.append((args[1], ax.images[0].norm.vmax))
+    def recording(table: Any, metric: str, direction: str, **kwargs: Any) -> Any:
+        ax = original(table, metric, direction, **kwargs)
+        drawn.append((direction, ax.images[0].norm.vmax))
         return ax
 
-    monkeypatch.setattr(ScaleMonitor, "heatmap", recording)
+    monkeypatch.setattr(unitscale.analysis, "scale_heatmap", recording)
     tiny = ["--steps", "4", "--width", "8", "--heads", "1", "--depth", "1", "--seq-len", "8"]
     tiny += ["--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--no-progress"]
     runs = ["--runs", "plain-fp32,unit-scaled-fp32", "--monitor-every", "2"]

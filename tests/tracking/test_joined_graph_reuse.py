@@ -91,11 +91,11 @@ def test_a_held_graph_is_copied_and_refilled_not_joined_again(
     # A user's loop holds the last graph (`graph = tracked.scales_graph()`) until the next
     # read: that read copies the held graph's nodes and refills the copy (joining the pieces
     # again costs several times more), equal to a fresh build, the held graph unchanged.
-    from unitscale.tracking import _recorder
+    from unitscale.tracking import _join, _recorder
 
     builds = []
-    build = _recorder._build
-    monkeypatch.setattr(_recorder, "_build", lambda *a, **k: builds.append(1) or build(*a, **k))
+    build = _join._build
+    monkeypatch.setattr(_join, "_build", lambda *a, **k: builds.append(1) or build(*a, **k))
     track = next(p for p in tracked.passes if isinstance(p, _recorder.TrackScalesPass))
     step(tracked, torch.randn(4, 8))
     held = tracked.scales_graph()

@@ -15,12 +15,19 @@ import torch
 from torch import nn
 
 import unitscale.tracking._recorder as recorder
-from unitscale.analysis import graph_to_dataframe, scale_heatmap, tensorboard_available
+from unitscale.analysis import (
+    graph_to_dataframe,
+    scale_heatmap,
+    tensorboard_available,
+    tensorboard_sink,
+    write_tensorboard,
+)
 from unitscale.experiments.data import batches
 from unitscale.experiments.models import GPTConfig, plain_gpt, unit_scaled_gpt
 from unitscale.tracking import (
     LONG_COLUMNS,
     MonitorError,
+    MonitorRecord,
     NonFiniteError,
     NonFiniteWarning,
     ScaleMonitor,
@@ -327,19 +334,95 @@ def test_csv_and_tensorboard_export(tmp_path: pytest.TempPathFactory) -> None:
             self.points.append((tag, value, step))
 
     writer = FakeWriter()
-    monitor.write_tensorboard(writer, metrics=["rms"])
+    write_tensorboard(monitor.records, writer, metrics=["rms"])
     rms = table[table["metric"] == "rms"]
     assert len(writer.points) == len(rms)
     assert {step for _, _, step in writer.points} == {0, 2}
     weight = rms[(rms["tensor"] == "0.weight") & (rms["direction"] == "bwd") & (rms["step"] == 2)]
     assert ("rms/bwd/0.weight", weight["value"].item(), 2) in writer.points
+    with pytest.raises(MonitorError, match=r"metric\(s\) \['mean_abs'\] were not kept"):
+        write_tensorboard(monitor.records, writer, metrics=["mean_abs"])
+
+    # The deprecated method forwards to the same function, with a warning naming it.
+    forwarded = FakeWriter()
+    with pytest.warns(DeprecationWarning, match=r"unitscale.analysis.write_tensorboard"):
+        monitor.write_tensorboard(forwarded, metrics=["rms"])
+    assert forwarded.points == writer.points
     with pytest.raises(MonitorError, match=r"TensorBoard metric\(s\) \['mean_abs'\] were not kept"):
         monitor.write_tensorboard(writer, metrics=["mean_abs"])
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.points: list[tuple[str, float, int]] = []
+        self.flushes = 0
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.points.append((tag, value, step))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def _train_three_steps(monitor: ScaleMonitor) -> None:
+    torch.manual_seed(0)
+    for _ in range(3):
+        monitor.module(torch.randn(4, 8)).pow(2).mean().backward()
+        monitor.step()
+
+
+def test_on_record_receives_each_recorded_step_as_it_is_recorded() -> None:
+    received: list[tuple[int, int]] = []  # (step count when called, steps in the records)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def on_record(records: list[MonitorRecord]) -> None:
+        received.append((monitor.step_count, len({r.step for r in records})))
+
+    monitor = ScaleMonitor(model, every=2, metrics=["rms"], on_record=on_record)
+    _train_three_steps(monitor)
+    assert received == [(0, 1), (2, 1)]  # during step 0 and step 2, one step each
+    assert monitor.records and all(isinstance(r, MonitorRecord) for r in monitor.records)
+    with pytest.raises(MonitorError, match=r"on_record=3 must be callable"):
+        ScaleMonitor(model, on_record=3)  # type: ignore[arg-type]
+
+
+def test_tensorboard_sink_while_training_equals_writing_afterwards() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    live = _Writer()
+    monitor = ScaleMonitor(
+        model, every=2, metrics=["rms"], on_record=tensorboard_sink(live, ["rms"])
+    )
+    _train_three_steps(monitor)
+    after = _Writer()
+    write_tensorboard(monitor.records, after, ["rms"])
+    assert live.points and live.points == after.points
+    flushes = live.flushes
+    monitor.close()
+    assert live.flushes == flushes + 1
+
+    # The deprecated ``tensorboard=`` argument forwards to the same sink.
+    forwarded = _Writer()
+    with pytest.warns(DeprecationWarning, match=r"on_record=unitscale.analysis.tensorboard_sink"):
+        old = ScaleMonitor(
+            copy.deepcopy(model),
+            every=2,
+            metrics=["rms"],
+            tensorboard=forwarded,
+            tensorboard_metrics=["rms"],
+        )
+    _train_three_steps(old)
+    assert len(forwarded.points) == len(live.points)
+    assert [tag for tag, _, _ in forwarded.points] == [tag for tag, _, _ in live.points]
 
 
 @pytest.mark.skipif(tensorboard_available(), reason="tensorboard is installed")
 def test_tensorboard_folder_without_tensorboard_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(MonitorError, match=r"needs the tensorboard package: pip install"):
+        tensorboard_sink(str(tmp_path))
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(MonitorError, match=r"needs the tensorboard package: pip install"),
+    ):
         ScaleMonitor(nn.Linear(2, 2), tensorboard=str(tmp_path))
 
 
@@ -374,6 +457,10 @@ def test_heatmap_log2_colours_labels_and_non_finite_cells() -> None:
 
 def test_monitor_heatmap_from_training() -> None:
     monitor = _one_step_monitor()
-    ax = monitor.heatmap("rms", "bwd")
+    ax = scale_heatmap(monitor.table(), "rms", "bwd")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "2"]
     assert "gradients" in ax.get_title()
+    # The deprecated method forwards to scale_heatmap of the table, with a warning naming it.
+    with pytest.warns(DeprecationWarning, match=r"unitscale.analysis.scale_heatmap"):
+        forwarded = monitor.heatmap("rms", "bwd")
+    np.testing.assert_array_equal(forwarded.images[0].get_array(), ax.images[0].get_array())

@@ -7,9 +7,9 @@ the functions that need them, so importing this package is cheap. ``ScaleMonitor
 :mod:`unitscale.tracking`) records; :func:`scale_heatmap` and the TensorBoard export present.
 """
 
-# DESIGN names example_batch here: the bundled corpus of the demo package, for examples.
+# DESIGN names example_batch here: the bundled corpus (unitscale.data), for examples.
+from ..data import example_batch
 from ..errors import AnalysisError
-from ..experiments.data import example_batch
 from .annotated import analyse_module
 from .dataframe import graph_to_dataframe
 from .heatmap import scale_heatmap
@@ -23,7 +23,13 @@ from .risk import (
     risk_summary,
     structural_zeros,
 )
-from .tensorboard import tensorboard_available, write_scalars
+from .tensorboard import (
+    TensorBoardSink,
+    tensorboard_available,
+    tensorboard_sink,
+    write_scalars,
+    write_tensorboard,
+)
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # errors
@@ -37,8 +43,11 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "scale_heatmap",
     "write_report",
     # export
+    "TensorBoardSink",
     "tensorboard_available",
+    "tensorboard_sink",
     "write_scalars",
+    "write_tensorboard",
     # risk in low-precision formats
     "RISK_FRACTION",
     "FormatRisk",

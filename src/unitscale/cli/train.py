@@ -203,7 +203,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
     progress: Callable[[str], None] = start_command("train")
-    from ..analysis.tensorboard import tensorboard_available
+    from ..analysis import scale_heatmap, tensorboard_available, write_tensorboard
     from ..experiments import report, training
     from ..tracking import MonitorError
     from ._launch import init_from_environment, is_rank_zero, launch
@@ -248,8 +248,12 @@ def run(args: argparse.Namespace) -> int:
         written.append(monitor.to_csv(out / f"scales_{slug(name, 'run')}.csv"))
         for direction, what in (("fwd", "values"), ("bwd", "gradients")):
             try:
-                ax = monitor.heatmap(
-                    "rms", direction, title=f"{name}: rms of tensor {what}", span=spans[direction]
+                ax = scale_heatmap(
+                    monitor.table(),
+                    "rms",
+                    direction,
+                    title=f"{name}: rms of tensor {what}",
+                    span=spans[direction],
                 )
             except MonitorError as exc:  # no records in that direction: skip the picture
                 progress(f"{name}: no {direction} heatmap ({exc})")
@@ -259,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             written.append(report.save_png(heatmap, png))
             heatmaps.append((f"{name}: rms of tensor {what} over training (log2)", heatmap))
         if tensorboard:
-            monitor.write_tensorboard(out / "tensorboard" / slug(name, "run"), metrics=("rms",))
+            write_tensorboard(monitor.records, out / "tensorboard" / slug(name, "run"), ("rms",))
     if config.monitor_every is not None:
         if tensorboard:
             written.append(out / "tensorboard")

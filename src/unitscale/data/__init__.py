@@ -1,7 +1,11 @@
-"""``unitscale.data``: the name DESIGN.md and the README use for
-``unitscale.experiments.data`` (where the code lives)."""
+"""``unitscale.data``: bundled text, a byte-level tokenizer and deterministic batches.
 
-from ..experiments.data import (
+A layer of its own below :mod:`unitscale.analysis` (whose ``example_batch`` it is) and
+``unitscale.experiments`` (which re-exports it as ``unitscale.experiments.data``): it needs
+only :mod:`unitscale.errors` and torch. The code is in ``_corpus.py``.
+"""
+
+from ._corpus import (
     HELDOUT_FRACTION,
     VOCAB_SIZE,
     Batch,

@@ -251,18 +251,19 @@ class ScaleMonitorCallback(TrainerCallback):
         self.first_step = int(getattr(state, "global_step", 0) or 0)
         self._main_process = bool(getattr(state, "is_world_process_zero", True))
         out = self._out(args)
-        writer: Any = None
-        if self._main_process and self._tensorboard_wanted():
-            writer = out / "tensorboard"
+        sink: Any = None
         try:
+            if self._main_process and self._tensorboard_wanted():
+                from ..analysis import tensorboard_sink
+
+                sink = tensorboard_sink(out / "tensorboard", self.tensorboard_metrics)
             self.monitor = ScaleMonitor(
                 model,
                 self.every,
                 metrics=self.metrics,
                 on_non_finite="ignore",  # reported here, with the Trainer's step
                 check_finite=self.check_finite,
-                tensorboard=writer,
-                tensorboard_metrics=self.tensorboard_metrics,
+                on_record=sink,
             )
         except MonitorError as error:
             raise IntegrationError(f"ScaleMonitorCallback: {error}") from error

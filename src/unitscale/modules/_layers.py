@@ -211,7 +211,17 @@ class Conv1d(nn.Conv1d):
         return f"{super().extra_repr()}, constraint={self.constraint!r}"
 
 
-class LayerNorm(nn.LayerNorm):
+class _TorchArgsTagged(nn.Module):
+    """Base of the wrappers that take their torch class's own arguments unchanged (the norms):
+    the torch class builds the parameters, then :func:`~unitscale.parameter.tag_module` tags
+    them with their u-muP roles. Listed before the torch class in the bases."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tag_module(self)
+
+
+class LayerNorm(_TorchArgsTagged, nn.LayerNorm):
     """Unit-scaled ``nn.LayerNorm``; ``forward`` calls :func:`unitscale.functional.layer_norm`.
 
     Same arguments as ``nn.LayerNorm`` (weight 1, bias 0). No constraint (none applies).
@@ -222,15 +232,11 @@ class LayerNorm(nn.LayerNorm):
         1.0
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        tag_module(self)
-
     def forward(self, input: Tensor) -> Tensor:
         return U.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_TorchArgsTagged, nn.RMSNorm):
     """Unit-scaled ``nn.RMSNorm``; ``forward`` calls :func:`unitscale.functional.rms_norm`.
 
     Same arguments as ``nn.RMSNorm`` (weight 1). No constraint (none applies).
@@ -240,10 +246,6 @@ class RMSNorm(nn.RMSNorm):
         >>> round(RMSNorm(256)(0.2 * torch.randn(64, 256)).std().item(), 2)
         1.0
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        tag_module(self)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)

@@ -1,7 +1,11 @@
 """Scale tracking: statistics, the recording pass, records of a tracked graph, pruning, and
-:class:`ScaleMonitor` (statistics during training, non-finite localisation)."""
+:class:`ScaleMonitor` (statistics during training, non-finite localisation).
 
-from ._recorder import TrackScalesPass, build_scales_graph
+This layer collects and returns tables and records; drawing and TensorBoard export are
+:mod:`unitscale.analysis` functions of them (see :class:`ScaleMonitor`)."""
+
+from ._join import build_scales_graph
+from ._recorder import TrackScalesPass
 from .metrics import (
     FORMAT_KEYS,
     FORMAT_RANGES,

@@ -19,9 +19,19 @@ Design constraints:
   to the inputs, the RNG state, the outputs and the output gradients (dropped at ``step()``);
 - nothing is copied to the host on steps that do not record, except the one finiteness flag;
 - the records come from :func:`~unitscale.tracking.records.graph_records`, the same as
-  ``graph_to_dataframe`` of ``track_scales`` on the same step; presentation (the heatmap and
-  TensorBoard export, in :mod:`unitscale.analysis`) only consumes the table. pandas,
-  matplotlib and tensorboard are imported where they are used.
+  ``graph_to_dataframe`` of ``track_scales`` on the same step (:mod:`._monitor_table`); the
+  non-finite localisation is :mod:`._nonfinite`. pandas is imported where it is used.
+- the monitor only collects: it returns its table (:meth:`ScaleMonitor.table`) and its
+  records (:attr:`ScaleMonitor.records`), and hands each recorded step to ``on_record``
+  receivers. Presentation is :mod:`unitscale.analysis`, a later layer, which
+  :mod:`unitscale.tracking` does not import: ``scale_heatmap(monitor.table())``,
+  ``write_tensorboard(monitor.records, folder)``, ``on_record=tensorboard_sink(folder)``.
+  The earlier methods ``heatmap()`` and ``write_tensorboard()`` and the ``tensorboard=``
+  argument stay as deprecated forwards: they warn, and import :mod:`unitscale.analysis` when
+  called, through ``_analysis()`` below, the one exception ``tests/test_layers.py`` allows.
+  (Chosen over methods that ``unitscale.analysis`` would attach to the class, which would make
+  a method's existence depend on an import, and over keeping them as plain methods, which
+  would keep the upward import as the rule.)
 """
 
 from __future__ import annotations
@@ -29,8 +39,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,12 +49,12 @@ from torch import Tensor, nn
 
 from .._lazy_dynamo import is_optimized_module
 from ..capture import GraphPass, Stage, TransformedModule, iter_tensors
-from ..errors import MonitorError, UnitScaleError
+from ..errors import MonitorError
 from . import _distributed
+from ._monitor_table import LONG_COLUMNS, MonitorRecord, long_table, step_records
+from ._nonfinite import NonFiniteError, NonFiniteReport, NonFiniteWarning, _first_non_finite
 from ._recorder import TrackScalesPass
-from .metrics import Metrics
-from .records import METRIC_NAMES, op_name
-from .rows import prepare_rows
+from .records import METRIC_NAMES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -58,98 +67,13 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "NonFiniteWarning",
     # records
     "LONG_COLUMNS",
+    "MonitorRecord",
     "NonFiniteReport",
     # the monitor
     "ScaleMonitor",
 ]
 
-#: Columns of :meth:`ScaleMonitor.table <unitscale.tracking.ScaleMonitor.table>`, in order.
-LONG_COLUMNS: tuple[str, ...] = (
-    "step",
-    "tensor",
-    "direction",
-    "metric",
-    "value",
-    "module",
-    "op",
-    "tensor_type",
-    "label",
-    "row",
-    "same_scale",
-)
-
 OnNonFinite = Literal["warn", "raise", "ignore"]
-
-
-class NonFiniteWarning(RuntimeWarning):
-    """A NaN or Inf appeared during training (``on_non_finite="warn"``)."""
-
-
-@dataclass(frozen=True)
-class NonFiniteReport:
-    """Where a NaN or Inf first appeared: which tensor, which direction, which step.
-
-    Attributes:
-        step: the training step (0-based, as counted by :meth:`ScaleMonitor.step`).
-        trigger: what the per-step check saw: ``"loss"`` (the loss or module output) and/or
-            ``"gradients"`` (a parameter gradient), e.g. ``"loss and gradients"``.
-        tensor: the first tensor holding a NaN or Inf in the replayed step (its clean name, as
-            in ``track_scales``), or None when every tracked tensor was finite in the replay.
-        direction: ``"fwd"`` (the tensor's value) or ``"bwd"`` (its gradient), or None.
-        module: qualified name of the module that produced it ("" at top level).
-        op: what computed it (``"linear"``, ``"add"``, ``"parameter"``, ...).
-        nan_count: NaN elements in that tensor.
-        inf_count: Inf elements in that tensor.
-        numel: its number of elements.
-        neighbours: for a forward value, ``(name, abs_max)`` of the tensors it was computed
-            from; for a gradient, of the gradients it was computed from (its consumers').
-        note: why ``tensor`` is None, when it is.
-    """
-
-    step: int
-    trigger: str
-    tensor: str | None = None
-    direction: str | None = None
-    module: str = ""
-    op: str = ""
-    nan_count: int = 0
-    inf_count: int = 0
-    numel: int = 0
-    neighbours: tuple[tuple[str, float], ...] = ()
-    note: str = ""
-
-    @property
-    def message(self) -> str:
-        """One readable sentence (used for the warning and the exception)."""
-        if self.tensor is None:
-            return f"non-finite {self.trigger} at step {self.step}: {self.note}"
-        what = "value" if self.direction == "fwd" else "gradient"
-        where = f"module {self.module!r}, " if self.module else ""
-        text = (
-            f"non-finite {self.trigger} at step {self.step}: first NaN/Inf in the {what} of "
-            f"{self.tensor!r} ({where}op {self.op}): {self.nan_count} NaN and {self.inf_count} "
-            f"Inf of {self.numel} elements"
-        )
-        if self.neighbours:
-            source = "inputs" if self.direction == "fwd" else "incoming gradients"
-            parts = ", ".join(f"{name}={value:.3g}" for name, value in self.neighbours)
-            text += f"; largest magnitude of its {source}: {parts}"
-        return text
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class NonFiniteError(UnitScaleError, FloatingPointError):
-    """A NaN or Inf appeared during training (``on_non_finite="raise"``).
-
-    Attributes:
-        report: the :class:`NonFiniteReport`.
-    """
-
-    def __init__(self, report: NonFiniteReport) -> None:
-        super().__init__(f"ScaleMonitor: {report.message}")
-        self.report = report
 
 
 class _MonitoredModule(TransformedModule):
@@ -179,22 +103,6 @@ class _MonitoredModule(TransformedModule):
         return state
 
 
-@dataclass(frozen=True)
-class MonitorRecord:
-    """One tensor, direction and step of the long table (every metric of it)."""
-
-    step: int
-    tensor: str
-    direction: str
-    module: str
-    op: str
-    tensor_type: str
-    label: str
-    row: int
-    same_scale: bool
-    metrics: dict[str, float]
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MonitorError(f"ScaleMonitor: {name}={value!r} must be a positive integer")
@@ -215,8 +123,8 @@ class ScaleMonitor:
             monitor.step()
             optimizer.step()
             optimizer.zero_grad()
-        monitor.table()       # long DataFrame: step, tensor, direction, metric, value, ...
-        monitor.heatmap("rms").figure.savefig("scales.png")
+        table = monitor.table()   # long DataFrame: step, tensor, direction, metric, value, ...
+        unitscale.analysis.scale_heatmap(table, "rms").figure.savefig("scales.png")
 
     Steps are counted from 0 by :meth:`step`; steps ``0, every, 2 * every, ...`` are recorded
     (all of them with ``every=1``). On the other steps the tracked module runs without
@@ -241,10 +149,15 @@ class ScaleMonitor:
             :data:`unitscale.tracking.METRIC_NAMES`).
         on_non_finite: ``"warn"``, ``"raise"`` or ``"ignore"``.
         check_finite: check for NaN/Inf every step (and replay the first bad step).
-        tensorboard: a log folder, or an object with ``add_scalar(tag, value, step)`` such
-            as ``torch.utils.tensorboard.SummaryWriter``: each recorded step is also written
-            there as scalars (see :meth:`write_tensorboard`).
-        tensorboard_metrics: the metrics written to TensorBoard.
+        on_record: called with the :class:`~unitscale.tracking.MonitorRecord` list of each
+            recorded step as it is recorded, on the process that writes files (rank 0 under
+            ``torch.distributed``; the records are global): e.g.
+            ``unitscale.analysis.tensorboard_sink("runs/scales")`` writes TensorBoard
+            scalars while training.
+        tensorboard: deprecated forward (a log folder, or an object with
+            ``add_scalar(tag, value, step)``): same as
+            ``on_record=unitscale.analysis.tensorboard_sink(tensorboard, tensorboard_metrics)``.
+        tensorboard_metrics: the metrics written by the ``tensorboard`` forward.
 
     Raises:
         MonitorError: for a model that cannot be monitored or a bad argument.
@@ -272,6 +185,7 @@ class ScaleMonitor:
         check_finite: bool = True,
         tensorboard: str | os.PathLike[str] | Any | None = None,
         tensorboard_metrics: Sequence[str] = ("mean_abs",),
+        on_record: Callable[[list[MonitorRecord]], Any] | None = None,
     ) -> None:
         self.every = None if every is None else _positive_int("every", every)
         if on_non_finite not in ("warn", "raise", "ignore"):
@@ -295,14 +209,23 @@ class ScaleMonitor:
         self.module: _MonitoredModule = self._wrap(model)
         self.module._monitor = weakref.ref(self)
         self._track: TrackScalesPass = self.module.passes[-1]  # type: ignore[assignment]
-        self._writer: Any = None
-        if tensorboard is not None and _distributed.writes_files():
-            self._writer = (
-                tensorboard
-                if hasattr(tensorboard, "add_scalar")
-                else _tensorboard().summary_writer(tensorboard)
+        if on_record is not None and not callable(on_record):
+            raise MonitorError(
+                f"ScaleMonitor: on_record={on_record!r} must be callable (it is called with "
+                "each recorded step's list of MonitorRecord)"
             )
-            self._check_tb_metrics(self.tensorboard_metrics)
+        self._sinks: list[Callable[[list[MonitorRecord]], Any]] = []
+        if on_record is not None:
+            self._sinks.append(on_record)
+        if tensorboard is not None:
+            _deprecated(
+                "ScaleMonitor(tensorboard=...)",
+                "ScaleMonitor(on_record=unitscale.analysis.tensorboard_sink(log_dir, metrics))",
+            )
+            if _distributed.writes_files():
+                sink = _analysis().tensorboard_sink(tensorboard, self.tensorboard_metrics)
+                self._check_tb_metrics(self.tensorboard_metrics)
+                self._sinks.append(sink)
         #: The first non-finite value found, or None.
         self.non_finite: NonFiniteReport | None = None
         self._step = 0
@@ -353,6 +276,15 @@ class ScaleMonitor:
     def recording(self) -> bool:
         """Whether the current step (:attr:`step_count`) records statistics."""
         return self.every is not None and self._step % self.every == 0
+
+    @property
+    def records(self) -> tuple[MonitorRecord, ...]:
+        """The records so far, in the order recorded.
+
+        The rows of :meth:`table` before it is laid out long: one per step, tensor and
+        direction, with the kept metrics in ``metrics``.
+        """
+        return tuple(self._records)
 
     @property
     def recorded_steps(self) -> list[int]:
@@ -479,33 +411,14 @@ class ScaleMonitor:
         return report
 
     def _collect(self, step: int, graph: fx.Graph) -> None:
-        if not any(n.op != "output" for n in graph.nodes):
+        new = step_records(graph, step, self.metrics)
+        if not new:
             return
-        all_rows = prepare_rows(graph, prune_same_scale=False, where="ScaleMonitor")
-        kept = {r.node for r in prepare_rows(graph, prune_same_scale=True, where="ScaleMonitor")}
-        new: list[MonitorRecord] = []
-        for position, row in enumerate(all_rows):
-            for rec in (row.fwd, row.bwd):
-                if rec is None:
-                    continue
-                new.append(
-                    MonitorRecord(
-                        step=step,
-                        tensor=rec.name,
-                        direction=rec.direction,
-                        module=rec.module,
-                        op=rec.op,
-                        tensor_type=rec.tensor_type,
-                        label=row.label,
-                        row=position,
-                        same_scale=row.node not in kept,
-                        metrics={m: rec.metrics[m] for m in self.metrics},
-                    )
-                )
         self._records.extend(new)
         self._table = None
-        if self._writer is not None:
-            _tensorboard().write_scalars(self._writer, new, self.tensorboard_metrics)
+        if _distributed.writes_files():
+            for sink in self._sinks:
+                sink(new)
 
     def _check_weights_unchanged(self) -> None:
         versions = [p._version for p in self._parameters()]
@@ -598,15 +511,8 @@ class ScaleMonitor:
         Raises:
             MonitorError: when pandas is not installed.
         """
-        pd = _import("pandas", "pandas")
         if self._table is None:
-            rows = [
-                (r.step, r.tensor, r.direction, metric, value, r.module, r.op, r.tensor_type,
-                 r.label, r.row, r.same_scale)
-                for r in self._records
-                for metric, value in r.metrics.items()
-            ]  # fmt: skip
-            self._table = pd.DataFrame(rows, columns=list(LONG_COLUMNS))
+            self._table = long_table(self._records)
         return self._table.copy()
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
@@ -632,19 +538,26 @@ class ScaleMonitor:
         ax: Axes | None = None,
         span: float | None = None,
     ) -> Axes:
-        """Plot ``metric`` of every tensor (rows) at every recorded step (columns).
+        """Deprecated forward to :func:`unitscale.analysis.scale_heatmap` of :meth:`table`.
 
-        See :func:`unitscale.analysis.scale_heatmap` (``span``: the same colour range for
-        maps that are compared).
+        ``monitor.heatmap(metric, ...)`` is ``scale_heatmap(monitor.table(), metric, ...)``
+        (a :class:`DeprecationWarning` says so); drawing is presentation, which
+        :mod:`unitscale.tracking` leaves to :mod:`unitscale.analysis` (see the module
+        docstring).
+
+        Raises:
+            MonitorError: ``metric`` was not kept, or as ``scale_heatmap`` raises.
         """
         if metric not in self.metrics:
             raise MonitorError(
                 f"ScaleMonitor.heatmap: metric={metric!r} was not kept; pass it in "
                 f"ScaleMonitor(metrics=...) (kept: {list(self.metrics)})"
             )
-        from ..analysis.heatmap import scale_heatmap
-
-        return scale_heatmap(
+        _deprecated(
+            "ScaleMonitor.heatmap(metric, ...)",
+            "unitscale.analysis.scale_heatmap(monitor.table(), metric, ...)",
+        )
+        return _analysis().scale_heatmap(
             self.table(),
             metric,
             direction,
@@ -657,10 +570,11 @@ class ScaleMonitor:
     def write_tensorboard(
         self, writer: str | os.PathLike[str] | Any, metrics: Sequence[str] | None = None
     ) -> None:
-        """Write every recorded step to TensorBoard as scalars.
+        """Deprecated forward to :func:`unitscale.analysis.write_tensorboard` of :attr:`records`.
 
-        Tags are ``"<metric>/<direction>/<label>"`` (e.g. ``"mean_abs/fwd/blocks.0.mlp:
-        h"``), one point per recorded step.
+        ``monitor.write_tensorboard(writer, metrics)`` is ``write_tensorboard(monitor.records,
+        writer, metrics)`` on rank 0 (a :class:`DeprecationWarning` says so). Tags are
+        ``"<metric>/<direction>/<label>"``, one point per recorded step.
 
         Args:
             writer: a log folder (needs the ``tensorboard`` package) or an object with
@@ -672,12 +586,13 @@ class ScaleMonitor:
         """
         chosen = self.tensorboard_metrics if metrics is None else tuple(metrics)
         self._check_tb_metrics(chosen)
+        _deprecated(
+            "ScaleMonitor.write_tensorboard(writer, metrics)",
+            "unitscale.analysis.write_tensorboard(monitor.records, writer, metrics)",
+        )
         if not _distributed.writes_files():  # rank 0 writes (the table is the same on all)
             return
-        target = writer if hasattr(writer, "add_scalar") else _tensorboard().summary_writer(writer)
-        _tensorboard().write_scalars(target, self._records, chosen)
-        if target is not writer and hasattr(target, "close"):
-            target.close()
+        _analysis().write_tensorboard(self._records, writer, chosen)
 
     def _check_tb_metrics(self, chosen: Iterable[str]) -> None:
         missing = [m for m in chosen if m not in self.metrics]
@@ -688,73 +603,28 @@ class ScaleMonitor:
             )
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer the monitor opened, if any."""
-        if self._writer is not None and hasattr(self._writer, "flush"):
-            self._writer.flush()
+        """Flush each ``on_record`` receiver that has a ``flush()`` (a TensorBoard writer)."""
+        for sink in self._sinks:
+            flush = getattr(sink, "flush", None)
+            if callable(flush):
+                flush()
 
 
-# -- helpers -----------------------------------------------------------------------------------
-def _first_non_finite(graph: fx.Graph, step: int, trigger: str) -> NonFiniteReport:
-    nodes = [n for n in graph.nodes if isinstance(n.meta.get("metrics"), Metrics)]
-
-    def name(node: fx.Node) -> str:
-        return str(node.meta.get("clean_name", node.name))
-
-    def report(node: fx.Node, direction: str, neighbours: list[tuple[str, float]]) -> Any:
-        data = getattr(node.meta["metrics"], direction)
-        return NonFiniteReport(
-            step=step,
-            trigger=trigger,
-            tensor=name(node),
-            direction=direction,
-            module=str(node.meta.get("module_path", "")),
-            op=op_name(node),
-            nan_count=data.nan_count,
-            inf_count=data.inf_count,
-            numel=data.numel,
-            neighbours=tuple(neighbours),
-        )
-
-    for node in nodes:  # forward, in execution order
-        data = node.meta["metrics"].fwd
-        if data is not None and not data.finite:
-            inputs = [
-                (name(n), n.meta["metrics"].fwd.abs_max)
-                for n in node.all_input_nodes
-                if isinstance(n.meta.get("metrics"), Metrics) and n.meta["metrics"].fwd
-            ]
-            return report(node, "fwd", inputs)
-    for node in reversed(nodes):  # backward: reverse execution order
-        data = node.meta["metrics"].bwd
-        if data is not None and not data.finite:
-            incoming = [
-                (name(n), n.meta["metrics"].bwd.abs_max)
-                for n in node.users
-                if isinstance(n.meta.get("metrics"), Metrics) and n.meta["metrics"].bwd
-            ]
-            return report(node, "bwd", incoming)
-    return NonFiniteReport(
-        step,
-        trigger,
-        note=(
-            "every tensor tracked inside the module was finite when the step was replayed: the "
-            "NaN/Inf arose outside it (in a loss computed outside the module, or in a "
-            "non-deterministic op that the replay did not reproduce)"
-        ),
+# -- deprecated forwards to unitscale.analysis -------------------------------------------------
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated: use {new} (tracking collects; unitscale.analysis presents)",
+        DeprecationWarning,
+        stacklevel=3,
     )
 
 
-def _import(module: str, package: str) -> Any:
-    import importlib
+def _analysis() -> Any:
+    """:mod:`unitscale.analysis`, for the deprecated forwards only (see the module docstring).
 
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        raise MonitorError(f"ScaleMonitor needs {package}: pip install {package}") from error
+    The one place where :mod:`unitscale.tracking` imports a later layer; a test
+    (``tests/test_layers.py``) keeps it the only one.
+    """
+    import unitscale.analysis
 
-
-def _tensorboard() -> Any:
-    """The TensorBoard export of :mod:`unitscale.analysis` (presentation; imported on use)."""
-    from ..analysis import tensorboard
-
-    return tensorboard
+    return unitscale.analysis
