@@ -444,7 +444,7 @@ class _CausalLMLoss(nn.Module):
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
-        self.lm = lm
+        self.lm: Any = lm  # a transformers model: its methods are not nn.Module's
 
     def get_output_embeddings(self) -> nn.Module:
         head: nn.Module = self.lm.get_output_embeddings()
@@ -461,21 +461,21 @@ def _llama(width: int, depth: int, config: TransferConfig) -> nn.Module:
         import transformers
     except ModuleNotFoundError as exc:
         raise TransferConfigError(
-            "transfer model 'hf:llama' needs the transformers package: pip install "
-            "'unitscale[hf]'"
+            "transfer model 'hf:llama' needs the transformers package: pip install 'unitscale[hf]'"
         ) from exc
-    llama = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=width,
-        intermediate_size=LLAMA_MLP_RATIO * width,
-        num_hidden_layers=depth,
-        num_attention_heads=width // HEAD_SIZE,
-        num_key_value_heads=width // HEAD_SIZE,
-        max_position_embeddings=config.seq_len,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+    options: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": width,
+        "intermediate_size": LLAMA_MLP_RATIO * width,
+        "num_hidden_layers": depth,
+        "num_attention_heads": width // HEAD_SIZE,
+        "num_key_value_heads": width // HEAD_SIZE,
+        "max_position_embeddings": config.seq_len,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "attn_implementation": "sdpa",  # a config argument the stubs do not declare
+    }
+    llama = transformers.LlamaConfig(**options)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         return _CausalLMLoss(transformers.LlamaForCausalLM(llama))
@@ -541,6 +541,7 @@ PARAMETRISATION_SPECS: tuple[Parametrisation, ...] = (
 
 #: The parametrisations' names (every model family has one of each).
 PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
+
 
 def _spec(name: str, model: str = "builtin") -> Parametrisation:
     for spec in PARAMETRISATION_SPECS:
