@@ -1,13 +1,16 @@
 """Hyperparameter transfer across width (or depth): learning-rate sweeps, standard vs u-μP.
 
-The library behind ``unitscale transfer``. :func:`run_transfer` trains the same decoder in
-two parametrisations, at every size of :class:`TransferConfig` and every learning rate of a
-2x grid, on the bundled text:
+The library behind ``unitscale transfer``. :func:`run_transfer` trains a decoder of one
+model family (:attr:`TransferConfig.model`) in two parametrisations, at every size of
+:class:`TransferConfig` and every learning rate of a 2x grid, on the bundled text:
 
 - ``standard``: the plain-PyTorch decoder (:class:`unitscale.models.PlainGPT` without a
-  position embedding, GPT-2's N(0, 0.02) initialisation) with ``torch.optim.AdamW``;
-- ``u-muP``: :class:`unitscale.TransformerDecoder` with ``mup=True`` (every mult 1) and
-  :class:`unitscale.optim.AdamW` (per-parameter learning rates from the u-μP tags);
+  position embedding, GPT-2's layout and N(0, 0.02) initialisation), or for ``hf:llama`` a
+  transformers Llama as transformers initialises it, with ``torch.optim.AdamW``;
+- ``u-muP``: the library's default :class:`unitscale.TransformerDecoder` (the paper's
+  scheme, every mult 1), or for ``hf:llama`` :func:`~unitscale.transforms.unit_scale` of the
+  same Llama, with :class:`unitscale.optim.AdamW` (per-parameter learning rates from the
+  u-μP tags);
 
 then u-μP once more per size in simulated FP8 (:func:`unitscale.transforms.simulate_fp8`,
 the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best in FP32.
@@ -21,10 +24,12 @@ runner's (:mod:`unitscale.experiments.runner`), the files its report writer's
 (:mod:`unitscale.experiments.report`); what is this experiment's own is its
 parametrisations, its grid, its claims and its tables.
 
-To add a parametrisation (e.g. another model family), append a :class:`Parametrisation` to
+To add a model family, add its name to :data:`MODELS` and append one
+:class:`Parametrisation` per parametrisation (``standard`` and ``u-muP``) to
 :data:`PARAMETRISATION_SPECS`: its name, how it builds the model at a width and depth, its
-optimiser and the configuration field holding the centre of its learning-rate grid. The
-sweep, the tables, the CSV and the figure pick it up.
+optimiser, the configuration field holding the centre of its learning-rate grid, the family
+and a short description. The sweep, the tables, the CSV, the figure and ``--model`` pick it
+up.
 
 Design constraints:
 
