@@ -56,7 +56,7 @@ def test_a_cuda_run_adds_its_rows_and_leaves_the_cpu_rows(
     assert any("step vs untracked" in row and ", CUDA" in row for row in added)
 
 
-@pytest.mark.parametrize("name", ["TRANSFER", "TRANSFER_DEPTH"])
+@pytest.mark.parametrize("name", ["TRANSFER", "TRANSFER_DEPTH", "TRANSFER_LLAMA"])
 def test_transfer_table_marks_the_best_point_as_the_library_does(name: str) -> None:
     """The README's transfer table (benchmarks/readme_tables.py) bolds, in each row, the run
     that ``unitscale.experiments.transfer.best_points`` picks from the same JSON."""

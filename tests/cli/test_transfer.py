@@ -42,6 +42,7 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--vary", "heads"], 2, r"argument --vary: invalid choice: 'heads'"),
         (["--steps", "0"], 2, r"argument --steps: '0' must be at least 1"),
         (["--threads", "0"], 2, r"argument --threads: '0' must be at least 1"),
+        (["--model", "hf:gpt9"], 2, r"argument --model: invalid choice: 'hf:gpt9'"),
     ],
 )
 def test_bad_options_are_one_line_errors(
@@ -75,9 +76,9 @@ def test_out_that_cannot_be_created_is_refused(
     assert "cannot be created" in _error(capsys)
 
 
-def _quick(out: Path) -> subprocess.CompletedProcess[str]:
+def _quick(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*COMMAND, "transfer", "--quick", "--seed", "0", "--out", str(out)],
+        [*COMMAND, "transfer", "--quick", "--seed", "0", *options, "--out", str(out)],
         env=ENV,
         capture_output=True,
         text=True,
@@ -124,6 +125,24 @@ def test_quick_run_writes_every_output_and_is_deterministic(tmp_path: Path) -> N
     assert "<td>warmup_steps</td><td>1 (default: 5% of steps)</td>" in page
     assert ">None<" not in page
     assert (out / "transfer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quick_llama_run_trains_the_transformers_model(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "llama"
+    result = _quick(out, "--model", "hf:llama")
+    assert result.returncode == 0, result.stderr
+    document = json.loads((out / "transfer.json").read_text())
+    assert document["command"] == "unitscale transfer --model hf:llama --quick"
+    assert document["config"]["model"] == "hf:llama" and document["quick"] is True
+    # 2 parametrisations x 2 widths x 3 lrs + 2 FP8, none diverged at the default rate.
+    assert len(document["runs"]) == 14 and "[14/14] u-muP fp8" in result.stderr
+    defaults = [r for r in document["runs"] if r["lr_step"] == 0 and r["precision"] == "fp32"]
+    assert len(defaults) == 4 and all(r["final_heldout_loss"] < 5.0 for r in defaults)
+    summary = (out / "summary.txt").read_text()
+    assert "model hf:llama" in summary and "unit_scale(LlamaForCausalLM)" in summary
+    assert all(claim["verdict"] != "held" for claim in document["claims"])
 
 
 def test_the_default_output_folders_are_ignored_by_git() -> None:

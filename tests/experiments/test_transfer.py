@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -15,12 +16,14 @@ from unitscale.experiments.transfer import (
     CSV_COLUMNS,
     DEFAULT_CONFIG,
     DEFAULT_MUP_LR,
+    MODELS,
     TransferConfig,
     TransferConfigError,
     _eval_data,
     _train_data,
     best_points,
     build_model,
+    command_line,
     default_config,
     evaluate_claims,
     final_frame,
@@ -288,16 +291,90 @@ def test_the_sweep_runs_on_its_pinned_threads_whatever_the_caller_s(
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
+def _weight_matrices(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The shapes of the 2-D parameters (embedding, projections, readout), in order."""
+    return [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
+
+
+@pytest.mark.parametrize("family", ["builtin", "hf:llama"])
 @pytest.mark.parametrize("width", [32, 256])
-def test_both_parametrisations_are_the_same_decoder(width: int) -> None:
-    """Same parameter shapes (hence counts) in the same order; no position embedding."""
-    standard, mup = (build_model(p, width, 2, DEFAULT_CONFIG) for p in ("standard", "u-muP"))
-    shapes = [sorted(tuple(p.shape) for p in m.parameters()) for m in (standard, mup)]
-    assert shapes[0] == shapes[1]
+def test_both_parametrisations_are_the_same_decoder(family: str, width: int) -> None:
+    """Same weight matrices (shapes, order), heads and depth; no position embedding. Biases
+    and norm parameters are the standard side's own (u-muP's default decoder has none)."""
+    if family == "hf:llama":
+        pytest.importorskip("transformers")
+    config = replace(DEFAULT_CONFIG, model=family)
+    standard, mup = (build_model(p, width, 2, config) for p in ("standard", "u-muP"))
+    assert _weight_matrices(standard) == _weight_matrices(mup)
+    assert len(_weight_matrices(mup)) == 2 + 2 * (4 if family == "builtin" else 7)
     assert not any("position" in name for name, _ in standard.named_parameters())
-    # The standard one has GPT-2's init; the u-muP one unit-scaled weights.
-    assert standard.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert mup.embedding.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    if family == "builtin":
+        # u-muP: the paper's scheme, every parameter a weight matrix; standard: GPT-2's.
+        assert {p.mup_type for p in mup.parameters()} == {"weight", "output"}
+        assert all(p.dim() == 2 for p in mup.parameters())
+        assert [layer.attn.heads for layer in mup.layers] == [width // 32] * 2
+        assert [block.attn.heads for block in standard.blocks] == [width // 32] * 2
+        assert any(name.endswith(".bias") for name, _ in standard.named_parameters())
+        assert standard.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert mup.embedding.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    else:
+        for model in (standard, mup):
+            llama = model.lm.config
+            assert (llama.num_attention_heads, llama.num_hidden_layers) == (width // 32, 2)
+            assert llama.intermediate_size == 4 * width and llama.vocab_size == 256
+        # unit_scale made it u-muP: the head is the readout, the embedding a weight.
+        types = {n: p.mup_type for n, p in mup.named_parameters()}
+        assert types["lm.lm_head.weight"] == "output"
+        assert types["lm.model.embed_tokens.weight"] == "weight"
+        assert not any(hasattr(p, "mup_type") for p in standard.parameters())
+        assert standard.lm.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_the_u_mup_side_is_the_library_default_decoder() -> None:
+    from unitscale import TransformerDecoder
+
+    torch.manual_seed(DEFAULT_CONFIG.seed)
+    default = TransformerDecoder(64, 2, 2, 256)
+    built = build_model("u-muP", 64, 2, DEFAULT_CONFIG)
+    assert built.state_dict().keys() == default.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(
+        built.state_dict().values(), default.state_dict().values(), strict=True))  # fmt: skip
+
+
+def test_models_are_a_config_field_with_a_clear_error() -> None:
+    assert DEFAULT_CONFIG.model == "builtin" and set(MODELS) == {"builtin", "hf:llama"}
+    assert default_config(model="hf:llama").grid("u-muP") == DEFAULT_CONFIG.grid("u-muP")
+    with pytest.raises(TransferConfigError, match=r"model='hf:gpt9'; choose from builtin, hf:"):
+        TransferConfig(model="hf:gpt9")
+
+
+def test_command_line_reproduces_the_config() -> None:
+    assert command_line(DEFAULT_CONFIG) == "unitscale transfer"
+    config = default_config("depth", model="hf:llama", steps=80, fp8=False, widths=(128,))
+    assert command_line(config) == (
+        "unitscale transfer --vary depth --model hf:llama --widths 128 --steps 80 --no-fp8"
+    )
+    assert command_line(default_config(quick=True)) == "unitscale transfer --quick"
+
+
+@pytest.mark.slow
+def test_llama_sweep_trains_both_parametrisations_and_fp8(single_thread: None) -> None:
+    pytest.importorskip("transformers")
+    config = default_config(quick=True, model="hf:llama", lr_steps=(0, 1), **TINY)
+    result = run_transfer(config)
+    # 2 parametrisations x 2 widths x 2 learning rates in FP32, then one FP8 run per width.
+    assert [(r.parametrisation, r.precision) for r in result.runs].count(("u-muP", "fp8")) == 2
+    assert len(result.runs) == 2 * 2 * 2 + 2
+    assert all(r.stopped_at is None for r in result.runs)
+    # The same batches as the built-in sweep, and losses that fell from log(256).
+    assert len({r.data_digest for r in result.runs}) == 1
+    builtin = train_one("standard", 32, 2, 0, replace(config, model="builtin"),
+                        _train_data(config), _eval_data(config, "heldout"),
+                        _eval_data(config, "train"))  # fmt: skip
+    assert builtin.data_digest == result.runs[0].data_digest
+    assert all(r.evals[-1][1] < math.log(256) for r in result.runs)
+    text = summary_text(result)
+    assert "model hf:llama" in text and "unit_scale(LlamaForCausalLM)" in text
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ def _size_list(text: str) -> tuple[int, ...]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``transfer`` and its options."""
     from ..experiments.transfer import DEFAULT_CONFIG as d
+    from ..experiments.transfer import MODELS
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "transfer",
@@ -54,8 +55,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Train the same decoder at several widths (or depths), at every learning rate of "
             "a 2x grid, in two parametrisations: standard (plain PyTorch, GPT-2 init, "
-            "torch.optim.AdamW) and u-muP (unitscale.TransformerDecoder(mup=True), "
-            "unitscale.optim.AdamW), on the bundled text with the same batches and seed; then "
+            "torch.optim.AdamW) and u-muP (unitscale.TransformerDecoder's default, "
+            "unitscale.optim.AdamW), or with --model hf:llama a transformers Llama (as "
+            "transformers initialises it against unit_scale of it), on the bundled text with "
+            "the same batches and seed; then "
             "u-muP in simulated FP8 (no loss scaling) at each size's best learning rate. "
             "Print the final held-out losses and the four claims of the README (held or not, "
             "with the numbers); write transfer.csv, transfer.json, transfer.png, report.html "
@@ -109,6 +112,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"torch threads (default {d.threads}: the models are small, and one thread per "
         "process is fastest on a busy machine)",
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="the model family: builtin (default: unitscale's decoder against a plain-PyTorch "
+        "GPT) or hf:llama (a transformers Llama config at each width, random weights, plain "
+        "against unit_scale)",
+    )
     parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
@@ -133,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             seed=args.seed,
             threads=args.threads,
+            model=args.model,
             fp8=False if args.no_fp8 else None,
         )
     except sweep.TransferConfigError as exc:  # options that do not go together
@@ -141,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
     runs = sweeps + (len(config.sizes) if config.fp8 else 0)
     progress(
-        f"{runs} runs of {config.steps} steps across {config.vary} "
+        f"{runs} runs of {config.steps} steps of model {config.model} across {config.vary} "
         f"(sizes {[w if config.vary == 'width' else d for w, d in config.sizes]}) "
         "on the bundled CPython documentation text"
     )

@@ -1,13 +1,16 @@
 """Hyperparameter transfer across width (or depth): learning-rate sweeps, standard vs u-μP.
 
-The library behind ``unitscale transfer``. :func:`run_transfer` trains the same decoder in
-two parametrisations, at every size of :class:`TransferConfig` and every learning rate of a
-2x grid, on the bundled text:
+The library behind ``unitscale transfer``. :func:`run_transfer` trains a decoder of one
+model family (:attr:`TransferConfig.model`) in two parametrisations, at every size of
+:class:`TransferConfig` and every learning rate of a 2x grid, on the bundled text:
 
 - ``standard``: the plain-PyTorch decoder (:class:`unitscale.models.PlainGPT` without a
-  position embedding, GPT-2's N(0, 0.02) initialisation) with ``torch.optim.AdamW``;
-- ``u-muP``: :class:`unitscale.TransformerDecoder` with ``mup=True`` (every mult 1) and
-  :class:`unitscale.optim.AdamW` (per-parameter learning rates from the u-μP tags);
+  position embedding, GPT-2's layout and N(0, 0.02) initialisation), or for ``hf:llama`` a
+  transformers Llama as transformers initialises it, with ``torch.optim.AdamW``;
+- ``u-muP``: the library's default :class:`unitscale.TransformerDecoder` (the paper's
+  scheme, every mult 1), or for ``hf:llama`` :func:`~unitscale.transforms.unit_scale` of the
+  same Llama, with :class:`unitscale.optim.AdamW` (per-parameter learning rates from the
+  u-μP tags);
 
 then u-μP once more per size in simulated FP8 (:func:`unitscale.transforms.simulate_fp8`,
 the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best in FP32.
@@ -21,10 +24,12 @@ runner's (:mod:`unitscale.experiments.runner`), the files its report writer's
 (:mod:`unitscale.experiments.report`); what is this experiment's own is its
 parametrisations, its grid, its claims and its tables.
 
-To add a parametrisation (e.g. another model family), append a :class:`Parametrisation` to
+To add a model family, add its name to :data:`MODELS` and append one
+:class:`Parametrisation` per parametrisation (``standard`` and ``u-muP``) to
 :data:`PARAMETRISATION_SPECS`: its name, how it builds the model at a width and depth, its
-optimiser and the configuration field holding the centre of its learning-rate grid. The
-sweep, the tables, the CSV and the figure pick it up.
+optimiser, the configuration field holding the centre of its learning-rate grid, the family
+and a short description. The sweep, the tables, the CSV, the figure and ``--model`` pick it
+up.
 
 Design constraints:
 
@@ -80,6 +85,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "Parametrisation",
     "PARAMETRISATION_SPECS",
     "PARAMETRISATIONS",
+    "MODELS",
     "DEFAULT_MUP_LR",
     "DEFAULT_STANDARD_LR",
     "DEFAULT_CONFIG",
@@ -106,6 +112,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "summary_text",
     "plot_transfer",
     "write_transfer_csv",
+    "command_line",
     "write_transfer_json",
     "write_transfer_report",
 ]
@@ -122,6 +129,15 @@ DEFAULT_STANDARD_LR = 3e-3
 
 #: Width of one attention head: a model of width ``w`` has ``w / HEAD_SIZE`` heads.
 HEAD_SIZE = 32
+
+#: The model families a sweep can train (``unitscale transfer --model``): ``builtin``, the
+#: library's decoder against the plain-PyTorch one; ``hf:llama``, a transformers Llama.
+MODELS: tuple[str, ...] = ("builtin", "hf:llama")
+
+#: ``hf:llama``'s MLP (SwiGLU) intermediate size over its width: 4, the built-in decoder's
+#: ratio, rather than Llama's usual ~8/3, so that every width gives an integer size and the
+#: fan-ins keep one ratio to the width (8/3 of 32 is not an integer).
+LLAMA_MLP_RATIO = 4
 
 #: The columns of ``transfer.csv``, one row per run and evaluation.
 CSV_COLUMNS: tuple[str, ...] = (
@@ -183,6 +199,11 @@ class TransferConfig:
         seed: initialisation, data order and evaluation sample.
         fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
+        model: the model family, a :data:`MODELS` entry: ``"builtin"`` (the library's
+            decoder against the plain-PyTorch one) or ``"hf:llama"`` (a transformers Llama
+            with ``width / 32`` heads of 32, MLP ``4 x width``, through
+            :func:`~unitscale.transforms.unit_scale` for u-μP, as it is for the standard
+            parametrisation).
         threads: torch intra-op threads during the sweep (restored afterwards). 1 by
             default: these models are too small for intra-op parallelism to pay (on the
             shared 2-core machine at load 5, measured once ad hoc: a width-64 step took
@@ -213,6 +234,7 @@ class TransferConfig:
     seed: int = 0
     fp8: bool = True
     fp8_recipe: str = "hardware"
+    model: str = "builtin"
     threads: int = 1
     quick: bool = False
 
@@ -265,6 +287,10 @@ class TransferConfig:
                 f"TransferConfig: fp8_recipe={self.fp8_recipe!r}; choose from "
                 f"{', '.join(FP8_RECIPES)}"
             )
+        if self.model not in MODELS:
+            raise TransferConfigError(
+                f"TransferConfig: model={self.model!r}; choose from {', '.join(MODELS)}"
+            )
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise TransferConfigError(
                 f"TransferConfig: threads={self.threads!r} must be a positive integer"
@@ -282,7 +308,7 @@ class TransferConfig:
 
     def grid(self, parametrisation: str) -> list[tuple[int, float]]:
         """``(k, learning rate)`` for each grid step ``k`` of ``parametrisation``."""
-        centre = getattr(self, _spec(parametrisation).centre_field)
+        centre = getattr(self, _spec(parametrisation, self.model).centre_field)
         return [(k, centre * 2.0**k) for k in self.lr_steps]
 
     def lr_factor(self, step: int) -> float:
@@ -408,7 +434,62 @@ def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module
 def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, bias=True, mup=True)
+        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256)
+
+
+class _CausalLMLoss(nn.Module):
+    """A transformers causal LM that returns the mean cross-entropy of its logits against
+    already-shifted ``labels`` (the runner's :class:`~unitscale.experiments.data.Batch`).
+
+    The loss is computed inside ``forward`` so that :func:`~unitscale.transforms.unit_scale`
+    makes it the unit-scaled ``U.cross_entropy`` (as it does for the built-in decoder), and
+    ``get_output_embeddings`` hands on the wrapped model's head so that ``unit_scale`` finds
+    the readout it makes u-μP's.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm: Any = lm  # a transformers model: its methods are not nn.Module's
+
+    def get_output_embeddings(self) -> nn.Module:
+        head: nn.Module = self.lm.get_output_embeddings()
+        return head
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=input_ids).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _llama(width: int, depth: int, config: TransferConfig) -> nn.Module:
+    """A randomly initialised transformers Llama (no download) seeded by ``config.seed``."""
+    try:
+        import transformers
+    except ModuleNotFoundError as exc:
+        raise TransferConfigError(
+            "transfer model 'hf:llama' needs the transformers package: pip install 'unitscale[hf]'"
+        ) from exc
+    options: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": width,
+        "intermediate_size": LLAMA_MLP_RATIO * width,
+        "num_hidden_layers": depth,
+        "num_attention_heads": width // HEAD_SIZE,
+        "num_key_value_heads": width // HEAD_SIZE,
+        "max_position_embeddings": config.seq_len,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "attn_implementation": "sdpa",  # a config argument the stubs do not declare
+    }
+    llama = transformers.LlamaConfig(**options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return _CausalLMLoss(transformers.LlamaForCausalLM(llama))
+
+
+def _llama_mup(width: int, depth: int, config: TransferConfig) -> nn.Module:
+    from ..transforms import unit_scale
+
+    return unit_scale(_llama(width, depth, config))
 
 
 def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -424,46 +505,80 @@ class Parametrisation:
     """One parametrisation a sweep trains: its model, its optimiser and its grid's centre.
 
     Attributes:
-        name: as the tables and the CSV show it.
+        name: as the tables and the CSV show it (``"standard"`` or ``"u-muP"``).
         build: ``build(width, depth, config)``, the model seeded by ``config.seed``; it takes
             ``model(input_ids, labels=labels)`` and returns the mean cross-entropy.
         optimiser: ``optimiser(model, lr)`` at peak ``lr``.
         centre_field: the :class:`TransferConfig` field holding the grid's centre.
+        model: the model family it belongs to (:attr:`TransferConfig.model`).
+        description: the model and optimiser in a few words, for the summary and the figure.
     """
 
     name: str
     build: Callable[[int, int, TransferConfig], nn.Module]
     optimiser: Callable[[nn.Module, float], torch.optim.Optimizer]
     centre_field: str
+    model: str = "builtin"
+    description: str = ""
 
 
-#: The parametrisations of a sweep, in the order they are run and shown.
+#: The parametrisations of every model family, each family's in the order they are run and
+#: shown. ``builtin`` is the library's own decoder; ``hf:llama`` a transformers Llama (made
+#: u-μP by :func:`~unitscale.transforms.unit_scale`).
 PARAMETRISATION_SPECS: tuple[Parametrisation, ...] = (
-    Parametrisation("standard", _standard_model, _torch_adamw, "standard_lr"),
-    Parametrisation("u-muP", _mup_model, _mup_adamw, "mup_lr"),
-)
+    Parametrisation(
+        "standard", _standard_model, _torch_adamw, "standard_lr", "builtin",
+        "plain PyTorch decoder (GPT-2 init) + torch.optim.AdamW",
+    ),
+    Parametrisation(
+        "u-muP", _mup_model, _mup_adamw, "mup_lr", "builtin",
+        "unitscale.TransformerDecoder (u-muP default) + unitscale.optim.AdamW",
+    ),
+    Parametrisation(
+        "standard", _llama, _torch_adamw, "standard_lr", "hf:llama",
+        "transformers LlamaForCausalLM (HF init) + torch.optim.AdamW",
+    ),
+    Parametrisation(
+        "u-muP", _llama_mup, _mup_adamw, "mup_lr", "hf:llama",
+        "unit_scale(LlamaForCausalLM) + unitscale.optim.AdamW",
+    ),
+)  # fmt: skip
 
-#: Their names.
-PARAMETRISATIONS: tuple[str, ...] = tuple(p.name for p in PARAMETRISATION_SPECS)
+#: The parametrisations' names (every model family has one of each).
+PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
 
 
-def _spec(name: str) -> Parametrisation:
+def _spec(name: str, model: str = "builtin") -> Parametrisation:
     for spec in PARAMETRISATION_SPECS:
-        if spec.name == name:
+        if spec.name == name and spec.model == model:
             return spec
+    if model not in MODELS:
+        raise TransferConfigError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     raise TransferConfigError(
         f"unknown parametrisation {name!r}; choose from {', '.join(PARAMETRISATIONS)}"
     )
 
 
 def build_model(parametrisation: str, width: int, depth: int, config: TransferConfig) -> nn.Module:
-    """The decoder of ``parametrisation`` at ``width`` x ``depth``, seeded by ``config.seed``.
+    """The decoder of ``parametrisation`` at ``width`` x ``depth`` for ``config.model``,
+    seeded by ``config.seed``.
 
-    Both have ``width / 32`` heads of 32, a 4x GELU MLP with biases, pre-norm LayerNorm
-    blocks, a final LayerNorm, an untied readout and no position embedding; ``standard`` is
-    :class:`unitscale.models.PlainGPT` (``position_embedding=False``), ``u-muP`` is
-    ``unitscale.TransformerDecoder(width, depth, heads, 256, bias=True, mup=True)``. Both take
-    ``model(input_ids, labels=labels)`` and return the mean cross-entropy.
+    Every model has ``width / 32`` heads of 32, ``depth`` pre-norm blocks, a final norm, an
+    untied readout, a 256-byte vocabulary and no learned position embedding, and takes
+    ``model(input_ids, labels=labels)`` (labels already shifted) and returns the mean
+    cross-entropy. The weight matrices of the two parametrisations of a model family have
+    the same shapes; what differs is the parametrisation:
+
+    - ``builtin``: ``standard`` is :class:`unitscale.models.PlainGPT`
+      (``position_embedding=False``: LayerNorms with weight and bias, biased linear layers,
+      a 4x GELU MLP, GPT-2's N(0, 0.02) initialisation); ``u-muP`` is the library's default
+      decoder, ``unitscale.TransformerDecoder(width, depth, heads, 256)``: the paper's
+      recommended scheme (Blake et al., ICLR 2025, arXiv 2407.17465), so no biases and norms
+      without trainable parameters.
+    - ``hf:llama``: a randomly initialised ``transformers.LlamaForCausalLM`` (RMSNorm, RoPE,
+      SwiGLU MLP of ``4 x width``, no biases; no download); ``standard`` as transformers
+      initialises it, ``u-muP`` through :func:`~unitscale.transforms.unit_scale` (u-μP
+      readout, every parameter tagged; its RMSNorm weights stay, tagged ``"norm"``).
 
     Example:
         >>> ids = torch.zeros(2, 16, dtype=torch.long)
@@ -472,20 +587,24 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
         >>> build_model("standard", 64, 2, TransferConfig())(ids, labels=ids).shape
         torch.Size([])
     """
-    return _spec(parametrisation).build(width, depth, config)
+    return _spec(parametrisation, config.model).build(width, depth, config)
 
 
-def build_optimiser(parametrisation: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def build_optimiser(
+    parametrisation: str, model: nn.Module, lr: float, family: str = "builtin"
+) -> torch.optim.Optimizer:
     """AdamW (betas 0.9, 0.95, no weight decay) at peak ``lr``: torch's for ``standard``,
-    :class:`unitscale.optim.AdamW` (each parameter ``lr`` times its u-μP rule) for ``u-muP``.
+    :class:`unitscale.optim.AdamW` (each parameter ``lr`` times its u-μP rule, the factor in
+    its param group's ``"lr_scale"``) for ``u-muP``, for the model family ``family``.
 
     Example:
         >>> m = build_model("u-muP", 64, 2, TransferConfig())
-        >>> rates = {g["lr"] for g in build_optimiser("u-muP", m, 1.0).param_groups}
-        >>> [round(r * math.sqrt(2), 4) for r in sorted(rates)[:2]]  # 1/sqrt(fan_in * depth)
+        >>> groups = build_optimiser("u-muP", m, 1.0).param_groups
+        >>> rates = sorted({g["lr"] * g["lr_scale"] for g in groups})
+        >>> [round(r * math.sqrt(2), 4) for r in rates[:2]]  # 1/sqrt(fan_in * depth)
         [0.0625, 0.125]
     """
-    return _spec(parametrisation).optimiser(model, lr)
+    return _spec(parametrisation, family).optimiser(model, lr)
 
 
 def _eval_data(config: TransferConfig, split: Literal["train", "heldout"]) -> list[Batch]:
@@ -544,7 +663,7 @@ def train_one(
         model.train()
         done = train_loop(
             model,
-            build_optimiser(parametrisation, model, lr),
+            build_optimiser(parametrisation, model, lr, config.model),
             data,
             config.schedule,
             eval_every=config.eval_every,
@@ -963,14 +1082,14 @@ def _header_lines(result: TransferResult) -> list[str]:
     (depth,) = config.depths if config.vary == "width" else (None,)
     fixed = f"depth {depth}" if width is None else f"width {width}"
     sizes = ", ".join(str(s) for s in (config.widths if width is None else config.depths))
+    standard, mup = (_spec(p, config.model).description for p in PARAMETRISATIONS)
     lines = [
         f"unitscale transfer: learning-rate sweeps across {config.vary} ({sizes}; {fixed}), "
-        f"{config.steps} steps, batch {config.batch_size} x {config.seq_len} bytes, seed "
-        f"{config.seed}",
-        "standard: plain PyTorch decoder (GPT-2 init) + torch.optim.AdamW; u-muP: "
-        "unitscale.TransformerDecoder(mup=True) + unitscale.optim.AdamW (default lr "
-        f"{config.mup_lr:g}, every mult 1); fp8: u-muP under simulate_fp8 "
-        f"({config.fp8_recipe!r} recipe, no loss scaling) at its best lr",
+        f"model {config.model}, {config.steps} steps, batch {config.batch_size} x "
+        f"{config.seq_len} bytes, seed {config.seed}",
+        f"standard: {standard}; u-muP: {mup} (default lr {config.mup_lr:g}, every mult 1); "
+        f"fp8: u-muP under simulate_fp8 ({config.fp8_recipe!r} recipe, no loss scaling) at "
+        "its best lr",
     ]
     return [*lines, _quick_note(config)] if config.quick else lines
 
@@ -1047,11 +1166,8 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
         ax.axvline(dict(config.grid(p))[0], color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("peak learning rate" + (" (base lr of every rule)" if p == "u-muP" else ""))
-        ax.set_title(
-            "standard (PyTorch init, torch AdamW)" if p == "standard"
-            else "u-muP (unitscale.optim.AdamW); x: FP8 at best lr",
-            fontsize=10,
-        )  # fmt: skip
+        title = _spec(p, config.model).description
+        ax.set_title(title if p == "standard" else f"{title}; x: FP8 at best lr", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final held-out loss (nats per byte)")
     if finite:
@@ -1060,7 +1176,8 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
         axes[0].set_ylim(low - pad, high + pad)
     axes[0].legend(fontsize=8, title="star: best; dotted: default / centre", title_fontsize=7)
     fig.suptitle(
-        f"unitscale transfer: {config.steps} steps, batch {config.batch_size} x "
+        f"unitscale transfer (model {config.model}): {config.steps} steps, batch "
+        f"{config.batch_size} x "
         f"{config.seq_len}, seed {config.seed}",
         fontsize=11,
     )
@@ -1077,11 +1194,36 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def command_line(config: TransferConfig) -> str:
+    """The ``unitscale transfer`` options that give ``config`` (without ``--out``).
+
+    Example:
+        >>> command_line(default_config("depth", model="hf:llama", seed=3))
+        'unitscale transfer --vary depth --model hf:llama --seed 3'
+    """
+    parts = ["unitscale transfer"]
+    if config.vary != "width":
+        parts.append(f"--vary {config.vary}")
+    if config.model != "builtin":
+        parts.append(f"--model {config.model}")
+    if config.quick:
+        parts.append("--quick")
+    base = default_config(config.vary, quick=config.quick)
+    for name in ("widths", "depths", "steps", "seed", "threads"):
+        value = getattr(config, name)
+        if value != getattr(base, name):
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            parts.append(f"--{name} {shown}")
+    if not config.fp8:
+        parts.append("--no-fp8")
+    return " ".join(parts)
+
+
 def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) -> Path:
     """Write the settings, every run's final losses and seconds, the claims, the time and the
     load to ``path`` as JSON (the committed results README's table is generated from)."""
     document = {
-        "command": "unitscale transfer",
+        "command": command_line(result.config),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "python": platform.python_version(),
