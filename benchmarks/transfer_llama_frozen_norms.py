@@ -41,10 +41,11 @@ def main() -> None:
     heldout = transfer._eval_data(config, "heldout")
     train_eval = transfer._eval_data(config, "train")
     torch.set_num_threads(config.threads)
-    # train_one builds through the registry: its hf:llama u-muP entry gets the frozen norms.
-    transfer.PARAMETRISATION_SPECS = tuple(
+    # train_one builds through the registry (in the transfer package's _models, where it is
+    # read): its hf:llama u-muP entry gets the frozen norms.
+    transfer._models.PARAMETRISATION_SPECS = tuple(
         replace(s, build=frozen_norms) if (s.name, s.model) == ("u-muP", "hf:llama") else s
-        for s in transfer.PARAMETRISATION_SPECS
+        for s in transfer._models.PARAMETRISATION_SPECS
     )
     for width in (int(w) for w in args.widths.split(",")):
         for k in (int(s) for s in args.steps.split(",")):

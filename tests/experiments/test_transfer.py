@@ -276,7 +276,7 @@ def test_the_sweep_runs_on_its_pinned_threads_whatever_the_caller_s(
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(transfer, "train_one", spy)
+    monkeypatch.setattr(transfer._sweep, "train_one", spy)  # where run_transfer looks it up
     config = default_config(quick=True, widths=(32, 64), lr_steps=(0,), fp8=False, **TINY)
     caller = torch.get_num_threads()
     paths = []
