@@ -10,7 +10,7 @@ Fan-in: for a weight, ``prod(shape[1:])``: an ``nn.Linear`` weight's ``in_featur
 convolution's ``in_channels/groups * kernel``, and an embedding's ``embedding_dim`` (for an
 embedding this is the width it writes, which gives u-μP's embedding rule, see
 :func:`lr_scale_func_adam`). A weight stored ``(in, out)`` (transformers' ``Conv1D``) says
-so with the attribute ``fan_in_dim = 0``, which :func:`unitscale.unit_scale` sets.
+so with the attribute ``fan_in_dim = 0``, which :func:`unitscale.transforms.unit_scale` sets.
 
 How it works: :class:`Adam`, :class:`AdamW` and :class:`SGD` are torch's classes with the
 same positional arguments and defaults (bound against torch's own signature). The parameters

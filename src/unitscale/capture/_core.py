@@ -104,8 +104,8 @@ class GraphPass:
     order_fix: ClassVar[str] = ""
     #: Whether the pass can apply to the ops of one submodule only (:meth:`scoped`).
     scopable: ClassVar[bool] = False
-    #: Qualified name of the submodule whose ops this pass transforms ("": every op). Set on
-    #: the passes of a transformed child when a transform of its parent absorbs it.
+    #: The qualified name of the submodule whose ops this pass transforms, or "" for every
+    #: op. Set on the passes of a transformed child when a transform of its parent absorbs it.
     scope: str = ""
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
