@@ -44,7 +44,8 @@ class _ScaleFwdBwd(torch.autograd.Function):
 
 def _is_symbolic(scale: object) -> bool:
     """Whether ``scale`` was computed from a dynamic size while being compiled."""
-    return isinstance(scale, torch.SymFloat | torch.SymInt)
+    # A tuple, not X | Y: TorchDynamo 2.8 cannot trace isinstance with a union type.
+    return isinstance(scale, (torch.SymFloat, torch.SymInt))
 
 
 def _is_one(scale: float) -> bool:

@@ -144,9 +144,9 @@ def test_trainer_run_records_track_scales_values_and_keeps_losses(tmp_path: Path
     ]  # fmt: skip
     assert all(p.parent == out and p.stat().st_size > 0 for p in callback.written)
     assert (out / "tensorboard").exists() == tensorboard_available()
-    # The Trainer's loss normaliser is passed to the model but is not data: the monitor has
-    # it, the CSV and the heatmaps do not (issue 28 item 15).
-    assert "num_items_in_batch" in set(table["tensor"])
+    # The Trainer's loss normaliser is passed to the model but is not data: the monitor may
+    # have it (TorchDynamo makes it a graph input on recent torch; torch 2.8 folds it into
+    # the graph), the CSV and the heatmaps do not (issue 28 item 15).
     written = pd.read_csv(out / "scales.csv")
     assert "num_items_in_batch" not in set(written["tensor"])
     assert len(written) == len(table) - (table["tensor"] == "num_items_in_batch").sum()

@@ -166,7 +166,9 @@ def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() 
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
         for mine, theirs_ in zip(fast.parameters(), eager.parameters(), strict=True):
             if theirs_.grad is not None:  # every scale, the gradients' included, symbolic
-                torch.testing.assert_close(mine.grad, theirs_.grad, rtol=1e-4, atol=1e-6)
+                # atol 1e-5: gradients are unit-scaled (about 1), and compiled code sums in
+                # another order (torch 2.8: 1.2e-6 apart on an element of 1e-3).
+                torch.testing.assert_close(mine.grad, theirs_.grad, rtol=1e-4, atol=1e-5)
     assert graphs == ours[-1]
     torch._dynamo.reset()
 

@@ -64,7 +64,8 @@ def _rsqrt(n: float) -> float:
     a dynamic size under ``torch.compile``, at least 2) gives a symbolic scale, unchecked:
     a check would specialise the graph to one size.
     """
-    if isinstance(n, torch.SymInt | torch.SymFloat):
+    # A tuple, not X | Y: TorchDynamo 2.8 cannot trace isinstance with a union type.
+    if isinstance(n, (torch.SymInt, torch.SymFloat)):
         return 1.0 / torch.sym_sqrt(n)
     if not math.isfinite(n) or n < 0:
         raise UnitScaleError(

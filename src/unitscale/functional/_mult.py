@@ -42,7 +42,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def check_mult(op: str, mult: float) -> float:
     """``mult`` as a float, or :class:`UnsupportedArgumentError` if it is not positive and
     finite (a multiplier of 0 or a negative one has no unit-scaling rule)."""
-    if isinstance(mult, torch.SymFloat | torch.SymInt):
+    # A tuple, not X | Y: TorchDynamo 2.8 cannot trace isinstance with a union type.
+    if isinstance(mult, (torch.SymFloat, torch.SymInt)):
         # Dynamo makes a float module attribute symbolic once it has seen two values; the
         # scales are computed from its value, so specialise on it (a guard, not a graph break).
         mult = float(mult)
