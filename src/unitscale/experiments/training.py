@@ -42,8 +42,10 @@ Design constraints:
 - every run of a :class:`TrainConfig` sees the same batches in the same order, starts from the
   same weights as its FP32/FP8 sibling, and is deterministic under the seed (same seed, same
   machine and thread count: byte-identical loss table);
-- each model family has its own learning rate, chosen once by a sweep of the FP32 runs
-  (``unitscale train --help`` and the README say which); the FP8 runs reuse the FP32 rate;
+- each model family has its own learning rate, fixed from FP32 evidence only, before any FP8
+  run is looked at (the plain model's by a sweep of its FP32 runs; the u-μP model's is u-μP's
+  documented default, which ``unitscale transfer``'s FP32 sweep checks); the FP8 runs reuse
+  the FP32 rate;
 - the global RNG is left as it was; progress goes to stderr; nothing here parses options.
 """
 
