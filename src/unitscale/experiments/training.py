@@ -197,8 +197,8 @@ RUN_KINDS: tuple[RunKind, ...] = (
     # The recipes practitioners run on plain models, as baselines: torchao's default
     # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
     RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
-    # Not in the default run set (``--runs`` adds it), so that the default run stays within a
-    # few minutes on 2 cores.
+    # Not in the default run set (``--runs`` adds it), to keep the default run short on 2
+    # cores (benchmarks/bench_train_kinds.py estimates its time).
     RunKind(
         "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
     ),
@@ -219,8 +219,10 @@ _KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 class TrainConfig:
     """One comparison of training runs: model size, data, optimiser and schedule.
 
-    The defaults are what ``unitscale train`` runs with no options (sized to finish in a few
-    minutes on a 2-core CPU; see the README for the measured time and results).
+    The defaults are what ``unitscale train`` runs with no options (its committed run, with
+    the measured time and the machine's load, is in
+    ``benchmarks/results/train/hardware-recipe-seed0/``; ``benchmarks/bench_train_kinds.py``
+    estimates the time on an idle machine).
 
     Attributes:
         steps: optimiser steps per run.
@@ -471,10 +473,11 @@ def train_run(
 
     The run's optimiser (:func:`build_optimiser`: Adam for the plain family, u-μP's AdamW for
     the unit-scaled one; ``betas=(0.9, 0.95)``, no weight decay) at the family's peak learning
-    rate with linear warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss of each step is
-    read once (one synchronisation per step); a non-finite loss stops the run (the remaining
-    steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.tracking.ScaleMonitor`
-    records scales every that many steps and reports the first NaN/Inf.
+    rate with linear warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss
+    of each step is read once (one synchronisation per step); a non-finite loss stops the run
+    (the remaining steps are NaN). With ``config.monitor_every``, a
+    :class:`~unitscale.tracking.ScaleMonitor` records scales every that many steps and reports
+    the first NaN/Inf.
 
     When ``torch.distributed`` is initialised with more than one rank, the run is
     data-parallel: every rank reads the same global batches, trains
@@ -889,9 +892,9 @@ def write_train_report(
         "<p>Models and optimisers: the plain GPT with torch.optim.Adam; the unit-scaled runs "
         "the default u-μP unitscale.TransformerDecoder with unitscale.optim.AdamW (per-parameter "
         "learning rates from the u-μP rules). Betas 0.9, 0.95, no weight decay, linear warm-up "
-        "then cosine decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 with the "
-        f"{html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, gradients in "
-        "E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
+        "then cosine decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 "
+        f"with the {html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, "
+        "gradients in E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
         "scaling.</p>",
         "<h2>Figures</h2>",
     ]
