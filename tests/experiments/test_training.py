@@ -103,9 +103,7 @@ def test_unit_scaled_runs_are_the_default_umup_decoder_with_umup_adamw() -> None
     optimiser = build_optimiser("unit-scaled-fp32", model, config)
     assert isinstance(optimiser, us.optim.AdamW)
     # Each group holds the base rate (what the schedule sets) and its parameters' u-μP factor.
-    lrs = {
-        id(p): g["lr"] * g["lr_scale"] for g in optimiser.param_groups for p in g["params"]
-    }
+    lrs = {id(p): g["lr"] * g["lr_scale"] for g in optimiser.param_groups for p in g["params"]}
     for p in model.parameters():
         assert lrs[id(p)] == pytest.approx(DEFAULT_MUP_LR * lr_scale_func_adam(p))
     assert {g["weight_decay"] for g in optimiser.param_groups} == {0.0}
