@@ -1,8 +1,9 @@
 """Step time of ``unitscale train``'s FP8 runs against its FP32 runs, both compiled.
 
-For each model family (plain and unit-scaled GPT at ``unitscale train``'s default size and
-batch), the FP32 model and its FP8 sibling (``simulate_fp8``, the ``hardware`` recipe) are
-both compiled with :func:`unitscale.transforms.compile` and trained with Adam on the same
+For each model family (the plain GPT and the u-μP decoder at ``unitscale train``'s default
+size and batch), the FP32 model and its FP8 sibling (``simulate_fp8``, the ``hardware``
+recipe) are both compiled with :func:`unitscale.transforms.compile` and trained with the
+run's optimiser (:func:`~unitscale.experiments.training.build_optimiser`) on the same
 batches. A step is forward, backward, optimiser step and ``zero_grad``, ending with the loss
 read back (as ``unitscale train`` does). FP32 and FP8 steps alternate in rounds in one
 process, so load on the machine biases both alike; the ratio is the median of the per-round
@@ -29,16 +30,17 @@ from _history import append_run, machine_state
 from torch import nn
 
 from unitscale.experiments.data import batches
-from unitscale.experiments.training import TrainConfig, build_run_model
+from unitscale.experiments.training import TrainConfig, build_optimiser, build_run_model
 from unitscale.transforms import compile as compile_module
 
 RESULTS = Path(__file__).parent / "results" / "train_step.json"
 TARGET = 1.15
 
 
-def stepper(model: nn.Module, lr: float, seed: int, config: TrainConfig) -> Callable[[], float]:
-    """One training step of ``model`` per call, on its own copy of the batch stream."""
-    optimiser = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
+def stepper(model: nn.Module, run: str, seed: int, config: TrainConfig) -> Callable[[], float]:
+    """One training step of ``model`` per call (``run``'s optimiser, as ``unitscale train``
+    builds it), on its own copy of the batch stream."""
+    optimiser = build_optimiser(run, model, config)
     stream = batches(config.batch_size, config.seq_len, seed=seed, split="train")
 
     def step() -> float:
@@ -67,8 +69,8 @@ def family(name: str, config: TrainConfig, rounds: int, k: int) -> dict[str, Any
     torch.manual_seed(config.seed)
     fp8 = build_run_model(fp8_run, replace(config, compile_fp8=True))
     steps = {
-        "fp32": stepper(fp32, config.lr_for(fp32_run), config.seed, config),
-        "fp8": stepper(fp8, config.lr_for(fp8_run), config.seed, config),
+        "fp32": stepper(fp32, fp32_run, config.seed, config),
+        "fp8": stepper(fp8, fp8_run, config.seed, config),
     }
     first = {}
     for key, step in steps.items():

@@ -127,3 +127,53 @@ def test_the_readme_stands_on_its_own() -> None:
     for target in re.findall(r"\]\(([^)#]+)\)", readme):
         if "://" not in target:
             assert (ROOT / target).exists(), target
+
+
+def test_fp8_table_and_claim_come_from_the_train_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: the README's FP8 table has the tensorwise (and delayed) baselines with their
+    scales, every FP8 gap against its own family's FP32 run of the same summary, and the
+    claim sets the unit-scaled model with no scales against the scaled plain runs."""
+    from unitscale.experiments.training import RunResult, TrainConfig, summary_text
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    losses = {
+        "plain-fp32": 2.0,
+        "plain-fp8": 3.0,
+        "plain-fp8-tensorwise": 2.04,
+        "plain-fp8-delayed": 2.06,
+        "unit-scaled-fp32": 1.5,
+        "unit-scaled-fp8": 1.515,
+    }
+    results = {n: RunResult(n, 0.5, [v], {1: v}, v, v) for n, v in losses.items()}
+    folder = tmp_path / "train" / "hardware-recipe-seed0"
+    folder.mkdir(parents=True)
+    (folder / "summary.txt").write_text(summary_text(results, TrainConfig(steps=1)))
+    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    rows = {
+        cells[2]: cells
+        for line in readme_tables.fp8_table().splitlines()[2:]
+        for cells in [[c.strip() for c in line.split("|")]]
+    }
+    assert list(rows) == list(losses)
+    assert rows["plain-fp8-tensorwise"][3] == "tensorwise"
+    assert rows["plain-fp8-tensorwise"][7] == "+2.00%"  # against plain-fp32, not unit-scaled
+    assert (
+        rows["plain-fp8-delayed"][3:4] == ["delayed"] and rows["plain-fp8-delayed"][7] == "+3.00%"
+    )
+    assert rows["plain-fp8"][3] == "no scaling" and rows["unit-scaled-fp8"][7] == "+1.00%"
+    assert rows["plain-fp32"][3] == "" and rows["plain-fp32"][7] == ""
+    claims = readme_tables.fp8_claims()
+    assert "no per-tensor scales ends +1.00% from its FP32 held-out loss" in claims
+    assert "`plain-fp8-tensorwise` +2.00%; `plain-fp8-delayed` +3.00%" in claims
+    assert "1.00 points closer to its FP32 run than the plain model with tensorwise" in claims
+    assert "2.00 points closer to its FP32 run than the plain model with delayed" in claims
+    cost = readme_tables.latest_run(readme_tables.RESULTS / "fp8_scaling.json")["results"]
+    amax = cost["per_step_counts"]["tensorwise"]["amax_reductions"]
+    assert f"tensorwise scaling does {amax} amax reductions" in claims

@@ -82,6 +82,38 @@ def test_fp8_runs_start_from_the_fp32_weights() -> None:
         assert all(torch.equal(fp32[k], fp8[k]) for k in fp32)
 
 
+def test_unit_scaled_runs_are_the_default_umup_decoder_with_umup_adamw() -> None:
+    """Issue 27: the unit-scaled family is the library's default u-μP decoder (as
+    ``us.TransformerDecoder(...)`` builds it), trained by ``unitscale.optim.AdamW`` at u-μP's
+    documented default learning rate, each parameter at its u-μP rule."""
+    import unitscale as us
+    from unitscale.experiments.training import build_optimiser
+    from unitscale.experiments.transfer import DEFAULT_MUP_LR
+    from unitscale.optim import lr_scale_func_adam
+
+    assert TrainConfig().lr_unit_scaled == DEFAULT_MUP_LR
+    config = TrainConfig(hidden_size=32, heads=2, depth=2, seq_len=16, seed=3)
+    model = build_run_model("unit-scaled-fp32", config)
+    torch.manual_seed(config.seed)
+    default = us.TransformerDecoder(32, depth=2, heads=2, vocab_size=256)
+    assert type(model) is type(default) and model.mup
+    expected = default.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    optimiser = build_optimiser("unit-scaled-fp32", model, config)
+    assert isinstance(optimiser, us.optim.AdamW)
+    # Each group holds the base rate (what the schedule sets) and its parameters' u-μP factor.
+    lrs = {id(p): g["lr"] * g["lr_scale"] for g in optimiser.param_groups for p in g["params"]}
+    for p in model.parameters():
+        assert lrs[id(p)] == pytest.approx(DEFAULT_MUP_LR * lr_scale_func_adam(p))
+    assert {g["weight_decay"] for g in optimiser.param_groups} == {0.0}
+    # The plain family keeps torch's Adam at its swept rate.
+    plain = build_run_model("plain-fp32", config)
+    optimiser = build_optimiser("plain-fp32", plain, config)
+    assert type(optimiser) is torch.optim.Adam
+    assert {g["lr"] for g in optimiser.param_groups} == {config.lr_plain}
+
+
 def test_diverging_run_stops_and_monitor_reports_where() -> None:
     config = TrainConfig(
         steps=6, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_batches=1,

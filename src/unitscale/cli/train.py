@@ -53,14 +53,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "train",
         help=HELP,
         description=(
-            "Train the built-in GPT on the bundled text four ways, with the same initial "
-            "weights, data order and seed: plain in FP32, plain with simulated FP8 matmuls "
-            "(E4M3 operands, E5M2 output gradients, no loss scaling), unit-scaled in FP32, "
-            "unit-scaled with simulated FP8. Print the final training and held-out losses; "
-            "write the loss curves (PNG), a CSV of losses per step and a self-contained HTML "
-            "report. Adam, linear warm-up, cosine decay to 10%; each model family has its own "
-            "learning rate (chosen by a sweep of the FP32 runs; see the README). With no "
-            "options it finishes in a few minutes on a 2-core CPU."
+            "Train on the bundled text, with the same data order and seed: the built-in "
+            "plain GPT in FP32, with simulated FP8 matmuls (E4M3 operands, E5M2 output "
+            "gradients, no loss scaling) without per-tensor scales and with torchao's "
+            "tensorwise scaling; the library's default u-μP decoder "
+            "(unitscale.TransformerDecoder) in FP32 and in simulated FP8 without scales. "
+            "Print the final training and held-out losses; write the loss curves (PNG), a "
+            "CSV of losses per step and a self-contained HTML report. Linear warm-up, cosine "
+            "decay to 10%; the plain runs use Adam at the best rate of an FP32 sweep, the "
+            "u-μP runs unitscale.optim.AdamW at u-μP's documented default rate."
         ),
     )
     parser.add_argument(
@@ -117,7 +118,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_float,
         default=d.lr_unit_scaled,
         metavar="LR",
-        help=f"peak learning rate of the unit-scaled runs (default {d.lr_unit_scaled:g})",
+        help=(
+            f"peak base learning rate of the unit-scaled (u-μP) runs, scaled per parameter "
+            f"by unitscale.optim.AdamW (default {d.lr_unit_scaled:g}, u-μP's default)"
+        ),
     )
     parser.add_argument(
         "--lr",

@@ -12,8 +12,13 @@ same initialisation, data order and seed:
 - ``plain-fp8-tensorwise``: the same with ``scaling="tensorwise"``, torchao's default float8
   training recipe (in the default run set), and ``plain-fp8-delayed`` with
   ``scaling="delayed"`` (``--runs`` adds it): the baselines practitioners would run;
-- ``unit-scaled-fp32``: its unit-scaled twin;
-- ``unit-scaled-fp8``: the twin under ``simulate_fp8``, again with no loss scaling.
+- ``unit-scaled-fp32``: the library's default u-μP decoder,
+  ``unitscale.TransformerDecoder(width, depth, heads, 256)`` (Blake et al., ICLR 2025, arXiv
+  2407.17465: unit scaling, the paper's residual rule, ``1/d_head`` attention logits, the
+  ``1/fan_in`` readout, no biases, norms without parameters) trained with
+  :class:`unitscale.optim.AdamW` at u-μP's documented default learning rate
+  (:data:`unitscale.experiments.transfer.DEFAULT_MUP_LR`);
+- ``unit-scaled-fp8``: that decoder under ``simulate_fp8``, again with no loss scaling.
 
 Then :func:`losses_frame` (the per-step losses), :func:`summary_text` (the table the command
 prints), :func:`plot_losses` and :func:`write_train_report` present the results.
@@ -37,8 +42,10 @@ Design constraints:
 - every run of a :class:`TrainConfig` sees the same batches in the same order, starts from the
   same weights as its FP32/FP8 sibling, and is deterministic under the seed (same seed, same
   machine and thread count: byte-identical loss table);
-- each model family has its own learning rate, chosen once by a sweep of the FP32 runs
-  (``unitscale train --help`` and the README say which); the FP8 runs reuse the FP32 rate;
+- each model family has its own learning rate, fixed from FP32 evidence only, before any FP8
+  run is looked at (the plain model's by a sweep of its FP32 runs; the u-μP model's is u-μP's
+  documented default, which ``unitscale transfer``'s FP32 sweep checks); the FP8 runs reuse
+  the FP32 rate;
 - the global RNG is left as it was; progress goes to stderr; nothing here parses options.
 """
 
@@ -61,7 +68,7 @@ from ..errors import UnitScaleError
 from ..tracking import NonFiniteReport, ScaleMonitor
 from . import report
 from .data import Batch
-from .models import GPTConfig, plain_gpt, unit_scaled_gpt
+from .models import GPTConfig, plain_gpt
 from .runner import (
     Schedule,
     check_positive_int,
@@ -71,6 +78,7 @@ from .runner import (
     train_loop,
     training_batches,
 )
+from .transfer import DEFAULT_MUP_LR
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -89,6 +97,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # training
     "RunResult",
     "build_run_model",
+    "build_optimiser",
+    "unit_scaled_model",
     "train_run",
     "train_runs",
     # presentation
@@ -129,8 +139,9 @@ class RunKind:
 
     Attributes:
         name: the run's name (``--runs``, the CSV's ``run`` column).
-        family: ``"plain"`` (:func:`unitscale.models.plain_gpt`, ``TrainConfig.lr_plain``) or
-            ``"unit-scaled"`` (:func:`unitscale.models.unit_scaled_gpt`,
+        family: ``"plain"`` (:func:`unitscale.models.plain_gpt` with ``torch.optim.Adam``
+            at ``TrainConfig.lr_plain``) or ``"unit-scaled"`` (the default u-μP
+            :class:`unitscale.TransformerDecoder` with :class:`unitscale.optim.AdamW` at
             ``TrainConfig.lr_unit_scaled``). Runs of one family start from the same weights.
         transform: applied to the freshly built model (None: the model as built), e.g.
             ``simulate_fp8``.
@@ -186,8 +197,8 @@ RUN_KINDS: tuple[RunKind, ...] = (
     # The recipes practitioners run on plain models, as baselines: torchao's default
     # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
     RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
-    # Not in the default run set (``--runs`` adds it), so that the default run stays within a
-    # few minutes on 2 cores.
+    # Not in the default run set (``--runs`` adds it), to keep the default run short on 2
+    # cores (benchmarks/bench_train_kinds.py estimates its time).
     RunKind(
         "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
     ),
@@ -208,8 +219,10 @@ _KINDS: dict[str, RunKind] = {kind.name: kind for kind in RUN_KINDS}
 class TrainConfig:
     """One comparison of training runs: model size, data, optimiser and schedule.
 
-    The defaults are what ``unitscale train`` runs with no options (sized to finish in a few
-    minutes on a 2-core CPU; see the README for the measured time and results).
+    The defaults are what ``unitscale train`` runs with no options (its committed run, with
+    the measured time and the machine's load, is in
+    ``benchmarks/results/train/hardware-recipe-seed0/``; ``benchmarks/bench_train_kinds.py``
+    estimates the time on an idle machine).
 
     Attributes:
         steps: optimiser steps per run.
@@ -220,9 +233,12 @@ class TrainConfig:
         heads: attention heads.
         lr_plain: peak learning rate of the plain model's runs (Adam). 3e-3 was the best final
             held-out loss of an FP32-only sweep (seed 1) over 1e-3, 2e-3, 3e-3, 5e-3 and 1e-2.
-        lr_unit_scaled: peak learning rate of the unit-scaled model's runs (Adam). 5e-2 was the
-            best of the same sweep over 1e-2, 2e-2, 3e-2, 5e-2 and 1e-1: its weights are
-            N(0, 1), so an Adam step is a ~50x smaller relative change than in the plain model.
+        lr_unit_scaled: peak base learning rate of the unit-scaled (u-μP) runs:
+            :class:`unitscale.optim.AdamW` gives each parameter this times its u-μP rule
+            (a hidden weight ``lr / sqrt(fan_in)``). The default is u-μP's documented default
+            :data:`unitscale.experiments.transfer.DEFAULT_MUP_LR` (0.5), fixed before any FP8
+            run: u-μP's claim is that this default is near-optimal without a sweep, and
+            ``unitscale transfer``'s FP32 sweep checks it.
         warmup_steps: linear warm-up steps (None: 5% of ``steps``), then cosine decay to
             10% of the peak.
         seed: model initialisation, data order and held-out sample.
@@ -249,7 +265,7 @@ class TrainConfig:
     depth: int = 2
     heads: int = 4
     lr_plain: float = 3e-3
-    lr_unit_scaled: float = 5e-2
+    lr_unit_scaled: float = DEFAULT_MUP_LR
     warmup_steps: int | None = None
     seed: int = 0
     eval_every: int = 50
@@ -374,8 +390,9 @@ class RunResult:
 def build_run_model(run: str, config: TrainConfig) -> nn.Module:
     """The model of ``run``, initialised from ``config.seed`` (FP8 siblings share weights).
 
-    Returns the plain or unit-scaled GPT, wrapped in ``simulate_fp8`` for the FP8 runs and in
-    ``compile`` when ``config.compile_fp8`` (FP8 runs without a monitor).
+    Returns the plain GPT or the default u-μP decoder (:func:`unit_scaled_model`), wrapped
+    in ``simulate_fp8`` for the FP8 runs and in ``compile`` when ``config.compile_fp8`` (FP8
+    runs without a monitor).
 
     Raises:
         TrainConfigError: for an unknown run name.
@@ -383,16 +400,61 @@ def build_run_model(run: str, config: TrainConfig) -> nn.Module:
     Example:
         >>> m = build_run_model("unit-scaled-fp8", TrainConfig(hidden_size=32, heads=2))
         >>> type(m.module).__name__, [type(p).__name__ for p in m.passes]
-        ('UnitScaledGPT', ['SimulateFormatPass'])
+        ('TransformerDecoder', ['SimulateFormatPass'])
     """
     if run not in _KINDS:
         raise TrainConfigError(f"build_run_model: unknown run {run!r}; choose from {RUN_NAMES}")
     kind = _KINDS[run]
-    build = unit_scaled_gpt if kind.family == "unit-scaled" else plain_gpt
-    model: nn.Module = build(config.model_config, seed=config.seed)
+    model: nn.Module
+    if kind.family == "unit-scaled":
+        model = unit_scaled_model(config)
+    else:
+        model = plain_gpt(config.model_config, seed=config.seed)
     if kind.transform is not None:
         model = kind.transform(model, config)
     return model
+
+
+def unit_scaled_model(config: TrainConfig) -> nn.Module:
+    """The unit-scaled family's model: the library's default u-μP decoder at ``config``'s size.
+
+    ``unitscale.TransformerDecoder(hidden_size, depth, heads, 256)`` with every default (u-μP,
+    Blake et al., ICLR 2025, arXiv 2407.17465: its residual rule, ``1/d_head`` logits, the
+    ``1/fan_in`` readout, no biases, norms without trainable parameters; a NoPE decoder),
+    initialised from ``config.seed`` (the global RNG is left as it was).
+
+    Example:
+        >>> m = unit_scaled_model(TrainConfig(hidden_size=32, heads=2))
+        >>> type(m).__name__, m.mup, sorted({p.mup_type for p in m.parameters()})
+        ('TransformerDecoder', True, ['output', 'weight'])
+    """
+    from .. import modules
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return modules.TransformerDecoder(
+            config.hidden_size, config.depth, config.heads, config.model_config.vocab_size
+        )
+
+
+def build_optimiser(run: str, model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimiser of ``run``: betas (0.9, 0.95), no weight decay, its family's peak lr.
+
+    The plain family gets ``torch.optim.Adam``; the unit-scaled (u-μP) family
+    :class:`unitscale.optim.AdamW`, which gives each parameter the peak lr times its u-μP
+    rule (:func:`unitscale.optim.lr_scale_func_adam`). The schedule scales both alike.
+
+    Example:
+        >>> c = TrainConfig(hidden_size=32, heads=2)
+        >>> type(build_optimiser("unit-scaled-fp32", unit_scaled_model(c), c)).__module__
+        'unitscale.optim'
+    """
+    lr = config.lr_for(run)
+    if _family(run) == "unit-scaled":
+        from .. import optim
+
+        return optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def _eval_batches(config: TrainConfig, split: Literal["train", "heldout"]) -> list[Batch]:
@@ -409,11 +471,13 @@ def train_run(
 ) -> RunResult:
     """Train one run of ``config`` and return its losses.
 
-    Adam (``betas=(0.9, 0.95)``, no weight decay), the run's family learning rate with linear
-    warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss of each step is
-    read once (one synchronisation per step); a non-finite loss stops the run (the remaining
-    steps are NaN). With ``config.monitor_every``, a :class:`~unitscale.tracking.ScaleMonitor`
-    records scales every that many steps and reports the first NaN/Inf.
+    The run's optimiser (:func:`build_optimiser`: Adam for the plain family, u-μP's AdamW for
+    the unit-scaled one; ``betas=(0.9, 0.95)``, no weight decay) at the family's peak learning
+    rate with linear warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss
+    of each step is read once (one synchronisation per step); a non-finite loss stops the run
+    (the remaining steps are NaN). With ``config.monitor_every``, a
+    :class:`~unitscale.tracking.ScaleMonitor` records scales every that many steps and reports
+    the first NaN/Inf.
 
     When ``torch.distributed`` is initialised with more than one rank, the run is
     data-parallel: every rank reads the same global batches, trains
@@ -471,9 +535,7 @@ def train_run(
             step_module = monitor.module
             result.monitor = monitor
         model.train()
-        optimiser = torch.optim.Adam(
-            model.parameters(), lr=result.lr, betas=(0.9, 0.95), weight_decay=0.0
-        )
+        optimiser = build_optimiser(run, model, config)
         bar = _StepProgress(run, config.steps, enabled=progress)
         try:
             done = train_loop(
@@ -827,10 +889,12 @@ def write_train_report(
         *report.html_paragraphs(notes),
         "<h2>Settings</h2>",
         report.html_table(None, _settings_rows(config)),
-        "<p>Optimiser: Adam (betas 0.9, 0.95, no weight decay), linear warm-up then cosine "
-        "decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 with the "
-        f"{html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, gradients in "
-        "E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
+        "<p>Models and optimisers: the plain GPT with torch.optim.Adam; the unit-scaled runs "
+        "the default u-μP unitscale.TransformerDecoder with unitscale.optim.AdamW (per-parameter "
+        "learning rates from the u-μP rules). Betas 0.9, 0.95, no weight decay, linear warm-up "
+        "then cosine decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 "
+        f"with the {html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, "
+        "gradients in E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
         "scaling.</p>",
         "<h2>Figures</h2>",
     ]
