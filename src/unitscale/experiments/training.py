@@ -17,7 +17,7 @@ same initialisation, data order and seed:
   2407.17465: unit scaling, the paper's residual rule, ``1/d_head`` attention logits, the
   ``1/fan_in`` readout, no biases, norms without parameters) trained with
   :class:`unitscale.optim.AdamW` at u-μP's documented default learning rate
-  (:data:`unitscale.experiments.transfer.DEFAULT_MUP_LR`);
+  (``unitscale.experiments.transfer.DEFAULT_MUP_LR``);
 - ``unit-scaled-fp8``: that decoder under ``simulate_fp8``, again with no loss scaling.
 
 Then :func:`losses_frame` (the per-step losses), :func:`summary_text` (the table the command
@@ -236,7 +236,7 @@ class TrainConfig:
         lr_unit_scaled: peak base learning rate of the unit-scaled (u-μP) runs:
             :class:`unitscale.optim.AdamW` gives each parameter this times its u-μP rule
             (a hidden weight ``lr / sqrt(fan_in)``). The default is u-μP's documented default
-            :data:`unitscale.experiments.transfer.DEFAULT_MUP_LR` (0.5), fixed before any FP8
+            ``unitscale.experiments.transfer.DEFAULT_MUP_LR`` (0.5), fixed before any FP8
             run: u-μP's claim is that this default is near-optimal without a sweep, and
             ``unitscale transfer``'s FP32 sweep checks it.
         warmup_steps: linear warm-up steps (None: 5% of ``steps``), then cosine decay to
@@ -390,7 +390,7 @@ class RunResult:
 def build_run_model(run: str, config: TrainConfig) -> nn.Module:
     """The model of ``run``, initialised from ``config.seed`` (FP8 siblings share weights).
 
-    Returns the plain GPT or the default u-μP decoder (:func:`unit_scaled_model`), wrapped
+    Returns the plain GPT or the default u-μP decoder (``unit_scaled_model``), wrapped
     in ``simulate_fp8`` for the FP8 runs and in ``compile`` when ``config.compile_fp8`` (FP8
     runs without a monitor).
 
@@ -471,7 +471,7 @@ def train_run(
 ) -> RunResult:
     """Train one run of ``config`` and return its losses.
 
-    The run's optimiser (:func:`build_optimiser`: Adam for the plain family, u-μP's AdamW for
+    The run's optimiser (``build_optimiser``: Adam for the plain family, u-μP's AdamW for
     the unit-scaled one; ``betas=(0.9, 0.95)``, no weight decay) at the family's peak learning
     rate with linear warm-up and cosine decay (:meth:`TrainConfig.lr_at`). The training loss
     of each step is read once (one synchronisation per step); a non-finite loss stops the run
