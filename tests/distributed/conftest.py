@@ -68,7 +68,7 @@ def spawn(script: str, args: list[str], out: Path, world: int = 2) -> list[dict[
             handle.close()
     if failed is None:
         pytest.fail(f"{script}: the ranks did not finish within {RANK_TIMEOUT_S:.0f} s")
-    if failed >= 0:
+    if failed >= 0 and not _aborted_at_exit(out / f"rank{failed}.json", logs[failed]):
         pytest.fail(f"rank {failed} of {script} failed:\n{logs[failed].read_text()[-4000:]}")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
@@ -95,3 +95,14 @@ def skip_unless_fsdp_averages() -> Callable[[list[dict[str, Any]]], None]:
     """Skip an FSDP2 check where torch's own FSDP2 does not average gradients over gloo
     (measured by the workers' ``fsdp-averages`` check)."""
     return _skip_unless_fsdp_averages
+
+
+def _aborted_at_exit(result: Path, log: Path) -> bool:
+    """Whether a failed rank finished its work (its JSON is written, last thing it does) and
+    then aborted while the interpreter shut down: gloo's threads sometimes end with
+    "terminate called without an active exception" at exit, after every collective is done.
+    Its results are complete; any other failure still fails the test."""
+    text = log.read_text()
+    return result.exists() and text.rstrip().endswith(
+        "terminate called without an active exception"
+    )
