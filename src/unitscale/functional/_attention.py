@@ -79,8 +79,8 @@ def scaled_dot_product_attention(
     scale becomes ``mult * scale`` (``mult / sqrt(E)`` by default) and everything above
     holds with that scale (``σ² = mult² scale² E``, moments integrated exactly at it).
 
-    u-μP's attention logits are ``α_attn q.k / d_head`` (μP's ``1/d_head``; u-μP paper,
-    Table 3): pass ``scale=1 / E`` and ``mult=α_attn``, as :class:`unitscale.MHSA` does by
+    u-μP's attention logits are ``α_attn q.k / d_head`` (μP's ``1/d_head``; the u-μP paper's
+    rules, Section 4): pass ``scale=1 / E`` and ``mult=α_attn``, as :class:`unitscale.MHSA` does by
     default. ``scale=None`` keeps torch's ``1/sqrt(E)``, so that this op stays a drop-in for
     ``F.scaled_dot_product_attention`` (which :func:`unitscale.transforms.unit_scale` relies on).
     Where the paper fits the attention output's scale empirically, this op integrates the

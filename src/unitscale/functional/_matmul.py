@@ -156,7 +156,7 @@ def linear_readout(
 ) -> Tensor:
     """Readout (final) linear layer, e.g. a language model's head: u-μP's by default.
 
-    ``mup=True`` (default) is u-μP's readout (paper, Table 3 / Section 4: μP's ``1/fan_in``
+    ``mup=True`` (default) is u-μP's readout (the paper's rules, Section 4: μP's ``1/fan_in``
     output multiplier, the rest unit-scaled), described below. ``mup=False`` is plain unit
     scaling: the same op and ideal scales as :func:`linear`; only the default constraint
     differs. The backward pass of the whole network starts here, so

@@ -90,12 +90,12 @@ class MHSA(nn.Module):
         attn_mult: u-μP multiplier of the attention scores (see
             :func:`~unitscale.functional.scaled_dot_product_attention`).
         mup: μP's attention logits (default): scores ``attn_mult * q.k / d_head``, as μP
-            and u-μP prescribe (paper, Table 3; Yang et al. 2022, Section 4): once training
-            has aligned queries with keys, ``q.k`` grows like ``d_head``, not
-            ``sqrt(d_head)``, so only ``1/d_head`` keeps the logits' change independent of
-            the head size. False: torch's ``attn_mult * q.k / sqrt(d_head)``. The unit-scaled
-            attention integrates its scales at whichever logit scale is used, so the output
-            is unit either way.
+            and u-μP prescribe (the u-μP paper's rules, Section 4; μP: Yang et al.
+            2022): once training has aligned queries with keys, ``q.k`` grows like
+            ``d_head``, not ``sqrt(d_head)``, so only ``1/d_head`` keeps the logits' change
+            independent of the head size. False: torch's ``attn_mult * q.k / sqrt(d_head)``.
+            The unit-scaled attention integrates its scales at whichever logit scale is
+            used, so the output is unit either way.
 
     Raises:
         UnsupportedArgumentError: ``hidden_size`` is not divisible by ``heads``.
