@@ -335,6 +335,29 @@ def test_attention_unit_scale_options(kwargs: dict[str, object]) -> None:
         assert_unit(grad, TOL, f"grad {what}")
 
 
+@pytest.mark.parametrize(("seq", "dim"), [(16, 8), (128, 64)])
+def test_rotary_embedding_unit_scale(seq: int, dim: int) -> None:
+    out, grads = scale_stats(U.rotary_embedding, randn((16, 4, seq, dim)))
+    assert_unit(out, TOL, "output")
+    assert_unit(grads[0], TOL, "grad")
+
+
+def test_rotary_embedding_scores_depend_on_relative_position() -> None:
+    # RoPE's defining property: <R_m q, R_n k> depends on m - n only. Shift both sequences
+    # by 5 positions: every score between the same pair of vectors is unchanged.
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 1, 24, 16, dtype=torch.float64).unbind(0)
+    pad = torch.zeros(1, 5, 16, dtype=torch.float64)
+    scores = U.rotary_embedding(q) @ U.rotary_embedding(k).mT
+    shifted = (
+        U.rotary_embedding(torch.cat([pad, q], 1)) @ U.rotary_embedding(torch.cat([pad, k], 1)).mT
+    )
+    torch.testing.assert_close(shifted[:, 5:, 5:], scores)
+    plain = q @ k.mT  # without RoPE the scores are the same only on the diagonal
+    torch.testing.assert_close(scores.diagonal(dim1=-2, dim2=-1), plain.diagonal(dim1=-2, dim2=-1))
+    assert not torch.allclose(scores, plain)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize(("batch", "classes"), [(4096, 4), (512, 100), (32, 5000)])
 def test_cross_entropy_unit_grad(reduction: str, batch: int, classes: int) -> None:

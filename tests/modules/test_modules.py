@@ -253,6 +253,8 @@ BAD_MODULES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("softmax dim", lambda: us.Softmax(), UNSUPPORTED, "'dim'=None"),
     ("ce weight", lambda: us.CrossEntropyLoss(weight=torch.ones(3)), UNSUPPORTED, "'weight'"),
     ("mhsa heads", lambda: us.MHSA(64, 5), UNSUPPORTED, "'heads'=5.*hidden_size=64"),
+    ("mhsa rope odd head", lambda: us.MHSA(12, 4, rope=True), UNSUPPORTED, "'rope'.*=3 must"),
+    ("decoder rope odd head", lambda: us.TransformerDecoder(12, 1, 4, 10), UNSUPPORTED, "'rope'"),
     ("layer tau", lambda: us.TransformerLayer(64, 4, mlp_tau=1.0), UNSUPPORTED, "'mlp_tau'=1.0"),
     (
         "decoder tau",
@@ -405,20 +407,34 @@ def test_decoder_trains(optimiser: str) -> None:
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize(("mup", "attn_mult"), [(True, 1.0), (True, 3.0), (False, 2.0)])
-def test_mhsa_logit_scale(mup: bool, attn_mult: float) -> None:
+@pytest.mark.parametrize(
+    ("mup", "attn_mult", "rope"),
+    [(True, 1.0, False), (True, 3.0, False), (False, 2.0, False), (True, 1.0, True)],
+)
+def test_mhsa_logit_scale(mup: bool, attn_mult: float, rope: bool) -> None:
     # u-muP (default): softmax(attn_mult * q.k / d_head), muP's 1/d_head; mup=False: torch's
     # 1/sqrt(d_head). The unit-scaled attention multiplies the result by one constant.
+    # rope=True: the same on queries and keys rotated by their position (RoPE).
     torch.manual_seed(0)
     hidden, heads, seq = 64, 4, 16
     head_dim = hidden // heads
-    mhsa = us.MHSA(hidden, heads, attn_mult=attn_mult, mup=mup)
+    mhsa = us.MHSA(hidden, heads, attn_mult=attn_mult, mup=mup, rope=rope)
     seen: dict[str, Tensor] = {}
     mhsa.qkv.register_forward_hook(lambda _m, _i, out: seen.__setitem__("qkv", out))
     mhsa.out.register_forward_pre_hook(lambda _m, args: seen.__setitem__("attended", args[0]))
     with torch.no_grad():
         mhsa(torch.randn(2, seq, hidden))
     q, k, v = seen["qkv"].unflatten(-1, (3, heads, head_dim)).movedim(-3, 0).transpose(-2, -3)
+    if rope:  # Llama's half-split rotation, written out: position t, pair i, angle t/1e4^(i/h)
+        half = head_dim // 2
+        angle = torch.arange(seq)[:, None] / 10000.0 ** (torch.arange(half) / half)
+        cos, sin = angle.cos(), angle.sin()
+
+        def rotate(x: Tensor) -> Tensor:
+            first, second = x[..., :half], x[..., half:]
+            return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+        q, k = rotate(q), rotate(k)
     scale = attn_mult / head_dim if mup else attn_mult / math.sqrt(head_dim)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(
         ~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")
@@ -427,3 +443,23 @@ def test_mhsa_logit_scale(mup: bool, attn_mult: float) -> None:
     attended = seen["attended"]
     constant = (attended * reference).sum() / reference.pow(2).sum()
     torch.testing.assert_close(attended, constant * reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_decoder_positions_come_from_rope(rope: bool) -> None:
+    # The default decoder knows positions through RoPE: swapping two earlier tokens changes
+    # the last position's logits. Without it (rope=False, a NoPE decoder) causal attention
+    # sees the prefix as a set: with one layer, whose keys and values come from the tokens
+    # alone, the last logits do not change.
+    torch.manual_seed(0)
+    model = us.TransformerDecoder(32, depth=1, heads=4, vocab_size=50, rope=rope).eval()
+    ids = torch.arange(12).unsqueeze(0) * 3  # distinct tokens
+    swapped = ids.clone()
+    swapped[0, [2, 5]] = ids[0, [5, 2]]
+    with torch.no_grad():
+        last, last_swapped = model(ids)[0, -1], model(swapped)[0, -1]
+    moved = (last - last_swapped).abs().max().item()
+    if rope:
+        assert moved > 1e-3 * last.abs().max().item()
+    else:
+        torch.testing.assert_close(last, last_swapped, rtol=1e-5, atol=1e-6)

@@ -420,7 +420,7 @@ def unit_scaled_model(config: TrainConfig) -> nn.Module:
 
     ``unitscale.TransformerDecoder(hidden_size, depth, heads, 256)`` with every default (u-μP,
     Blake et al., ICLR 2025, arXiv 2407.17465: its residual rule, ``1/d_head`` logits, the
-    ``1/fan_in`` readout, no biases, norms without trainable parameters; a NoPE decoder),
+    ``1/fan_in`` readout, no biases, norms without trainable parameters, RoPE),
     initialised from ``config.seed`` (the global RNG is left as it was).
 
     Example:

@@ -23,7 +23,11 @@ This package is a facade: one private file per op family, each built from
 - ``_torch_map``: ``torch_map`` and the ops kept opaque to TorchDynamo.
 """
 
-from ._attention import masked_scaled_dot_product_attention, scaled_dot_product_attention
+from ._attention import (
+    masked_scaled_dot_product_attention,
+    rotary_embedding,
+    scaled_dot_product_attention,
+)
 from ._base import Constraint
 from ._batch_hints import add as batch_hinted_add
 from ._batch_hints import embedding as batch_hinted_embedding
@@ -60,6 +64,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # embedding and attention
     "embedding",
     "masked_scaled_dot_product_attention",
+    "rotary_embedding",
     "scaled_dot_product_attention",
     # losses
     "cross_entropy",

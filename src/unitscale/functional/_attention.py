@@ -32,7 +32,11 @@ from ._base import Constraint, _finish, _prescale, _rsqrt, _specialised_int
 from ._moments import _attention_moments, _softmax_moments
 from ._mult import check_mult
 
-__all__ = ["masked_scaled_dot_product_attention", "scaled_dot_product_attention"]
+__all__ = [
+    "masked_scaled_dot_product_attention",
+    "rotary_embedding",
+    "scaled_dot_product_attention",
+]
 
 # --------------------------------------------------------------------------------------------
 # attention without a mask
@@ -404,3 +408,30 @@ def _constrain(constraint: str | None, scales: list[Tensor]) -> list[Tensor]:
     else:  # to_output_scale: the only other constraint that takes four scales
         shared = scales[0]
     return [shared] * len(scales)
+
+
+def rotary_embedding(x: Tensor, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding (RoPE; Su et al. 2021, as in Llama) of ``(..., seq, dim)``.
+
+    Position ``t`` rotates the pairs ``(x[..., i], x[..., i + dim/2])`` by the angle
+    ``t * base ** (-2i / dim)`` (the half-split layout of Llama's implementation). A rotation
+    keeps each pair's norm, so unit-scaled inputs stay unit-scaled, in the forward and the
+    backward pass: no scale factor is needed. Positions count from 0 along ``seq``.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> q = torch.randn(2, 4, 16, 8)  # (batch, heads, seq, head dim)
+        >>> r = rotary_embedding(q)
+        >>> torch.allclose(r[..., 0, :], q[..., 0, :])  # position 0 is not rotated
+        True
+        >>> torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)  # rotations keep norms
+        True
+    """
+    seq, dim = x.shape[-2], x.shape[-1]
+    half = dim // 2
+    angle_dtype = torch.promote_types(x.dtype, torch.float32)  # float32 at least, as Llama
+    frequencies = base ** (-torch.arange(half, device=x.device, dtype=angle_dtype) / half)
+    angles = torch.arange(seq, device=x.device, dtype=angle_dtype)[:, None] * frequencies
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
