@@ -438,7 +438,15 @@ def fp8_claims() -> str:
         for run in scaled
     )
     fp32_gap = _gap(rows["unit-scaled-fp32"], rows["plain-fp32"], "heldout")
-    cost = latest_run(RESULTS / "fp8_scaling.json")["results"]["per_step_counts"]["tensorwise"]
+    scaling_run = latest_run(RESULTS / "fp8_scaling.json")
+    cost = scaling_run["results"]["per_step_counts"]["tensorwise"]
+    share = "; ".join(
+        f"{name} {scaling_run['results'][name]['scale_share_of_step']:.0%} "
+        f"({scaling_run['results'][name]['ratio_vs_none']:.2f}x the step with no scales)"
+        for name in ("tensorwise", "delayed")
+        if name in scaling_run["results"]
+    )
+    compiled = "compiled" if scaling_run.get("compiled") else "eager"
     lines = [
         f"- **The u-μP model in simulated FP8 with no per-tensor scales ends {unit:+.2f}% from "
         f"its FP32 held-out loss**; the plain model under per-tensor scaling, each against "
@@ -463,8 +471,27 @@ def fp8_claims() -> str:
         + f". Per step of the built-in model, tensorwise scaling does "
         f"{cost['amax_reductions']} amax reductions and {cost['scale_computations']} scale "
         "computations (`unitscale.transforms.scaling_cost`, "
-        "`benchmarks/results/fp8_scaling.json`), which unit scaling does without.",
+        "`benchmarks/results/fp8_scaling.json`), which unit scaling does without. Their share "
+        f"of a training step of the plain model in simulated FP8 ({compiled}, "
+        f"{scaling_run['threads']} threads, this CPU): {share}; "
+        f"{_when(scaling_run, RESULTS / 'fp8_scaling.json')}.",
     ]
+    timing = folder / "run.json"
+    if timing.exists():
+        run = json.loads(timing.read_text())
+        if "load_average_1min_peak_during" in run:
+            machine = (
+                "an idle machine"
+                if run.get("idle")
+                else "a machine shared with other work: not an idle-machine time"
+            )
+            lines.append(
+                f"- `{run['command']}` took {run['wall_s']:.0f} s from start to report "
+                f"({run['cpus']} cores, {run['torch_threads']} threads, 1-minute load "
+                f"{run['load_average_before'][0]:.1f} before, at most "
+                f"{run['load_average_1min_peak_during']:.1f} during it, itself included: "
+                f"{machine}; `{timing.relative_to(ROOT)}`)."
+            )
     return "\n".join(lines)
 
 
