@@ -177,21 +177,22 @@ def matmul_operands(node: fx.Node) -> list[tuple[int, str]]:
     return list(operands or ())
 
 
-FormatSpec = tuple[int, int, str, str]
+FormatSpec = tuple[int, int, str, str] | tuple[int, int, str, str, str]
 """An :class:`FPFormat` as plain data, ``(exponent_bits, mantissa_bits, rounding,
-special_values)``: what an inserted graph node holds, since generated graph code can only
-embed Python literals."""
+special_values)``, with ``overflow`` appended where it is not the default ``"saturate"``:
+what an inserted graph node holds, since generated graph code can only embed Python
+literals."""
 
 
 def format_spec(fmt: FPFormat) -> FormatSpec:
     """The :data:`FormatSpec` of ``fmt``."""
-    return (fmt.exponent_bits, fmt.mantissa_bits, fmt.rounding, fmt.special_values)
+    spec = (fmt.exponent_bits, fmt.mantissa_bits, fmt.rounding, fmt.special_values)
+    return spec if fmt.overflow == "saturate" else (*spec, fmt.overflow)
 
 
 @functools.lru_cache(maxsize=64)
 def _format_of(spec: FormatSpec) -> FPFormat:
-    exponent_bits, mantissa_bits, rounding, special_values = spec
-    return FPFormat(exponent_bits, mantissa_bits, rounding, special_values)  # type: ignore[arg-type]
+    return FPFormat(*spec)  # type: ignore[arg-type]
 
 
 def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:
