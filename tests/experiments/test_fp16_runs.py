@@ -23,7 +23,7 @@ from unitscale.experiments.training import (
 )
 
 FP16_RUNS = ("plain-fp16-loss-scaling", "unit-scaled-fp16")
-TINY = dict(  # noqa: C408 (keyword arguments read as settings)
+TINY = dict(
     batch_size=4, seq_len=16, hidden_size=32, heads=2, depth=1, eval_every=10, eval_batches=1
 )
 

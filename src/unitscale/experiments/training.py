@@ -224,9 +224,8 @@ class _SimulateFP16:
     precision = "fp16"
 
     def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
-        from ..transforms import FP8_RECIPES, FP8Recipe
+        from ..transforms import FP8_RECIPES, FP8Recipe, simulate_fp8
         from ..transforms import compile as compile_module
-        from ..transforms import simulate_fp8
 
         recipe = FP8_RECIPES[config.fp8_recipe]
         fp16 = FP8Recipe(

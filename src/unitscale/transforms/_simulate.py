@@ -192,7 +192,7 @@ def format_spec(fmt: FPFormat) -> FormatSpec:
 
 @functools.lru_cache(maxsize=64)
 def _format_of(spec: FormatSpec) -> FPFormat:
-    return FPFormat(*spec)  # type: ignore[arg-type]
+    return FPFormat(*spec)
 
 
 def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:
