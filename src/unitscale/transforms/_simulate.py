@@ -775,7 +775,8 @@ def simulate_fp8(
     included) are not rounded, as in FP8 recipes where the matmul accumulates in higher
     precision. ``recipe="all-operands"`` rounds the gradient with respect to every operand
     to E5M2 instead (what ``simulate_format(module, "e4m3", "e5m2")`` does).
-    Values beyond a format's range saturate to its largest value. For stochastic
+    Values beyond a format's range saturate to its largest value (an ``FPFormat`` with
+    ``overflow="inf"`` in a custom recipe makes them ``±inf`` instead). For stochastic
     rounding or other formats, pass an :class:`FP8Recipe` or call :func:`simulate_format`.
 
     ``scaling`` says how each tensor the recipe rounds is scaled (rules and their sources in
