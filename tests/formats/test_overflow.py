@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import pickle
+from unittest import mock
 
 import pytest
 import torch
@@ -55,7 +56,10 @@ def overflow_inputs(fmt: FPFormat) -> torch.Tensor:
     return torch.cat([values, -values, bits.view(torch.float32), near])
 
 
-@pytest.mark.parametrize("impl", ["public", "torch", "bits", "compiled-c-op", "compiled-inductor"])
+IMPLS = ["public", "torch", "saturating-cast", "bits", "compiled-c-op", "compiled-inductor"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", list(CASTS), ids=repr)
 def test_nearest_overflow_inf_is_the_ieee_cast_bit_for_bit(
     fmt: FPFormat, impl: str, monkeypatch: pytest.MonkeyPatch
@@ -70,6 +74,11 @@ def test_nearest_overflow_inf_is_the_ieee_cast_bit_for_bit(
         actual = fmt.quantise(x)
     elif impl == "torch":
         actual = _kernels._quantise(fmt._kernel, x, None, allow_c=False)
+    elif impl == "saturating-cast":
+        # The branch taken on a device whose float8 cast saturates (that cast cannot show an
+        # overflow): the bit-manipulation path, which must not saturate either.
+        with mock.patch.dict(_kernels._CAST_SATURATES, {("cpu", torch.float8_e5m2): True}):
+            actual = _kernels._quantise(fmt._kernel, x, None, allow_c=False)
     elif impl == "bits":
         actual = _kernels._quantise(fmt._kernel, x, None, allow_native=False, allow_c=False)
     else:
