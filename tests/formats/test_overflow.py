@@ -122,6 +122,18 @@ def test_16bit_inputs_overflow_as_the_cast_makes_them(dtype: torch.dtype) -> Non
         assert int(torch.isinf(actual[keep]).sum()) >= 2  # beyond 65504 (and ±inf itself)
 
 
+@pytest.mark.parametrize("fmt", list(CASTS), ids=repr)
+def test_float64_inputs_overflow_as_the_cast_makes_them(fmt: FPFormat) -> None:
+    # float32 values, so that torch's cast from float64 (through float32) rounds once.
+    x = overflow_inputs(fmt)
+    expected = x.to(CASTS[fmt]).double()
+    actual = fmt.quantise(x.double())
+    assert actual.dtype == torch.float64
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
+    keep = ~torch.isnan(expected)
+    assert torch.equal(actual[keep].view(torch.int64), expected[keep].view(torch.int64))
+
+
 @pytest.mark.parametrize("impl", ["c", "hashed", "randint"])
 def test_stochastic_overflows_as_the_rounded_value_says(impl: str) -> None:
     fmt = dataclasses.replace(FP16, overflow="inf")

@@ -92,6 +92,8 @@ def _quantise(
     bound = fmt.bounds[x.dtype]
     if fmt.overflow == "inf":
         rounded = _round(fmt, x, generator, math.inf, allow_native, allow_c)
+        if rounded.dtype == torch.float32 and rounded is not x:
+            return _float32_overflow_to_inf(rounded, fmt.max_absolute_value)
         return _overflow_to_inf(rounded, bound)
     return _round(fmt, x, generator, bound, allow_native, allow_c)
 
@@ -103,6 +105,21 @@ def _overflow_to_inf(y: Tensor, bound: float) -> Tensor:
     A fresh tensor (``y`` may be the caller's input, e.g. a float16 tensor rounded to FP16).
     """
     return torch.where(y.abs() > bound, y * math.inf, y)
+
+
+def _float32_overflow_to_inf(y: Tensor, max_value: float) -> Tensor:
+    """:func:`_overflow_to_inf` of a fresh float32 tensor of values of an IEEE format (whose
+    largest value ``max_value`` is ``(2 - 2**-m) * 2**emax``, the next value of its grid
+    ``2**(emax + 1)``), in place, in two multiplications instead of a comparison and a select
+    (several times cheaper in eager mode).
+
+    Scaling by ``2**(127 - emax)`` maps ``max_value`` to float32's largest value or below and
+    ``2**(emax + 1)`` and beyond to ``inf``; scaling back is exact for everything else (both
+    are powers of two and no value leaves float32's range on the way back). NaN stays NaN.
+    """
+    _, exponent = math.frexp(max_value)  # max_value = f * 2**exponent, f in [0.5, 1)
+    factor = 2.0 ** (128 - exponent)  # 2**(127 - emax), at most 2**126
+    return y.mul_(factor).div_(factor)
 
 
 def _round(
