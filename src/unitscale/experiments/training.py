@@ -172,8 +172,8 @@ class RunKind:
 
     @property
     def fp8(self) -> bool:
-        """Whether the run simulates a low-precision format (it has a transform: FP8, or FP16
-        for :attr:`precision` ``"fp16"``; drawn dashed, compiled with ``--compile``)."""
+        """Whether the run simulates a low-precision format, FP8 or FP16 (it has a transform;
+        drawn dashed, compiled with ``--compile``); :attr:`precision` says which."""
         return self.transform is not None
 
     @property
