@@ -208,6 +208,8 @@ class LoopResult:
         stopped_at: the step whose loss was not finite (training stopped there), or None.
         data_digest: SHA-256 (first 16 hex digits) of the token ids of every global batch
             trained on.
+        skipped_steps: with a ``grad_scaler``, the steps it skipped (their gradients were
+            not finite, so it lowered its scale); 0 without.
     """
 
     losses: list[float] = field(default_factory=list)
@@ -215,6 +217,7 @@ class LoopResult:
     final_train_loss: float = math.nan
     stopped_at: int | None = None
     data_digest: str = ""
+    skipped_steps: int = 0
 
 
 @contextmanager
@@ -246,6 +249,7 @@ def train_loop(
     eval_grad: bool = True,
     after_backward: Callable[[], object] | None = None,
     on_step: Callable[[float], None] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> LoopResult:
     """Train ``model`` for ``schedule.steps`` steps, one batch of ``data`` per step.
 
@@ -287,6 +291,12 @@ def train_loop(
         eval_grad: evaluate with autograd on (see :func:`evaluate`).
         after_backward: called after each backward (e.g. a scale monitor's ``step``).
         on_step: called with each finite loss after its optimiser step (progress).
+        grad_scaler: dynamic loss scaling: the loss is multiplied by its scale before the
+            backward, and the step goes through ``grad_scaler.step`` (which unscales the
+            gradients and skips the step where one is not finite) and ``update``. A step
+            counts as skipped when the scale went down (``GradScaler`` backs off exactly
+            then). Under data parallelism every rank sees the same reduced gradients, so
+            every rank skips the same steps.
 
     Returns:
         The :class:`LoopResult`.
@@ -318,7 +328,10 @@ def train_loop(
                 )
             digest.update(batch.input_ids.cpu().numpy().tobytes())
             loss = loss_of(trained, _shard(batch, rank, world))
-            (loss if loss_factor == 1.0 else loss * loss_factor).backward()
+            backward = loss if loss_factor == 1.0 else loss * loss_factor
+            if grad_scaler is not None:
+                backward = grad_scaler.scale(backward)
+            backward.backward()
             if after_backward is not None:
                 after_backward()
             value = _mean_over_ranks(loss, world)
@@ -326,7 +339,13 @@ def train_loop(
             if not math.isfinite(value):
                 result.stopped_at = step
                 break
-            optimiser.step()
+            if grad_scaler is None:
+                optimiser.step()
+            else:
+                scale = grad_scaler.get_scale()
+                grad_scaler.step(optimiser)
+                grad_scaler.update()
+                result.skipped_steps += grad_scaler.get_scale() < scale
             optimiser.zero_grad(set_to_none=True)
             if on_step is not None:
                 on_step(value)

@@ -18,7 +18,16 @@ same initialisation, data order and seed:
   ``1/fan_in`` readout, no biases, norms without parameters) trained with
   :class:`unitscale.optim.AdamW` at u-μP's documented default learning rate
   (``unitscale.experiments.transfer.DEFAULT_MUP_LR``);
-- ``unit-scaled-fp8``: that decoder under ``simulate_fp8``, again with no loss scaling.
+- ``unit-scaled-fp8``: that decoder under ``simulate_fp8``, again with no loss scaling;
+- ``plain-fp16-loss-scaling`` and ``unit-scaled-fp16`` (``--runs`` adds them): the same two
+  models in simulated IEEE FP16 on the tensors the FP8 runs round (the ``"hardware"``
+  recipe: matmul operands, and the gradient of each matmul's output), rounded to nearest and
+  overflowing to ``±inf`` as a real float16 cast does (``FPFormat(5, 10,
+  overflow="inf")``). The plain model is trained with dynamic loss scaling,
+  ``torch.amp.GradScaler`` at its defaults (initial scale ``2**16``, doubled after 2000
+  steps without overflow, halved and the step skipped on an overflow), what FP16 training
+  needs in practice; the unit-scaled model with none. The skipped steps are counted
+  (:attr:`RunResult.skipped_steps`) and reported.
 
 Then :func:`losses_frame` (the per-step losses), :func:`summary_text` (the table the command
 prints), :func:`plot_losses` and :func:`write_train_report` present the results.
@@ -65,6 +74,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UnitScaleError
+from ..formats import FPFormat
 from ..tracking import NonFiniteReport, ScaleMonitor
 from . import report
 from .data import Batch
@@ -99,6 +109,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "build_run_model",
     "build_optimiser",
     "unit_scaled_model",
+    "FP16_CAST",
     "train_run",
     "train_runs",
     # presentation
@@ -148,6 +159,8 @@ class RunKind:
         baseline: the FP32 run this one is compared with ("vs FP32"), or None.
         default: whether ``unitscale train`` runs it when ``--runs`` is not given
             (:data:`DEFAULT_RUNS`); any kind can be asked for by name.
+        loss_scaling: train with dynamic loss scaling (``torch.amp.GradScaler`` at its
+            defaults, on the model's device type); skipped steps are counted.
     """
 
     name: str
@@ -155,15 +168,24 @@ class RunKind:
     transform: Transform | None = None
     baseline: str | None = None
     default: bool = True
+    loss_scaling: bool = False
 
     @property
     def fp8(self) -> bool:
-        """Whether the run simulates FP8 (it has a transform; drawn dashed)."""
+        """Whether the run simulates a low-precision format, FP8 or FP16 (it has a transform;
+        drawn dashed, compiled with ``--compile``); :attr:`precision` says which."""
         return self.transform is not None
 
     @property
+    def precision(self) -> str:
+        """``"fp32"``, ``"fp8"`` or ``"fp16"``: what the run's transform simulates."""
+        if self.transform is None:
+            return "fp32"
+        return str(getattr(self.transform, "precision", "fp8"))
+
+    @property
     def scaling(self) -> str:
-        """The FP8 run's per-tensor scaling (``simulate_fp8``'s ``scaling``), "" for FP32."""
+        """The run's per-tensor scaling (``simulate_fp8``'s ``scaling``), "" for FP32."""
         if self.transform is None:
             return ""
         return str(getattr(self.transform, "options", {}).get("scaling", "none"))
@@ -190,6 +212,36 @@ class _SimulateFP8:
         return f"simulate_fp8(recipe=config.fp8_recipe{options})"
 
 
+#: IEEE half precision as a real cast makes it: round to nearest, overflow to ``±inf``.
+FP16_CAST = FPFormat(5, 10, rounding="nearest", overflow="inf")
+
+
+class _SimulateFP16:
+    """A run's transform: ``simulate_fp8`` with the config's recipe's tensors (by default
+    the ``"hardware"`` recipe's: matmul operands, and each matmul's output gradient) in
+    :data:`FP16_CAST` instead of E4M3/E5M2, compiled as the FP8 runs are."""
+
+    precision = "fp16"
+
+    def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
+        from ..transforms import FP8_RECIPES, FP8Recipe, simulate_fp8
+        from ..transforms import compile as compile_module
+
+        recipe = FP8_RECIPES[config.fp8_recipe]
+        fp16 = FP8Recipe(
+            operands=FP16_CAST,
+            output_grad=None if recipe.output_grad is None else FP16_CAST,
+            operand_grads=None if recipe.operand_grads is None else FP16_CAST,
+        )
+        model = simulate_fp8(model, recipe=fp16)
+        if config.compile_fp8 and config.monitor_every is None:
+            model = compile_module(model)
+        return model
+
+    def __repr__(self) -> str:
+        return "simulate_fp8(recipe=config.fp8_recipe's tensors in FP16_CAST)"
+
+
 #: Every run ``unitscale train`` can do, in the order it does them.
 RUN_KINDS: tuple[RunKind, ...] = (
     RunKind("plain-fp32", "plain"),
@@ -202,8 +254,19 @@ RUN_KINDS: tuple[RunKind, ...] = (
     RunKind(
         "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
     ),
+    # FP16 as practitioners run it (dynamic loss scaling), against the unit-scaled model in
+    # FP16 with none (below): only with --runs.
+    RunKind(
+        "plain-fp16-loss-scaling",
+        "plain",
+        _SimulateFP16(),
+        "plain-fp32",
+        default=False,
+        loss_scaling=True,
+    ),
     RunKind("unit-scaled-fp32", "unit-scaled"),
     RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
+    RunKind("unit-scaled-fp16", "unit-scaled", _SimulateFP16(), "unit-scaled-fp32", default=False),
 )
 
 #: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
@@ -372,6 +435,9 @@ class RunResult:
         stopped_at: the step whose loss was not finite (training stopped there), or None.
         non_finite: the monitor's report of the first NaN/Inf (monitored runs), or None.
         monitor: the :class:`~unitscale.tracking.ScaleMonitor` of a monitored run.
+        skipped_steps: runs with loss scaling: the steps the ``GradScaler`` skipped (their
+            gradients overflowed); None without loss scaling.
+        loss_scale: runs with loss scaling: the scale at the end; None without.
     """
 
     name: str
@@ -385,6 +451,8 @@ class RunResult:
     stopped_at: int | None = None
     non_finite: NonFiniteReport | None = None
     monitor: ScaleMonitor | None = None
+    skipped_steps: int | None = None
+    loss_scale: float | None = None
 
 
 def build_run_model(run: str, config: TrainConfig) -> nn.Module:
@@ -455,6 +523,14 @@ def build_optimiser(run: str, model: nn.Module, config: TrainConfig) -> torch.op
 
         return optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
+    """Dynamic loss scaling as mixed-precision FP16 training does it: ``torch.amp.GradScaler``
+    on the model's device type with its defaults (initial scale ``2**16``, growth factor 2
+    every 2000 steps without overflow, backoff 0.5 and the step skipped on an overflow)."""
+    device = next(model.parameters()).device
+    return torch.amp.GradScaler(device.type)
 
 
 def _eval_batches(config: TrainConfig, split: Literal["train", "heldout"]) -> list[Batch]:
@@ -536,6 +612,7 @@ def train_run(
             result.monitor = monitor
         model.train()
         optimiser = build_optimiser(run, model, config)
+        scaler = _grad_scaler(model) if _kind(run).loss_scaling else None
         bar = _StepProgress(run, config.steps, enabled=progress)
         try:
             done = train_loop(
@@ -550,11 +627,15 @@ def train_run(
                 unit_scaled_loss=_family(run) == "unit-scaled",
                 after_backward=None if monitor is None else monitor.step,
                 on_step=bar.update,
+                grad_scaler=scaler,
             )
         finally:
             bar.close()
         if monitor is not None:
             result.non_finite = monitor.non_finite
+        if scaler is not None:
+            result.skipped_steps = done.skipped_steps
+            result.loss_scale = float(scaler.get_scale())
     result.train_losses = done.losses + [math.nan] * (config.steps - len(done.losses))
     result.heldout = done.heldout
     result.stopped_at = done.stopped_at
@@ -681,7 +762,7 @@ def summary_rows(results: dict[str, RunResult]) -> list[tuple[str, ...]]:
                 _fmt(r.final_heldout_loss) + stopped,
                 versus,
                 f"{r.seconds:.0f}",
-                _SCALING_LABELS.get(_kind(name).scaling, _kind(name).scaling),
+                _scales_label(_kind(name)),
             )
         )
     return rows
@@ -697,6 +778,56 @@ _HEADER = (
     "FP8 scales",
 )
 _SCALING_LABELS = {"none": "no scaling", "tensorwise": "tensorwise", "delayed": "delayed"}
+
+
+def _scales_label(kind: RunKind) -> str:
+    """The table's scales cell: the FP8 scaling, or for FP16 runs whether the loss is scaled."""
+    if kind.precision == "fp16":
+        return "FP16, loss scaling" if kind.loss_scaling else "FP16, no scaling"
+    return _SCALING_LABELS.get(kind.scaling, kind.scaling)
+
+
+def fp16_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
+    """Per simulated-FP16 run with its FP32 run: relative gap ``(train, held-out)``."""
+    gaps = {}
+    for name, r in results.items():
+        kind = _kind(name)
+        fp32 = results.get(kind.baseline) if kind.baseline is not None else None
+        if kind.precision == "fp16" and fp32 is not None:
+            gaps[name] = (
+                _relative(r.final_train_loss, fp32.final_train_loss),
+                _relative(r.final_heldout_loss, fp32.final_heldout_loss),
+            )
+    return gaps
+
+
+def _fp16_lines(results: dict[str, RunResult], config: TrainConfig) -> list[str]:
+    """The summary's notes on the simulated-FP16 runs: gap to FP32, the loss scaler's work."""
+    lines = []
+    gaps = fp16_gaps(results)
+    for name, r in results.items():
+        kind = _kind(name)
+        if kind.precision != "fp16":
+            continue
+        how = "with dynamic loss scaling" if kind.loss_scaling else "without loss scaling"
+        line = f"{kind.family} in simulated FP16 {how} ({name})"
+        if name in gaps:
+            train_gap, heldout_gap = gaps[name]
+            line += f" vs FP32: held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
+        if r.skipped_steps is not None:
+            line += (
+                f"; the loss scaler skipped {r.skipped_steps} of {len(r.train_losses)} steps "
+                f"(gradients beyond FP16's range), final loss scale {r.loss_scale:g}"
+            )
+        lines.append(line)
+    if lines:
+        lines.append(
+            "FP16 runs: IEEE half precision (round to nearest, overflow to inf as a float16 "
+            f"cast does) on the tensors of the {config.fp8_recipe!r} FP8 recipe; loss "
+            "scaling is torch.amp.GradScaler's defaults (initial scale 2**16, x2 after 2000 "
+            "steps without overflow, x0.5 and the step skipped on an overflow)."
+        )
+    return lines
 
 
 def scaled_fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
@@ -752,6 +883,7 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
             f"{kind.family} in simulated FP8 with {kind.scaling} scaling ({name}) vs FP32: "
             f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
+    lines += _fp16_lines(results, config)
     for name, r in results.items():
         if r.non_finite is not None:
             lines.append(f"{name}: {r.non_finite.message}")

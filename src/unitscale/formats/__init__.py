@@ -8,6 +8,7 @@ from ._format import (
     PRESETS,
     FormatError,
     FPFormat,
+    Overflow,
     Rounding,
     SpecialValues,
     get_format,
@@ -17,6 +18,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # the format
     "FPFormat",
     "FormatError",
+    "Overflow",
     "Rounding",
     "SpecialValues",
     # presets

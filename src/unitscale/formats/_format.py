@@ -27,12 +27,21 @@ Semantics, for every format and both roundings:
   from a counter-based hash of the element index keyed by seeds drawn from that generator
   (fused into the kernel, several times cheaper than inductor's own random numbers), so
   compiled and eager results differ draw by draw, not in distribution;
-- values beyond the largest finite value saturate to it, and so do ``±inf`` (a format used
-  to simulate training should not turn an overflow into an infinity that poisons the whole
-  step; ``tracking`` reports overflow separately); NaN stays NaN;
+- with ``overflow="saturate"`` (the default), values beyond the largest finite value
+  saturate to it, and so do ``±inf`` (a format used to simulate training should not turn an
+  overflow into an infinity that poisons the whole step; ``tracking`` reports overflow
+  separately); NaN stays NaN;
+- with ``overflow="inf"`` (formats with ``special_values="ieee"`` only), a value whose
+  rounding lands beyond the largest finite value becomes ``±inf``, as an IEEE cast does
+  (for rounding to nearest: from the largest value plus half a step up, ties included,
+  FP16's 65520; for stochastic rounding: where the random draw rounds up past the largest
+  value), and ``±inf`` stays ``±inf``: bit-identical to ``x.to(torch.float16).float()``
+  for FP16 and to ``torch.float8_e5m2``'s cast for E5M2, which is what dynamic loss scaling
+  (``torch.amp.GradScaler``) needs to see an overflow;
 - the result has ``x``'s dtype (float16, bfloat16, float32 or float64). Where the format's
   largest value is not representable in that dtype (FP16's 65504 in bfloat16), values
-  saturate to the largest value representable in both;
+  saturate to the largest value representable in both (with ``overflow="inf"``: a rounded
+  value beyond that one is ``±inf``, as casting it back to the dtype would make it);
 - float64 inputs are rounded once, correctly. (PyTorch's casts from float64 round through
   float32, so they can differ from ours in rare double-rounding cases.)
 
@@ -72,6 +81,7 @@ __all__ = [
     "PRESETS",
     "FPFormat",
     "FormatError",
+    "Overflow",
     "Rounding",
     "SpecialValues",
     "get_format",
@@ -79,6 +89,11 @@ __all__ = [
 
 Rounding = Literal["stochastic", "nearest"]
 """How :meth:`FPFormat.quantise` rounds: ``"stochastic"`` or ``"nearest"`` (ties to even)."""
+
+Overflow = Literal["saturate", "inf"]
+"""What :meth:`FPFormat.quantise` makes of a value beyond the format's largest finite value:
+``"saturate"`` (that largest value, the default) or ``"inf"`` (``±inf``, as IEEE casts do;
+formats with ``special_values="ieee"`` only)."""
 
 SpecialValues = Literal["ieee", "nan_only", "none"]
 """How a format uses its top exponent.
@@ -91,6 +106,7 @@ SpecialValues = Literal["ieee", "nan_only", "none"]
 
 _ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest")
 _SPECIAL_VALUES: tuple[str, ...] = ("ieee", "nan_only", "none")
+_OVERFLOWS: tuple[str, ...] = ("saturate", "inf")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -152,10 +168,15 @@ class FPFormat:
         mantissa_bits: width of the mantissa (fraction) field, 0..23.
         rounding: ``"stochastic"`` (the default) or ``"nearest"`` (ties to even).
         special_values: ``"ieee"`` (default), ``"nan_only"`` or ``"none"``.
+        overflow: ``"saturate"`` (default: beyond the largest finite value is that value)
+            or ``"inf"`` (beyond it is ``±inf``, as an IEEE cast makes it: what dynamic loss
+            scaling needs to detect an overflow); ``"inf"`` needs
+            ``special_values="ieee"``, the only formats with infinities.
 
     Raises:
-        FormatError: for bits out of range, an unknown ``rounding`` or ``special_values``,
-            or a format with no normal numbers or beyond float32's range.
+        FormatError: for bits out of range, an unknown ``rounding``, ``special_values`` or
+            ``overflow``, ``overflow="inf"`` without infinities, or a format with no normal
+            numbers or beyond float32's range.
 
     Example:
         >>> fmt = FPFormat(4, 3, rounding="nearest", special_values="nan_only")
@@ -163,12 +184,16 @@ class FPFormat:
         (8, 448.0, 0.001953125)
         >>> fmt.quantise(torch.tensor([0.3, 1000.0, -1e-5])).tolist()
         [0.3125, 448.0, -0.0]
+        >>> half = FPFormat(5, 10, rounding="nearest", overflow="inf")  # a float16 cast
+        >>> half.quantise(torch.tensor([65519.0, 65520.0, -1e6])).tolist()
+        [65504.0, inf, -inf]
     """
 
     exponent_bits: int
     mantissa_bits: int
     rounding: Rounding = "stochastic"
     special_values: SpecialValues = "ieee"
+    overflow: Overflow = "saturate"
     # Derived in __post_init__ and kept out of the dataclass's fields (read through the
     # _max/_bounds properties): torch < 2.8's Dynamo rebuilds a dataclass argument of an
     # autograd Function by passing every field to __init__.
@@ -185,6 +210,17 @@ class FPFormat:
             raise FormatError(
                 f"unitscale.formats.FPFormat: argument 'special_values'="
                 f"{self.special_values!r} is not supported; use one of {_SPECIAL_VALUES}"
+            )
+        if self.overflow not in _OVERFLOWS:
+            raise FormatError(
+                f"unitscale.formats.FPFormat: argument 'overflow'={self.overflow!r} is not "
+                f"supported; use one of {_OVERFLOWS}"
+            )
+        if self.overflow == "inf" and self.special_values != "ieee":
+            raise FormatError(
+                f"unitscale.formats.FPFormat: overflow='inf' needs infinities, which "
+                f"special_values={self.special_values!r} has not; use special_values='ieee' "
+                "or overflow='saturate'"
             )
         # The largest finite code: (exponent field, mantissa field).
         if self.special_values == "ieee":
@@ -224,6 +260,7 @@ class FPFormat:
             self._min_normal_exponent,
             self.torch_dtype,
             bounds,
+            self.overflow,
         )
         object.__setattr__(self, "_kernel_format", kernel_format)
 
@@ -244,6 +281,8 @@ class FPFormat:
 
     def __repr__(self) -> str:
         extra = "" if self.special_values == "ieee" else f", special_values={self.special_values!r}"
+        if self.overflow != "saturate":
+            extra += f", overflow={self.overflow!r}"
         return (
             f"FPFormat({self.exponent_bits}, {self.mantissa_bits}, "
             f"rounding={self.rounding!r}{extra})"
@@ -266,7 +305,7 @@ class FPFormat:
 
     @property
     def max_absolute_value(self) -> float:
-        """Largest finite value (the saturation point)."""
+        """Largest finite value (the saturation point with ``overflow="saturate"``)."""
         return self._max
 
     @property

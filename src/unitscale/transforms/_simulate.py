@@ -177,21 +177,22 @@ def matmul_operands(node: fx.Node) -> list[tuple[int, str]]:
     return list(operands or ())
 
 
-FormatSpec = tuple[int, int, str, str]
+FormatSpec = tuple[int, int, str, str] | tuple[int, int, str, str, str]
 """An :class:`FPFormat` as plain data, ``(exponent_bits, mantissa_bits, rounding,
-special_values)``: what an inserted graph node holds, since generated graph code can only
-embed Python literals."""
+special_values)``, with ``overflow`` appended where it is not the default ``"saturate"``:
+what an inserted graph node holds, since generated graph code can only embed Python
+literals."""
 
 
 def format_spec(fmt: FPFormat) -> FormatSpec:
     """The :data:`FormatSpec` of ``fmt``."""
-    return (fmt.exponent_bits, fmt.mantissa_bits, fmt.rounding, fmt.special_values)
+    spec = (fmt.exponent_bits, fmt.mantissa_bits, fmt.rounding, fmt.special_values)
+    return spec if fmt.overflow == "saturate" else (*spec, fmt.overflow)
 
 
 @functools.lru_cache(maxsize=64)
 def _format_of(spec: FormatSpec) -> FPFormat:
-    exponent_bits, mantissa_bits, rounding, special_values = spec
-    return FPFormat(exponent_bits, mantissa_bits, rounding, special_values)  # type: ignore[arg-type]
+    return FPFormat(*spec)
 
 
 def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:
@@ -774,7 +775,8 @@ def simulate_fp8(
     included) are not rounded, as in FP8 recipes where the matmul accumulates in higher
     precision. ``recipe="all-operands"`` rounds the gradient with respect to every operand
     to E5M2 instead (what ``simulate_format(module, "e4m3", "e5m2")`` does).
-    Values beyond a format's range saturate to its largest value. For stochastic
+    Values beyond a format's range saturate to its largest value (an ``FPFormat`` with
+    ``overflow="inf"`` in a custom recipe makes them ``±inf`` instead). For stochastic
     rounding or other formats, pass an :class:`FP8Recipe` or call :func:`simulate_format`.
 
     ``scaling`` says how each tensor the recipe rounds is scaled (rules and their sources in
