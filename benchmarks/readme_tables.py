@@ -341,8 +341,9 @@ def compile_lengths_rows() -> list[str]:
         ours, theirs = run["unitscale_compile_unit_scale"], run["torch_compile"]
         lengths = ", ".join(str(n) for n in run["lengths"])
         verdict = "met" if run["meets_target"] else "not met"
+        label = _COMPILE_LENGTHS_MODELS.get(name, f"`compile(unit_scale({name}))`")
         rows.append(
-            f"| {_COMPILE_LENGTHS_MODELS.get(name, f'`compile(unit_scale({name}))`')} vs `torch.compile(model)`, lengths {lengths}, "
+            f"| {label} vs `torch.compile(model)`, lengths {lengths}, "
             f"forward + backward (`bench_compile_lengths.py`) "
             f"| {ours['graphs']} graphs vs {theirs['graphs']}; "
             f"{ours['graphs_at_lengths_seen_before']} at lengths seen before "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -41,8 +42,9 @@ def gmean(*scales: float) -> float:
     """
     tensors = [s for s in scales if isinstance(s, torch.Tensor)]
     if tensors:
-        like = tensors[0]
-        stacked = torch.stack([torch.as_tensor(s, dtype=like.dtype, device=like.device) for s in scales])
+        like = cast(torch.Tensor, tensors[0])  # scales are typed as the usual Python floats
+        as_tensors = [s if isinstance(s, torch.Tensor) else like.new_tensor(s) for s in scales]
+        stacked = torch.stack(as_tensors)
         return stacked.log().mean().exp()  # type: ignore[return-value]
     return math.exp(sum(math.log(s) for s in scales) / len(scales))
 

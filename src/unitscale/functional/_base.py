@@ -56,7 +56,7 @@ def _prescale(x: Tensor, grad_scale: float | Tensor, output_scale: float | Tenso
     if isinstance(grad_scale, Tensor) or isinstance(output_scale, Tensor):
         if grad_scale is output_scale:  # one shared (constrained) scale: nothing to do
             return x
-        ratio = (grad_scale / output_scale).to(x.dtype)
+        ratio = torch.as_tensor(grad_scale / output_scale).to(x.dtype)
         return x.detach() + (x - x.detach()) * ratio  # forward: x; gradient: times ratio
     return scale_bwd(x, grad_scale / output_scale)
 
