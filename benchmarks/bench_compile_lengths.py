@@ -1,6 +1,8 @@
-"""Compiled graphs for changing lengths: ``compile(unit_scale(gpt2))`` vs ``torch.compile``.
+"""Compiled graphs for changing lengths: ``compile(unit_scale(model))`` vs ``torch.compile``.
 
-A 1-layer GPT-2 (width 32, ``transformers`` config, random weights, no dropout) runs forward
+A 1-layer ``transformers`` model (width 32, random weights, no dropout; ``--model gpt2``, the
+default, attends with ``F.scaled_dot_product_attention``; ``--model bert-eager`` is BERT with
+``attn_implementation="eager"``, whose attention is written out with a softmax) runs forward
 and backward on batches of 2 sequences whose length changes every step (16, 32, 24, 64, 16,
 48 by default). For ``torch.compile(model)`` the graphs are counted with Dynamo's compile
 counter; for unitscale's chain, the graphs its compile pass hands to Inductor (one per
@@ -8,10 +10,11 @@ captured piece). Reported per variant: the graphs compiled after each step, the 
 step (compilation included) and the graphs compiled at lengths seen before. Targets: no more
 graphs than ``torch.compile(model)``, none at a length seen before.
 
-Each run is appended to ``benchmarks/results/compile_lengths.json`` with the date and load.
+Each run is appended to ``benchmarks/results/compile_lengths.json`` with the date, the load
+and the model (``model_name``: ``gpt2`` or ``bert-eager``; runs without it are GPT-2's).
 
-Run: ``python benchmarks/bench_compile_lengths.py [--lengths 16,32,24,64,16,48]
-[--device cpu|cuda]``
+Run: ``python benchmarks/bench_compile_lengths.py [--model gpt2|bert-eager]
+[--lengths 16,32,24,64,16,48] [--device cpu|cuda]``
 """
 
 from __future__ import annotations
@@ -28,10 +31,23 @@ from _history import append_run, machine_state
 RESULTS = Path(__file__).parent / "results" / "compile_lengths.json"
 
 
-def build(device: str) -> torch.nn.Module:
+MODELS = {
+    "gpt2": "GPT-2, 1 layer, width 32, batch 2, forward + backward",
+    "bert-eager": "BERT (eager attention: softmax), 1 layer, width 32, batch 2, forward + backward",
+}
+
+
+def build(model: str, device: str) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    if model == "bert-eager":
+        bert = transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+            vocab_size=128, max_position_embeddings=256, attn_implementation="eager",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return transformers.BertForMaskedLM(bert).to(device)
     config = transformers.GPT2Config(
         n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=256,
         bos_token_id=0, eos_token_id=0, use_cache=False,
@@ -71,6 +87,7 @@ def main() -> None:
     from unitscale.transforms._compile import CompilePass
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lengths", default="16,32,24,64,16,48")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -80,7 +97,7 @@ def main() -> None:
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
-    reference = torch.compile(build(args.device), backend=counter)
+    reference = torch.compile(build(args.model, args.device), backend=counter)
     theirs = steps(reference, lambda: counter.frame_count, lengths, args.device)
     print("torch.compile(model)", theirs, flush=True)
 
@@ -94,9 +111,8 @@ def main() -> None:
 
     CompilePass.compile_graph = counting  # type: ignore[method-assign]
     try:
-        ours = steps(
-            compile(unit_scale(build(args.device))), lambda: compiled[0], lengths, args.device
-        )
+        fast = compile(unit_scale(build(args.model, args.device)))
+        ours = steps(fast, lambda: compiled[0], lengths, args.device)
     finally:
         CompilePass.compile_graph = compile_graph  # type: ignore[method-assign]
     print("compile(unit_scale(model))", ours, flush=True)
@@ -106,7 +122,8 @@ def main() -> None:
         {
             **state,
             "device": args.device,
-            "model": "GPT-2, 1 layer, width 32, batch 2, forward + backward",
+            "model_name": args.model,
+            "model": MODELS[args.model],
             "lengths": lengths,
             "torch_compile": theirs,
             "unitscale_compile_unit_scale": ours,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from unitscale.constraints import (
     CONSTRAINTS,
@@ -69,3 +70,15 @@ def test_wrong_number_of_scales() -> None:
         apply_constraint("gmean", 1.0)
     with pytest.raises(UnknownConstraintError, match="does not apply to an op with 2 input"):
         apply_constraint("to_grad_input_scale", 1.0, 2.0, 3.0)
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINTS))
+def test_constraints_of_tensor_scales_equal_those_of_floats(name: str) -> None:
+    # Scales computed on the device (a softmax under torch.compile) are 0-dim tensors: every
+    # constraint gives the value it gives for the same Python floats.
+    floats = (0.5, 2.0, 3.0) if name.startswith(("to_left", "to_right")) else (0.5, 2.0)
+    tensors = [torch.tensor(s, dtype=torch.float64) for s in floats]
+    expected = apply_constraint(name, *floats)
+    actual = apply_constraint(name, *tensors)
+    assert all(isinstance(a, torch.Tensor) for a in actual)  # no host synchronisation
+    assert [float(a) for a in actual] == pytest.approx(expected, rel=1e-12)

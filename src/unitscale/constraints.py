@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
+
+import torch
 
 from .errors import UnitScaleError
 
@@ -32,11 +35,17 @@ __all__ = [
 
 
 def gmean(*scales: float) -> float:
-    """Geometric mean of the scales.
+    """Geometric mean of the scales (Python numbers, or 0-dim tensors: then a 0-dim tensor).
 
     >>> gmean(1.0, 4.0)
     2.0
     """
+    tensors = [s for s in scales if isinstance(s, torch.Tensor)]
+    if tensors:
+        like = cast(torch.Tensor, tensors[0])  # scales are typed as the usual Python floats
+        as_tensors = [s if isinstance(s, torch.Tensor) else like.new_tensor(s) for s in scales]
+        stacked = torch.stack(as_tensors)
+        return stacked.log().mean().exp()  # type: ignore[return-value]
     return math.exp(sum(math.log(s) for s in scales) / len(scales))
 
 
@@ -114,7 +123,10 @@ def apply_constraint(name: str | None, *scales: float) -> tuple[float, ...]:
 
     Args:
         name: one of :data:`CONSTRAINTS`, or ``None`` for no constraint.
-        *scales: the ideal output scale followed by the ideal input-gradient scales.
+        *scales: the ideal output scale followed by the ideal input-gradient scales: Python
+            numbers, or 0-dim tensors (scales computed on the device, e.g. from a dynamic
+            size under ``torch.compile``), for which every constraint is computed with
+            tensor ops (no host synchronisation).
 
     Returns:
         The scales to use, in the same order: all equal to the constrained value, or the

@@ -838,3 +838,47 @@ def test_attention_moment_table_op_passes_opcheck() -> None:
     v, g = _moment_lists(6, 0.75)
     expected = torch.tensor([v, g], dtype=torch.float32)
     assert torch.equal(torch.ops.unitscale.softmax_moment_table(*args), expected)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "mult"), [("to_output_scale", 1.0), (None, 1.0), ("gmean", 0.5)]
+)
+def test_softmax_compiles_one_graph_for_every_length(constraint: str | None, mult: float) -> None:
+    # Under torch.compile with dynamic shapes the softmax scales come from an op taking the
+    # symbolic length (0-dim tensors), not from a specialised int: one graph serves every
+    # length, with the eager scales (output and input gradient), for every kind of
+    # constraint (shared, separate, a mean of the two).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def scaled(x: Tensor) -> Tensor:
+        return U.softmax(x, dim=-1, constraint=constraint, mult=mult)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(scaled, backend=counter, fullgraph=True, dynamic=True)
+    torch.manual_seed(0)
+    compiled_after_first = None
+    for length in (8, 16, 12, 32, 8):
+        x = torch.randn(4, 3, length, requires_grad=True)
+        grad = torch.randn(4, 3, length)
+        expected = scaled(x)
+        (expected_grad,) = torch.autograd.grad(expected, x, grad)
+        out = compiled(x)
+        (actual_grad,) = torch.autograd.grad(out, x, grad)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-6, atol=1e-6)
+        if compiled_after_first is None:
+            compiled_after_first = counter.frame_count
+    assert counter.frame_count == compiled_after_first  # no length compiled again
+    torch._dynamo.reset()
+
+
+def test_softmax_scales_op_passes_opcheck_and_gives_the_eager_scales() -> None:
+    from unitscale.functional._moments import _softmax_scales
+
+    like = torch.randn(3, 5, requires_grad=True)
+    for length, mult in ((1, 1.0), (7, 1.0), (64, 0.5)):
+        args = (like, length, mult, torch.float64)
+        torch.library.opcheck(torch.ops.unitscale.softmax_scales.default, args)
+        expected = torch.tensor(_softmax_scales(length, mult), dtype=torch.float64)
+        assert torch.equal(torch.ops.unitscale.softmax_scales(*args), expected)

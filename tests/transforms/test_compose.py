@@ -108,29 +108,21 @@ def test_compiled_chain_matches_eager_chain() -> None:
     assert compiled.passes[-1].stage is Stage.COMPILE
 
 
-@pytest.mark.slow
-def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() -> None:
-    # Scale factors from sizes that vary (sequence length, batch rows) are symbolic under
-    # compile: one dynamic graph per piece serves every later length, as for torch.compile,
-    # and a length seen before compiles nothing. Losses equal the eager unit-scaled model's.
-    transformers = pytest.importorskip("transformers")
+def _assert_compiles_no_more_graphs_than_torch_compile(model: nn.Module, vocab: int) -> None:
+    """``compile(unit_scale(model))`` over lengths 16, 32, 24, 64, 16, 48 (forward + backward
+    of a ``transformers`` model with ``labels``): no more graphs than ``torch.compile(model)``,
+    none at a length seen before, and losses and gradients equal the eager unit-scaled
+    model's, also at a length neither has seen."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from unitscale.transforms._compile import CompilePass
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=128,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
     lengths = (16, 32, 24, 64, 16, 48)
 
     def steps(run: Callable[..., object], counted: Callable[[], int]) -> list[int]:
         counts = []
         for length in lengths:
-            ids = torch.randint(0, 128, (2, length))
+            ids = torch.randint(0, vocab, (2, length))
             run(input_ids=ids, labels=ids).loss.backward()  # type: ignore[attr-defined]
             counts.append(counted())
         return counts
@@ -157,7 +149,7 @@ def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() 
     assert ours[4] == ours[3]  # length 16 again: nothing compiled
     assert ours[-1] == ours[1]  # from the second length on, one graph serves all
     for length in (16, 40):  # 40: a length neither has seen
-        ids = torch.randint(0, 128, (2, length))
+        ids = torch.randint(0, vocab, (2, length))
         losses = []
         for run in (fast, eager):
             run.zero_grad()
@@ -171,6 +163,38 @@ def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() 
                 torch.testing.assert_close(mine.grad, theirs_.grad, rtol=1e-4, atol=1e-5)
     assert graphs == ours[-1]
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_unit_scaled_gpt2_compiles_no_more_graphs_than_torch_compile() -> None:
+    # Scale factors from sizes that vary (sequence length, batch rows) are symbolic under
+    # compile: one dynamic graph per piece serves every later length, as for torch.compile,
+    # and a length seen before compiles nothing. Losses equal the eager unit-scaled model's.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=128,
+        bos_token_id=0, eos_token_id=0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    _assert_compiles_no_more_graphs_than_torch_compile(transformers.GPT2LMHeadModel(config), 128)
+
+
+@pytest.mark.slow
+def test_compiled_unit_scaled_eager_attention_bert_compiles_no_more_graphs() -> None:
+    # Attention written out in eager ops (scores.softmax / F.softmax, not SDPA) goes through
+    # U.softmax, whose scales then come from an op taking the symbolic length: the same
+    # graph count as torch.compile, nothing compiled at a length seen before.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=128, max_position_embeddings=128, attn_implementation="eager",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertForMaskedLM(config)
+    assert model.config._attn_implementation == "eager"  # the softmax path, not SDPA
+    _assert_compiles_no_more_graphs_than_torch_compile(model, 128)
 
 
 def test_compile_order_errors() -> None:

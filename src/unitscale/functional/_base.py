@@ -22,7 +22,9 @@ Design constraints: every scale is a Python number computed from static shapes (
 data), so ops compile to a single graph with ``torch.compile(fullgraph=True)``. Scales that
 need the moments of a softmax (``softmax``, ``scaled_dot_product_attention``,
 ``cross_entropy``) are computed by numerical integration once per shape and cached; under
-``torch.compile`` those ops specialise on the softmax length (a recompile per length).
+``torch.compile`` ``softmax`` and ``scaled_dot_product_attention`` take them from ops that
+accept a dynamic length (0-dim tensor scales: one graph for every length), while
+``cross_entropy`` specialises on its number of classes (fixed in practice).
 """
 
 from __future__ import annotations
@@ -44,15 +46,27 @@ Constraint = str | None
 # --------------------------------------------------------------------------------------------
 
 
-def _prescale(x: Tensor, grad_scale: float, output_scale: float) -> Tensor:
+def _prescale(x: Tensor, grad_scale: float | Tensor, output_scale: float | Tensor) -> Tensor:
     """Scale ``x``'s gradient so that, after the output's ``scale_fwd_bwd(., s, s)``, the
-    gradient of ``x`` carries ``grad_scale`` in total (a no-op when the two are equal)."""
+    gradient of ``x`` carries ``grad_scale`` in total (a no-op when the two are equal).
+
+    The scales may be 0-dim tensors (computed by an op from a dynamic size under
+    ``torch.compile``); the forward value is then still ``x`` exactly.
+    """
+    if isinstance(grad_scale, Tensor) or isinstance(output_scale, Tensor):
+        if grad_scale is output_scale:  # one shared (constrained) scale: nothing to do
+            return x
+        ratio = torch.as_tensor(grad_scale / output_scale).to(x.dtype)
+        return x.detach() + (x - x.detach()) * ratio  # forward: x; gradient: times ratio
     return scale_bwd(x, grad_scale / output_scale)
 
 
-def _finish(y: Tensor, output_scale: float, inplace: bool = True) -> Tensor:
+def _finish(y: Tensor, output_scale: float | Tensor, inplace: bool = True) -> Tensor:
     """Multiply the op's output by ``output_scale`` with a true gradient. In place unless the
-    op's backward needs its output (softmax, attention): the output is the op's own."""
+    op's backward needs its output (softmax, attention): the output is the op's own. A 0-dim
+    tensor scale (see :func:`_prescale`) is a plain multiplication."""
+    if isinstance(output_scale, Tensor):
+        return y * output_scale.to(y.dtype)
     return scale_fwd_bwd(y, output_scale, output_scale, inplace=inplace)
 
 

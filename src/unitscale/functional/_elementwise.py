@@ -19,7 +19,7 @@ from ._base import (
     _prescale,
     _reject,
 )
-from ._moments import _softmax_scales
+from ._moments import _softmax_scales, softmax_scales
 from ._mult import check_mult, gelu_moments, silu_moments
 
 # Moments of elementwise nonlinearities at x ~ N(0, 1), by numerical integration (trapezoid
@@ -255,6 +255,11 @@ def softmax(
     The output keeps its mean: a unit-scaled softmax sums to ``n / sqrt(n v - 1)``, not 1.
     ``n = 1`` is left unscaled.
 
+    Under ``torch.compile`` (TorchDynamo, or a symbolic length when traced with dynamic
+    shapes) the same scales come from the op ``unitscale::softmax_scales`` as 0-dim tensors
+    computed at run time for the concrete length, so the length stays dynamic and one graph
+    serves every length; eager calls use Python floats.
+
     With ``mult`` (u-μP's α): ``y = s * softmax(mult * input)``. The logits ``mult x`` are
     i.i.d. N(0, mult²), so the same rule holds with ``v`` and ``G`` integrated at logit
     variance ``mult²`` (exact, as above) and the gradient ``mult`` times larger: ideal
@@ -284,7 +289,18 @@ def softmax(
             "softmax", "dim", None, "pass the dimension to normalise over, e.g. dim=-1"
         )
     mult = check_mult("softmax", mult)
-    out_scale, in_scale = apply_constraint(constraint, *_softmax_scales(input.shape[dim], mult))
+    length = input.shape[dim]
+    if isinstance(length, torch.SymInt) or torch.compiler.is_dynamo_compiling():
+        # A length that may vary under torch.compile (TorchDynamo shows a dynamic size to
+        # isinstance as an int): the scales come from an op taking the symbolic length, as
+        # 0-dim tensors, so one graph serves every length (a Python float would specialise
+        # the graph to the length: a recompile per length).
+        dtype_of_scales = torch.float64 if input.dtype == torch.float64 else torch.float32
+        scales = softmax_scales(input.detach(), length, mult, dtype_of_scales)
+        ideal: tuple[Any, Any] = (scales[0], scales[1])
+    else:
+        ideal = _softmax_scales(length, mult)
+    out_scale, in_scale = apply_constraint(constraint, *ideal)
     if mult != 1.0:
         input = scale_fwd_bwd(input, mult, mult)  # a true gradient; in_scale includes 1/mult
     output = F.softmax(_prescale(input, in_scale, out_scale), dim, dtype=dtype)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
 from .._lazy_dynamo import assume_constant_result
 from ..errors import UnitScaleError
 from ._base import (
@@ -130,3 +134,31 @@ def _softmax_scales(length: int, mult: float = 1.0) -> tuple[float, float]:
     v, g = _attention_moments(1, n, False, mult * mult)
     # Var(p_j) = E[p_j^2] - E[p_j]^2 = v/n - 1/n^2; E[grad_j^2] = mult^2 G/n.
     return n / math.sqrt(n * v - 1.0), math.sqrt(n / g) / mult
+
+
+@custom_op("unitscale::softmax_scales", mutates_args=())
+def softmax_scales(like: Tensor, length: int, mult: float, dtype: torch.dtype) -> Tensor:
+    """:func:`_softmax_scales` of ``(length, mult)`` as a ``(2,)`` tensor (output scale,
+    grad-input scale) on ``like``'s device: an op, so that under ``torch.compile`` ``length``
+    can be a dynamic size (the moments are integrated, for the concrete length, at run time)
+    and one graph serves every length. ``like`` gives only the device.
+
+    Example:
+        >>> scales = softmax_scales(torch.empty(0), 64, 1.0, torch.float64)
+        >>> scales.tolist() == list(_softmax_scales(64))
+        True
+    """
+    return torch.tensor(_softmax_scales(int(length), mult), device=like.device, dtype=dtype)
+
+
+@softmax_scales.register_fake
+def _softmax_scales_fake(like: Tensor, length: int, mult: float, dtype: torch.dtype) -> Tensor:
+    return like.new_empty((2,), dtype=dtype)
+
+
+def _no_gradient(ctx: object, grad: Tensor) -> tuple[None, None, None, None]:
+    """The scales depend on ``like``'s sizes, not its values."""
+    return None, None, None, None
+
+
+softmax_scales.register_autograd(_no_gradient)
