@@ -142,6 +142,24 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
     _, _, vocab, batch, seq = SIZES[name]
     ids = torch.randint(0, min(vocab, 1000), (batch, seq), device=device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return {
+        "layers_hidden_vocab_batch_seq": list(SIZES[name]),
+        **paired_steps(plain, tracked, inputs, rounds, device),
+        "target": TARGETS.get(name),
+    }
+
+
+def paired_steps(
+    plain: torch.nn.Module,
+    tracked: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    rounds: int,
+    device: str,
+) -> dict[str, Any]:
+    """Untracked and tracked steps of ``plain`` and its tracked copy on ``inputs`` (whose
+    model output has a ``.loss``), alternating for ``rounds`` rounds after the first call and
+    one warm-up step each: the step times, their median per-round ratio, the reading's share
+    and the ratio without it, the first calls and each step's peak memory."""
 
     def plain_step() -> None:
         plain.zero_grad(set_to_none=True)
@@ -154,7 +172,7 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
         tracked.zero_grad(set_to_none=True)
         tracked(**inputs).loss.backward()
         start = time.perf_counter()
-        held[0] = tracked.scales_graph()
+        held[0] = tracked.scales_graph()  # type: ignore[operator]
         read_statistics(held[0])
         read_times.append(time.perf_counter() - start)
 
@@ -175,7 +193,6 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
     ratios = [t / u for t, u, _ in pairs]
     peak = {key: statistics.median(values) for key, values in peaks.items()}
     return {
-        "layers_hidden_vocab_batch_seq": list(SIZES[name]),
         "step": "forward, backward, scales_graph() held, every node's statistics read",
         "step_s": {key: round(statistics.median(v), 5) for key, v in times.items()},
         "time_ratio": round(statistics.median(ratios), 4),
@@ -183,7 +200,6 @@ def run_model(name: str, rounds: int, device: str) -> dict[str, Any]:
         "read_s": round(statistics.median(read_times), 5),
         "read_share_of_untracked_step": round(statistics.median(r / u for _, u, r in pairs), 4),
         "time_ratio_without_read": round(statistics.median((t - r) / u for t, u, r in pairs), 4),
-        "target": TARGETS.get(name),
         "first_call_s": {key: round(v, 3) for key, v in first.items()},
         "step_peak_bytes": {key: int(v) for key, v in peak.items()},
         "peak_memory_ratio": round(peak["tracked"] / max(peak["untracked"], 1), 4),

@@ -82,6 +82,8 @@ class TrackScalesPass(GraphPass):
         self._reduce_over: tuple[bool, Any] = (False, None)
         #: The last joined graph, refilled by the next ``scales_graph()`` when unchanged.
         self._joined: _Joined | None = None
+        #: The joined graph before it, refilled when the caller has let go of it.
+        self._spare: _Joined | None = None
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._call_inputs: list[int] = []
