@@ -543,3 +543,30 @@ def test_a_piece_reused_for_another_layer_is_named_after_that_layer() -> None:
     weights = [n.args[1].meta["clean_name"] for n in linears]
     assert weights == ["first.up.weight", "first.down.weight", "second.up.weight",
                        "second.down.weight"]  # fmt: skip
+
+
+def test_the_statistics_mode_is_read_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``UNITSCALE_STATS`` is read at the start of each tracked call, not once per tensor
+    (reading the environment costs a third of a small tensor's statistics), and a change
+    takes effect at the next call."""
+    from unitscale.tracking import _recorder, metrics
+
+    reads: list[str] = []
+    read = metrics._mode
+
+    def counted() -> str:
+        reads.append(read())
+        return reads[-1]
+
+    monkeypatch.setattr(metrics, "_mode", counted)
+    monkeypatch.setattr(_recorder, "_mode", counted, raising=False)
+    tracked = track_scales(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+    tracked(torch.randn(4, 8)).sum().backward()
+    assert reads == ["auto"]
+    monkeypatch.setenv("UNITSCALE_STATS", "eager")
+    tracked(torch.randn(4, 8)).sum().backward()
+    assert reads == ["auto", "eager"]
+    graph = tracked.scales_graph()
+    recorded = [n for n in graph.nodes if n.meta.get("metrics") is not None]
+    assert len(recorded) >= 6
+    assert all(n.meta["metrics"].fwd is not None for n in recorded)

@@ -45,7 +45,7 @@ from ..capture import (
 from . import _distributed
 from ._join import _Joined, build_scales_graph
 from ._read import _Stats
-from .metrics import deferred_stats
+from .metrics import _mode, deferred_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
@@ -92,6 +92,8 @@ class TrackScalesPass(GraphPass):
         self._capture: Capture | None = None
         #: Under data parallelism: keep the gradients of replicated values (see _distributed).
         self._keep_replicated = False
+        #: ``UNITSCALE_STATS`` as read at the start of the running call (see deferred_stats).
+        self._stats_mode = "auto"
 
     def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
@@ -283,7 +285,10 @@ class TrackScalesPass(GraphPass):
             while _functorch.is_functorch_wrapped_tensor(x):
                 x = _functorch.get_unwrapped(x)
             if forward:
-                invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
+                invocation.data.setdefault("fwd", {})[slot] = (
+                    x.numel(),
+                    deferred_stats(x, mode=self._stats_mode),
+                )
             return
         # The same tensor object, unmodified, seen again in this call (``x.float()`` on a
         # float32 tensor returns ``x``; a tensor crossing a graph break enters the next piece):
@@ -298,7 +303,8 @@ class TrackScalesPass(GraphPass):
         if version is not None:
             self._seen[id(x)] = (weakref.ref(x), version, invocation, slot)
         if forward:
-            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
+            stats = deferred_stats(x, mode=self._stats_mode)
+            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), stats)
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -321,7 +327,8 @@ class TrackScalesPass(GraphPass):
 
     def _grad_hook(self, invocation: Invocation, slot: int, keep: bool = False) -> Any:
         def hook(grad: Tensor) -> None:
-            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), deferred_stats(grad))
+            stats = deferred_stats(grad, mode=self._stats_mode)
+            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), stats)
             if keep:
                 # Equal values on every rank, partial gradients: averaged when read.
                 invocation.data.setdefault("replicated_grads", {})[slot] = grad
@@ -336,7 +343,7 @@ class TrackScalesPass(GraphPass):
         def hook(leaf: Tensor) -> None:
             grad = leaf.grad
             if grad is not None:
-                self._param_grads[key] = (grad.numel(), deferred_stats(grad))
+                self._param_grads[key] = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
 
         return hook
 
@@ -352,6 +359,7 @@ class TrackScalesPass(GraphPass):
             return
         self._seen = {}
         self._param_grads = {}
+        self._stats_mode = _mode()
         self._reduce_over = _distributed.active_group()
         self._keep_replicated = self._reduce_over[0]
 

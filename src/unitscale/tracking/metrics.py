@@ -252,21 +252,24 @@ def _has_plain_storage(x: Tensor) -> bool:
     )
 
 
-def deferred_stats(x: Tensor, batch: bool = True) -> Stats:
+def deferred_stats(x: Tensor, batch: bool = True, mode: str | None = None) -> Stats:
     """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
 
     On the CPU (unless ``UNITSCALE_STATS=compiled``): by the native kernel where it is
     available (and not ``UNITSCALE_STATS=eager``); else, with ``batch``, small tensors are
     copied into a batch read together when a value is first needed (cheaper where many
     are recorded), others read at once by PyTorch ops. On other devices the compiled kernel
-    runs asynchronously. Same values whichever path runs.
+    runs asynchronously. Same values whichever path runs. ``mode`` is ``UNITSCALE_STATS``
+    as the caller read it (tracking reads it once per call: reading the environment costs
+    a third of a small tensor's statistics); None reads it here.
     """
     n = x.numel()
     if n == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
     # No autograd anywhere below: every path reads a detached tensor (or its memory).
     if x.is_cpu and _has_plain_storage(x):
-        mode = _mode()
+        if mode is None:
+            mode = _mode()
         if mode == "auto":
             values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
             if values is not None:
