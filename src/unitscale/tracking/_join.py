@@ -86,22 +86,23 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
-    if cached is not None and cached.key == key and cached.intact():
-        if cached.unshared():
+    if cached is not None and cached.key == key:
+        if cached.unshared() and cached.intact():
             return cached.refill(trace, track)
         # The caller holds the last graph (a loop's ``graph = scales_graph()``), which must
         # not change: refill the graph before it if nobody holds that one any more, else a
         # copy of the held one's nodes, instead of joining the pieces again.
         spare = track._spare
-        if spare is not None and spare.key == key and spare.intact() and spare.unshared():
-            joined = spare
-            joined.refill(trace, track)
-        else:
+        if spare is not None and spare.key == key and spare.unshared() and spare.intact():
+            spare.refill(trace, track)
+            track._spare, track._joined = cached, spare
+            return spare.graph
+        if cached.intact():
             joined = cached.copy()
             joined.refill(trace, track)
             joined.seal()
-        track._spare, track._joined = cached, joined
-        return joined.graph
+            track._spare, track._joined = cached, joined
+            return joined.graph
     track._joined = track._spare = None  # drop the old graphs before building the new one
     graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
     joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
@@ -191,7 +192,10 @@ class _Joined:
     def unshared(self) -> bool:
         """True when only this object refers to the graph, its nodes and their meta dicts
         (and the nodes are as built: see :meth:`intact`)."""
-        return self.counts is not None and self._counts() == self.counts
+        counts = self.counts
+        if counts is None or sys.getrefcount(self.graph) != counts[0]:
+            return False  # the caller holds the graph: known without counting the nodes
+        return self._counts() == counts
 
     def intact(self) -> bool:
         """True when the graph's nodes are as built (none added, removed or edited)."""
