@@ -23,7 +23,12 @@ at most 2x and none over 4x.
 
 Each run is appended to ``benchmarks/results/tracking_zoo.json`` with the date and load.
 
-Run: ``python benchmarks/bench_tracking_zoo.py [--archs llama,bert] [--rounds N]``
+On a machine busy with other work, ``--threads 1`` keeps PyTorch's thread pool from
+waiting on cores that other processes hold (a 2-thread step of these tiny models then takes
+up to a second, whatever is tracked); the run records its thread count.
+
+Run: ``python benchmarks/bench_tracking_zoo.py [--archs llama,bert] [--rounds N]
+[--threads N]``
 """
 
 from __future__ import annotations
@@ -198,7 +203,12 @@ def main() -> None:
     parser.add_argument("--archs", default=",".join(ARCHS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     archs = args.archs.split(",")
     unknown = sorted(set(archs) - set(ARCHS))
     if unknown:
