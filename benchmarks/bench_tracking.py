@@ -7,7 +7,9 @@ is what a user does: forward, backward, ``graph = tracked.scales_graph()`` kept 
 step's (a user's loop holds the last graph, so it cannot be refilled in place), and every
 node's forward and backward statistics read. The reading (``scales_graph()`` and the reads) is
 timed on its own too: ``read_s`` and ``read_share_of_untracked_step``, and
-``time_ratio_without_read`` (forward and backward only). Also reported: each one's first
+``time_ratio_without_read`` (forward and backward only), and ``cpu_time_ratio`` (the same
+ratio of the process's CPU time: on a shared machine, what the steps compute without the
+waits for a core, a figure for one torch thread). Also reported: each one's first
 call (Dynamo capture and any compile included), and each step's own peak memory: on CPU
 the peak resident set size of the step above the resident size just before it (the kernel's
 high-water mark is reset before each step and freed heap memory returned to the system, so
@@ -183,14 +185,18 @@ def paired_steps(
     plain_step(), tracked_step()  # warm: allocator caches, any second-call work
     read_times.clear()
     times: dict[str, list[float]] = {"untracked": [], "tracked": []}
+    cpu: dict[str, list[float]] = {"untracked": [], "tracked": []}
     peaks: dict[str, list[int]] = {"untracked": [], "tracked": []}
     for _ in range(rounds):
         for key, step in (("untracked", plain_step), ("tracked", tracked_step)):
+            cpu_start = time.process_time()
             seconds, peak = measured_step(step, device)
+            cpu[key].append(time.process_time() - cpu_start)
             times[key].append(seconds)
             peaks[key].append(peak)
     pairs = list(zip(times["tracked"], times["untracked"], read_times, strict=True))
     ratios = [t / u for t, u, _ in pairs]
+    cpu_ratios = [t / max(u, 1e-9) for t, u in zip(cpu["tracked"], cpu["untracked"], strict=True)]
     peak = {key: statistics.median(values) for key, values in peaks.items()}
     return {
         "step": "forward, backward, scales_graph() held, every node's statistics read",
@@ -200,6 +206,9 @@ def paired_steps(
         "read_s": round(statistics.median(read_times), 5),
         "read_share_of_untracked_step": round(statistics.median(r / u for _, u, r in pairs), 4),
         "time_ratio_without_read": round(statistics.median((t - r) / u for t, u, r in pairs), 4),
+        # The process's CPU time instead of wall time: on a machine shared with other work
+        # (and one torch thread) what the step computes, without the waits for a core.
+        "cpu_time_ratio": round(statistics.median(cpu_ratios), 4),
         "first_call_s": {key: round(v, 3) for key, v in first.items()},
         "step_peak_bytes": {key: int(v) for key, v in peak.items()},
         "peak_memory_ratio": round(peak["tracked"] / max(peak["untracked"], 1), 4),
