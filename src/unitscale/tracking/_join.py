@@ -33,7 +33,7 @@ from ..capture import (
 )
 from . import _distributed
 from ._read import _queue, _read_stats, _replication, _resolved, _Stats
-from .metrics import Metrics
+from .metrics import Metrics, host_stats, stats_to_data
 
 if TYPE_CHECKING:
     from ._recorder import TrackScalesPass
@@ -246,9 +246,22 @@ class _Joined:
                     grad = grad or param_grads.get(input_id)
                 if slot in shapes[k]:
                     meta["shape"] = shapes[k][slot]
-            meta["metrics"] = Metrics() if meta.get("outputs_float_tensor") else None
-            _queue(pending, node, fwd.get(slot), grad)
-        _read_stats(pending)
+            if not meta.get("outputs_float_tensor"):
+                meta["metrics"] = None
+                continue
+            metrics = meta["metrics"] = Metrics()
+            # Statistics on the host are written here, in this one pass over the nodes (it
+            # runs for every tracked tensor at every read); the rest are read together.
+            for direction, entry in (("fwd", fwd.get(slot)), ("bwd", grad)):
+                if entry is None:
+                    continue
+                values = host_stats(entry[1])
+                if values is None:
+                    pending.append((node, direction, entry))
+                else:
+                    setattr(metrics, direction, stats_to_data(values, entry[0]))
+        if pending:
+            _read_stats(pending)
         return self.graph
 
 
