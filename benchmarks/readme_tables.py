@@ -256,6 +256,33 @@ def tracking_rows(device: str = "cpu") -> list[str]:
     return rows
 
 
+def tracking_zoo_rows() -> list[str]:
+    """``bench_tracking_zoo.py``: the tracked step over many tiny architectures, if measured."""
+    path = RESULTS / "tracking_zoo.json"
+    if not path.exists():
+        return []
+    run = latest_run(path)
+    summary = run["summary"]
+    if "median_time_ratio" not in summary:
+        return []
+    worst = ", ".join(f"{arch} {ratio:.2f}x" for arch, ratio in summary["worst_5"].items())
+    failed = f"; failed: {', '.join(summary['failed'])}" if summary["failed"] else ""
+    median_met = summary["median_time_ratio"] <= summary["target_median"]
+    max_met = summary["max_time_ratio"] <= summary["target_max"]
+    batch, seq = run["batch_seq"]
+    return [
+        f"| `track_scales` step vs untracked, {summary['architectures']} tiny `transformers` "
+        f"architectures (2 layers, h64, batch {batch} x {seq}; `bench_tracking_zoo.py`, "
+        "interleaved, median of per-round ratios; step = forward, backward, `scales_graph()` "
+        f"held and read) | median {summary['median_time_ratio']:.2f}x "
+        f"({summary['min_time_ratio']:.2f}-{summary['max_time_ratio']:.2f}x; without the read "
+        f"{summary['median_time_ratio_without_read']:.2f}x); worst: {worst}{failed} "
+        f"| median <= {summary['target_median']:g}x ({'met' if median_met else 'not met'}), "
+        f"none over {summary['target_max']:g}x ({'met' if max_met else 'not met'}) "
+        f"| {_when(run, path)} |"
+    ]
+
+
 def optim_rows() -> list[str]:
     path = RESULTS / "optim.json"
     run = latest_run(path)
@@ -355,6 +382,7 @@ def compile_lengths_rows() -> list[str]:
 def performance_table() -> str:
     lines = ["| what | measured | target | run |", "|---|---|---|---|"]
     lines += ops_rows() + formats_rows() + train_step_rows() + tracking_rows()
+    lines += tracking_zoo_rows()
     lines += compile_lengths_rows()
     lines += analyse_rows()
     lines += optim_rows() + distributed_rows()

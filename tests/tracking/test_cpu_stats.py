@@ -225,6 +225,56 @@ def test_the_batch_is_read_when_it_holds_enough() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(2, 16, 4, 8).transpose(1, 2),  # attention's heads
+        torch.randn(3, 5, 7).permute(2, 0, 1) * 1e3 + 5,
+        torch.randn(1, 64, 1, 32).transpose(1, 3),
+        torch.randn(64, 32).t().to(torch.bfloat16),
+    ],
+    ids=["transpose", "permute", "size-1 dims", "bfloat16"],
+)
+def test_native_kernel_reads_a_permuted_dense_tensor_in_place(
+    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transpose of a contiguous tensor is read in memory order, without a copy or
+    pieces, with the statistics of its contiguous copy."""
+    assert not x.is_contiguous()
+    want = native_stats(x.contiguous(), UNDER, OVER)
+
+    def no_pieces(_: torch.Tensor) -> list[torch.Tensor]:
+        raise AssertionError("a dense tensor was split into pieces")
+
+    monkeypatch.setattr(_cpu_stats, "_pieces", no_pieces)
+    got = native_stats(x, UNDER, OVER)
+    assert got is not None and want is not None
+    assert got[3:] == want[3:]  # extremes and counts exactly
+    assert_agrees(got, want, rel=1e-12)
+    assert_agrees(got, truth(x), rel=1e-9)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(8, 8)[:, :4],
+        torch.randn(4, 1).expand(4, 3),
+        torch.randn(8, 6)[::2],
+        (torch.randn(2, 4, 16, 16) * 1e3 + 7)[..., 8:],  # rotate_half's slice
+        torch.randn(4, 4, dtype=torch.float16).t(),
+        torch.randn(_cpu_stats.PIECE + 8, 2)[:, 0],  # more than a piece
+    ],
+    ids=["slice", "expand", "step", "far from zero", "float16", "pieces"],
+)
+def test_native_kernel_reads_a_tensor_with_gaps(x: torch.Tensor) -> None:
+    assert not x.is_contiguous()
+    got = native_stats(x, UNDER, OVER)
+    assert got is not None
+    assert_agrees(got, truth(x), rel=1e-9)
+
+
+@needs_native
 def test_native_kernel_gives_the_same_result_on_any_number_of_threads() -> None:
     x = torch.randn(1 << 22) * 0.01
     threads = torch.get_num_threads()

@@ -113,6 +113,42 @@ def test_a_held_graph_is_copied_and_refilled_not_joined_again(
     assert len(builds) == 1 + 3  # the first read and the three fresh ones only
 
 
+def test_a_loop_holding_the_last_graph_refills_the_one_before_it(
+    tracked: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `graph = tracked.scales_graph()` in a loop: while the next read runs the caller holds
+    # the last graph but has let go of the one before it, which is refilled (no copy, no
+    # join), equal to a fresh build; the held graph is unchanged.
+    from unitscale.tracking import _join
+
+    made = []
+    build, copy = _join._build, _join._Joined.copy
+    monkeypatch.setattr(_join, "_build", lambda *a, **k: made.append("build") or build(*a, **k))
+    monkeypatch.setattr(_join._Joined, "copy", lambda self: made.append("copy") or copy(self))
+    step(tracked, torch.randn(4, 8))
+    graph = tracked.scales_graph()
+    ids = [id(graph)]
+    step(tracked, torch.randn(4, 8) * 2)
+    graph = tracked.scales_graph()
+    ids.append(id(graph))
+    assert made == ["build", "copy"]
+    for i in range(4):
+        before = metas(graph)
+        step(tracked, torch.randn(4, 8) * (i + 3))
+        new = tracked.scales_graph()
+        assert id(new) == ids[-2] and new is not graph  # the graph before last, refilled
+        assert metas(graph) == before
+        graph = new
+        ids.append(id(graph))
+    assert made == ["build", "copy"]
+    expected = metas(graph)
+    kept = [graph, tracked.scales_graph()]  # both held: a third is copied, neither changes
+    del graph
+    assert metas(kept[0]) == expected and metas(kept[1]) == expected
+    assert metas(tracked.scales_graph()) == expected
+    assert made == ["build", "copy", "copy"]
+
+
 @pytest.mark.parametrize("held", ["node", "meta", "metrics"])
 def test_a_held_node_meta_or_metrics_never_changes(tracked: nn.Module, held: str) -> None:
     step(tracked, torch.randn(4, 8))

@@ -186,3 +186,18 @@ def test_statistics_do_not_modify_and_the_device_kernel_does_not_sync(x: torch.T
         with _NoHostReads():
             _stats_kernel(x.detach())
     torch.testing.assert_close(x.detach(), before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_each_record_owns_its_fraction_dicts() -> None:
+    """Records built from the same counts share no dict: changing one leaves the others."""
+    from unitscale.tracking.metrics import FORMAT_KEYS, stats_to_data, tensor_stats
+
+    quiet = tensor_stats(torch.ones(4)).tolist()
+    loud = tensor_stats(torch.tensor([1e-30, 1e6, 1.0, 2.0])).tolist()
+    records = [stats_to_data(values, 4) for values in (quiet, quiet, loud, loud)]
+    for record in records:
+        record.underflow["e4m3"] = record.overflow["e4m3"] = 99.0
+    fresh = [stats_to_data(values, 4) for values in (quiet, loud)]
+    assert fresh[0].underflow == fresh[0].overflow == dict.fromkeys(FORMAT_KEYS, 0.0)
+    assert fresh[1].underflow["e4m3"] == 0.25 and fresh[1].overflow["e4m3"] == 0.25
+    assert fresh[1].overflow["fp16"] == 0.25 and fresh[1].overflow["bf16"] == 0.0

@@ -543,3 +543,63 @@ def test_a_piece_reused_for_another_layer_is_named_after_that_layer() -> None:
     weights = [n.args[1].meta["clean_name"] for n in linears]
     assert weights == ["first.up.weight", "first.down.weight", "second.up.weight",
                        "second.down.weight"]  # fmt: skip
+
+
+def test_the_statistics_mode_is_read_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``UNITSCALE_STATS`` is read at the start of each tracked call, not once per tensor
+    (reading the environment costs a third of a small tensor's statistics), and a change
+    takes effect at the next call."""
+    from unitscale.tracking import _recorder, metrics
+
+    reads: list[str] = []
+    read = metrics._mode
+
+    def counted() -> str:
+        reads.append(read())
+        return reads[-1]
+
+    monkeypatch.setattr(metrics, "_mode", counted)
+    monkeypatch.setattr(_recorder, "_mode", counted, raising=False)
+    tracked = track_scales(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+    tracked(torch.randn(4, 8)).sum().backward()
+    assert reads == ["auto"]
+    monkeypatch.setenv("UNITSCALE_STATS", "eager")
+    tracked(torch.randn(4, 8)).sum().backward()
+    assert reads == ["auto", "eager"]
+    graph = tracked.scales_graph()
+    recorded = [n for n in graph.nodes if n.meta.get("metrics") is not None]
+    assert len(recorded) >= 6
+    assert all(n.meta["metrics"].fwd is not None for n in recorded)
+
+
+def test_activation_gradient_hooks_need_no_handles_and_go_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gradient hooks on plain activations are added without ``register_hook``'s removable
+    handle (its cost), beside a user's own hooks, and removed when the next call starts."""
+    registered: list[Tensor] = []
+    register = Tensor.register_hook
+
+    def counted(self: Tensor, hook: object) -> object:
+        registered.append(self)
+        return register(self, hook)  # type: ignore[arg-type]
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    tracked = track_scales(model)
+    tracked(torch.randn(4, 8)).sum().backward()  # captured before counting
+    monkeypatch.setattr(Tensor, "register_hook", counted)
+    seen: list[Tensor] = []
+    out = tracked(torch.randn(4, 8))
+    user = out.register_hook(lambda grad: seen.append(grad))  # the user's, with a handle
+    ours = dict(out._backward_hooks or {})
+    assert len(ours) == 2
+    assert [id(t) for t in registered] == [id(out)]  # the user's call only
+    out.sum().backward()
+    assert len(seen) == 1
+    graph = tracked.scales_graph()
+    records = [n.meta["metrics"] for n in graph.nodes if n.meta.get("metrics") is not None]
+    assert sum(m.bwd is not None for m in records) >= 6  # activations' gradients recorded
+    user.remove()
+    assert len(out._backward_hooks) == 1  # ours stays until the next call...
+    tracked(torch.randn(4, 8))
+    assert len(out._backward_hooks) == 0  # ...which removes it

@@ -78,6 +78,20 @@ def _bits_of(value: float, dtype: torch.dtype) -> int:
     return _BITS[key]
 
 
+def _fills_its_span(x: Tensor) -> bool:
+    """True when the elements of ``x`` occupy exactly ``x.numel()`` consecutive memory slots
+    from ``x.data_ptr()`` (no gaps, no overlaps), in whatever order: its strides, ordered,
+    are those of a contiguous tensor of the permuted shape."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _pieces(x: Tensor) -> list[Tensor]:
     """Views of ``x`` that cover each element once, each at most :data:`PIECE` elements
     where the layout allows it without a copy."""
@@ -298,9 +312,15 @@ def native_stats(
             (under_bits, over_bits),
             native.thresholds(under_bits, over_bits),
         )
-    if x.dtype != torch.float16 and x.is_contiguous():
+    if x.dtype != torch.float16 and (x.is_contiguous() or _fills_its_span(x)):
         # One call does it all (the common case: the fixed cost is what small tensors pay).
+        # A tensor whose elements fill its memory span in another order (a transpose or
+        # permute of a contiguous tensor: attention's heads) is read in memory order, as
+        # if contiguous: the statistics do not depend on the order, and no copy is made.
         return native.summary(x, entry[1], _NATIVE_CANCELLATION)
+    if x.numel() <= PIECE:
+        # One piece (a slice, float16): its contiguous float32/bfloat16 copy in one call.
+        return native.summary(_readable(x), entry[1], _NATIVE_CANCELLATION)
     bits = entry[0]
     n = x.numel()
     # Strided tensors (and float16, which the kernel does not read) are copied piece by

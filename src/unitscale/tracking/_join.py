@@ -33,7 +33,7 @@ from ..capture import (
 )
 from . import _distributed
 from ._read import _queue, _read_stats, _replication, _resolved, _Stats
-from .metrics import Metrics
+from .metrics import Metrics, host_stats, stats_to_data
 
 if TYPE_CHECKING:
     from ._recorder import TrackScalesPass
@@ -65,6 +65,11 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
     edited, the same graph object is returned again, its meta refilled with this call's
     shapes and new ``Metrics``. A graph (or node, meta dict, ``Metrics``) the caller still
     holds is never changed: a new graph is built instead.
+
+    A user's loop holds the last graph until the next read returns (``graph =
+    tracked.scales_graph()``), so the graph before it is kept too (``track._spare``): by
+    then the caller has let go of it, and it is refilled in place of copying the held one's
+    nodes (the copy costs several times the refill on small models). The two alternate.
     """
     capture = module.capture
     if capture is None or not capture.last_trace:
@@ -81,17 +86,24 @@ def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.
         return _build(module, track, trace, kinds, named_params, state_names, (group,))[0]
     key = _structure_key(trace, kinds, named_params)
     cached = track._joined
-    if cached is not None and cached.key == key and cached.intact():
-        if cached.unshared():
+    if cached is not None and cached.key == key:
+        if cached.unshared() and cached.intact():
             return cached.refill(trace, track)
         # The caller holds the last graph (a loop's ``graph = scales_graph()``), which must
-        # not change: refill a copy of its nodes instead of joining the pieces again.
-        joined = cached.copy()
-        joined.refill(trace, track)
-        joined.seal()
-        track._joined = joined
-        return joined.graph
-    track._joined = None  # drop the old graph before building the new one
+        # not change: refill the graph before it if nobody holds that one any more, else a
+        # copy of the held one's nodes, instead of joining the pieces again.
+        spare = track._spare
+        if spare is not None and spare.key == key and spare.unshared() and spare.intact():
+            spare.refill(trace, track)
+            track._spare, track._joined = cached, spare
+            return spare.graph
+        if cached.intact():
+            joined = cached.copy()
+            joined.refill(trace, track)
+            joined.seal()
+            track._spare, track._joined = cached, joined
+            return joined.graph
+    track._joined = track._spare = None  # drop the old graphs before building the new one
     graph, plan = _build(module, track, trace, kinds, named_params, state_names, None)
     joined = _Joined(key, graph, plan, [inv.piece for inv in trace])
     del graph, plan
@@ -180,7 +192,10 @@ class _Joined:
     def unshared(self) -> bool:
         """True when only this object refers to the graph, its nodes and their meta dicts
         (and the nodes are as built: see :meth:`intact`)."""
-        return self.counts is not None and self._counts() == self.counts
+        counts = self.counts
+        if counts is None or sys.getrefcount(self.graph) != counts[0]:
+            return False  # the caller holds the graph: known without counting the nodes
+        return self._counts() == counts
 
     def intact(self) -> bool:
         """True when the graph's nodes are as built (none added, removed or edited)."""
@@ -231,9 +246,22 @@ class _Joined:
                     grad = grad or param_grads.get(input_id)
                 if slot in shapes[k]:
                     meta["shape"] = shapes[k][slot]
-            meta["metrics"] = Metrics() if meta.get("outputs_float_tensor") else None
-            _queue(pending, node, fwd.get(slot), grad)
-        _read_stats(pending)
+            if not meta.get("outputs_float_tensor"):
+                meta["metrics"] = None
+                continue
+            metrics = meta["metrics"] = Metrics()
+            # Statistics on the host are written here, in this one pass over the nodes (it
+            # runs for every tracked tensor at every read); the rest are read together.
+            for direction, entry in (("fwd", fwd.get(slot)), ("bwd", grad)):
+                if entry is None:
+                    continue
+                values = host_stats(entry[1])
+                if values is None:
+                    pending.append((node, direction, entry))
+                else:
+                    setattr(metrics, direction, stats_to_data(values, entry[0]))
+        if pending:
+            _read_stats(pending)
         return self.graph
 
 

@@ -88,6 +88,22 @@ def _read_stats(
     """Read every statistics vector: those on the host as they are, those on a device in one
     transfer per device; with ``reduce`` (``(group, ids of replicated statistics)``), reduce
     them over the ranks first."""
+    if reduce is None:
+        # Statistics on the host (every one on the CPU) are written as they come, in one
+        # pass: this runs for every tracked tensor at every read.
+        on_devices = []
+        for entry in pending:
+            node, direction, (numel, stats) = entry
+            values = host_stats(stats)
+            if values is None:
+                on_devices.append(entry)
+                continue
+            metrics = node.meta.get("metrics")
+            if metrics is not None:
+                setattr(metrics, direction, stats_to_data(values, numel))
+        if not on_devices:
+            return
+        pending = on_devices
     rows: list[list[float] | None] = [None] * len(pending)
     pending_tensors: dict[int, Tensor] = {}
     numels = [numel for _, _, (numel, _) in pending]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from ..capture import (
 from . import _distributed
 from ._join import _Joined, build_scales_graph
 from ._read import _Stats
-from .metrics import deferred_stats
+from .metrics import _mode, deferred_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
@@ -75,6 +76,8 @@ class TrackScalesPass(GraphPass):
         self._partial = ""
         self._warned = False
         self._handles: list[Any] = []
+        #: (hook dict of a tensor, our hook in it): gradient hooks added without a handle.
+        self._plain_hooks: list[tuple[dict[Any, Any], Any]] = []
         self._hooked: set[int] = set()
         self._param_grads: dict[int, _Stats] = {}
         #: ``_distributed.active_group()`` when the last recorded call ran (inside DDP's
@@ -82,6 +85,8 @@ class TrackScalesPass(GraphPass):
         self._reduce_over: tuple[bool, Any] = (False, None)
         #: The last joined graph, refilled by the next ``scales_graph()`` when unchanged.
         self._joined: _Joined | None = None
+        #: The joined graph before it, refilled when the caller has let go of it.
+        self._spare: _Joined | None = None
         # id(tensor) -> (weakref, version, invocation, slot) of its first record in this call.
         self._seen: dict[int, tuple[Any, int, Invocation, int]] = {}
         self._call_inputs: list[int] = []
@@ -90,6 +95,8 @@ class TrackScalesPass(GraphPass):
         self._capture: Capture | None = None
         #: Under data parallelism: keep the gradients of replicated values (see _distributed).
         self._keep_replicated = False
+        #: ``UNITSCALE_STATS`` as read at the start of the running call (see deferred_stats).
+        self._stats_mode = "auto"
 
     def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
@@ -257,7 +264,10 @@ class TrackScalesPass(GraphPass):
         """
         for handle in self._handles:
             handle.remove()
+        for hooks, hook in self._plain_hooks:
+            hooks.pop(hook, None)
         self._handles = []
+        self._plain_hooks = []
         self._hooked = set()
 
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
@@ -281,7 +291,10 @@ class TrackScalesPass(GraphPass):
             while _functorch.is_functorch_wrapped_tensor(x):
                 x = _functorch.get_unwrapped(x)
             if forward:
-                invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
+                invocation.data.setdefault("fwd", {})[slot] = (
+                    x.numel(),
+                    deferred_stats(x, mode=self._stats_mode),
+                )
             return
         # The same tensor object, unmodified, seen again in this call (``x.float()`` on a
         # float32 tensor returns ``x``; a tensor crossing a graph break enters the next piece):
@@ -296,7 +309,8 @@ class TrackScalesPass(GraphPass):
         if version is not None:
             self._seen[id(x)] = (weakref.ref(x), version, invocation, slot)
         if forward:
-            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), deferred_stats(x))
+            stats = deferred_stats(x, mode=self._stats_mode)
+            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), stats)
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -308,7 +322,11 @@ class TrackScalesPass(GraphPass):
                 keep = self._keep_replicated and slot in invocation.piece.data.get(
                     "replicated_slots", ()
                 )
-                self._handles.append(x.register_hook(self._grad_hook(invocation, slot, keep)))
+                hook = self._grad_hook(invocation, slot, keep)
+                if type(x) is Tensor:
+                    self._plain_hooks.append((_add_grad_hook(x, hook), hook))
+                else:  # a subclass may handle register_hook itself
+                    self._handles.append(x.register_hook(hook))
 
     def record_shape(self, x: Any, slot: int) -> None:
         """Store only the shape of ``x`` for ``slot`` (its statistics are another slot's)."""
@@ -319,7 +337,8 @@ class TrackScalesPass(GraphPass):
 
     def _grad_hook(self, invocation: Invocation, slot: int, keep: bool = False) -> Any:
         def hook(grad: Tensor) -> None:
-            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), deferred_stats(grad))
+            stats = deferred_stats(grad, mode=self._stats_mode)
+            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), stats)
             if keep:
                 # Equal values on every rank, partial gradients: averaged when read.
                 invocation.data.setdefault("replicated_grads", {})[slot] = grad
@@ -334,7 +353,7 @@ class TrackScalesPass(GraphPass):
         def hook(leaf: Tensor) -> None:
             grad = leaf.grad
             if grad is not None:
-                self._param_grads[key] = (grad.numel(), deferred_stats(grad))
+                self._param_grads[key] = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
 
         return hook
 
@@ -343,13 +362,17 @@ class TrackScalesPass(GraphPass):
         # keep firing on calls that are not recorded and overwrite the recorded statistics.
         for handle in self._handles:
             handle.remove()
+        for hooks, hook in self._plain_hooks:
+            hooks.pop(hook, None)
         self._handles = []
+        self._plain_hooks = []
         self._hooked = set()
         self._aliases = {}
         if not self.enabled:
             return
         self._seen = {}
         self._param_grads = {}
+        self._stats_mode = _mode()
         self._reduce_over = _distributed.active_group()
         self._keep_replicated = self._reduce_over[0]
 
@@ -404,6 +427,22 @@ class TrackScalesPass(GraphPass):
             return value
 
         return unalias(output)
+
+
+def _add_grad_hook(x: Tensor, hook: Any) -> dict[Any, Any]:
+    """``x.register_hook(hook)`` for the non-leaf plain tensor ``x`` without the removable
+    handle, whose making costs twice the rest (~2 us, half a small tensor's statistics:
+    it runs for every tracked activation at every call). Returns the tensor's hook dict,
+    from which the caller removes ``hook`` (its key: it cannot collide with the integer
+    keys of handles that others register) when the next call starts."""
+    hooks = x._backward_hooks
+    if hooks is None:
+        hooks = x._backward_hooks = OrderedDict()
+        grad_fn = x.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(x)
+    hooks[hook] = hook
+    return hooks
 
 
 class _RequireGrad(torch.autograd.Function):

@@ -252,21 +252,24 @@ def _has_plain_storage(x: Tensor) -> bool:
     )
 
 
-def deferred_stats(x: Tensor, batch: bool = True) -> Stats:
+def deferred_stats(x: Tensor, batch: bool = True, mode: str | None = None) -> Stats:
     """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
 
     On the CPU (unless ``UNITSCALE_STATS=compiled``): by the native kernel where it is
     available (and not ``UNITSCALE_STATS=eager``); else, with ``batch``, small tensors are
     copied into a batch read together when a value is first needed (cheaper where many
     are recorded), others read at once by PyTorch ops. On other devices the compiled kernel
-    runs asynchronously. Same values whichever path runs.
+    runs asynchronously. Same values whichever path runs. ``mode`` is ``UNITSCALE_STATS``
+    as the caller read it (tracking reads it once per call: reading the environment costs
+    a third of a small tensor's statistics); None reads it here.
     """
     n = x.numel()
     if n == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
     # No autograd anywhere below: every path reads a detached tensor (or its memory).
     if x.is_cpu and _has_plain_storage(x):
-        mode = _mode()
+        if mode is None:
+            mode = _mode()
         if mode == "auto":
             values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
             if values is not None:
@@ -337,10 +340,9 @@ _N_FIELDS = len(_FIELDS)
 _N_KEYS = len(FORMAT_KEYS)
 
 
-def _fractions(counts: list[float], numel: int) -> dict[str, float]:
-    if not any(counts):  # the common case, and the cheap one
-        return dict.fromkeys(FORMAT_KEYS, 0.0)
-    return dict(zip(FORMAT_KEYS, [c / numel for c in counts], strict=True))
+_UNDERFLOW_COUNTS = slice(_N_FIELDS, _N_FIELDS + _N_KEYS)
+_OVERFLOW_COUNTS = slice(_N_FIELDS + _N_KEYS, None)
+_NO_FRACTIONS = dict.fromkeys(FORMAT_KEYS, 0.0)  # copied, never handed out
 
 
 def stats_to_data(values: list[float], numel: int) -> _Data:
@@ -359,21 +361,31 @@ def stats_to_data(values: list[float], numel: int) -> _Data:
         var = max(var, 0.0)
         std = math.sqrt(var)
         rms = math.sqrt(var + mean * mean)
-    # Built without the frozen dataclass's __init__ (one object.__setattr__ per field): this
-    # runs for every tracked tensor at every read.
+    under, over = values[_UNDERFLOW_COUNTS], values[_OVERFLOW_COUNTS]
+    # Built without the frozen dataclass's __init__ (one object.__setattr__ per field), its
+    # field dict at once: this runs for every tracked tensor at every read. No counts (the
+    # common case) need no divisions.
     data = object.__new__(_Data)
-    data.__dict__.update(
-        mean_abs=sum_abs / numel,
-        abs_mean=abs(mean),
-        std=std,
-        abs_max=abs_max,
-        abs_min=abs_min,
-        rms=rms,
-        numel=numel,
-        underflow=_fractions(values[_N_FIELDS : _N_FIELDS + _N_KEYS], numel),
-        overflow=_fractions(values[_N_FIELDS + _N_KEYS :], numel),
-        nan_count=int(nan_count),
-        inf_count=int(inf_count),
+    object.__setattr__(
+        data,
+        "__dict__",
+        {
+            "mean_abs": sum_abs / numel,
+            "abs_mean": abs(mean),
+            "std": std,
+            "abs_max": abs_max,
+            "abs_min": abs_min,
+            "rms": rms,
+            "numel": numel,
+            "underflow": dict(zip(FORMAT_KEYS, [c / numel for c in under], strict=True))
+            if any(under)
+            else _NO_FRACTIONS.copy(),
+            "overflow": dict(zip(FORMAT_KEYS, [c / numel for c in over], strict=True))
+            if any(over)
+            else _NO_FRACTIONS.copy(),
+            "nan_count": int(nan_count),
+            "inf_count": int(inf_count),
+        },
     )
     return data
 
