@@ -551,6 +551,7 @@ def test_the_statistics_mode_is_read_once_per_call(monkeypatch: pytest.MonkeyPat
     takes effect at the next call."""
     from unitscale.tracking import _recorder, metrics
 
+    monkeypatch.delenv("UNITSCALE_STATS", raising=False)  # the default, whatever ran before
     reads: list[str] = []
     read = metrics._mode
 
