@@ -376,3 +376,22 @@ def test_parameters_take_the_cpu_path(mode: str, monkeypatch: pytest.MonkeyPatch
     ):
         assert_agrees(metrics.tensor_stats(weight).tolist(), truth(weight))
         assert_agrees(metrics.tensor_stats(weight.t()).tolist(), truth(weight.t()))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_repeated_call_path_gives_the_first_calls_values(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tracking passes the same thresholds at every call, which then skip the checks: the
+    values are those of the general path, for a contiguous tensor as for a transposed one,
+    and a kernel swapped in later (unbuilt here) is asked as the general path would ask it."""
+    x = torch.randn(33, 17).to(dtype)
+    for tensor in (x, x.t(), x[:, 1:]):
+        monkeypatch.setattr(_cpu_stats, "_last_thresholds", (None,) * 4)
+        general = native_stats(tensor, UNDER, OVER)
+        assert _cpu_stats._last_thresholds[0] is UNDER  # noted for the next call
+        assert general is not None and native_stats(tensor, UNDER, OVER) == general
+    monkeypatch.setattr(_cpu_stats, "native", _native.NativeStats())
+    monkeypatch.setattr(_cpu_stats.native, "available", lambda: False)
+    assert native_stats(x, UNDER, OVER) is None

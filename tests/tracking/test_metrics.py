@@ -201,3 +201,24 @@ def test_each_record_owns_its_fraction_dicts() -> None:
     assert fresh[0].underflow == fresh[0].overflow == dict.fromkeys(FORMAT_KEYS, 0.0)
     assert fresh[1].underflow["e4m3"] == 0.25 and fresh[1].overflow["e4m3"] == 0.25
     assert fresh[1].overflow["fp16"] == 0.25 and fresh[1].overflow["bf16"] == 0.0
+
+
+@pytest.mark.parametrize("numel", [3, 7, 2**40 + 1])
+def test_fraction_dicts_are_counts_over_numel_in_key_order(numel: int) -> None:
+    """The records' fractions are ``count / numel`` for each format in ``FORMAT_KEYS``'
+    order, the same from the written-out four-format path as from the general one (which a
+    different number of presets would take)."""
+    from unitscale.tracking import metrics
+
+    assert len(metrics.FORMAT_KEYS) == 4  # the presets: stats_to_data takes the fast path
+    under, over = [0.0, 1.0, 2.0, 3.0], [3.0, 0.0, 1.0, 0.0]
+    values = [4.0, 1.0, 1.0, 2.0, 0.5, 0.0, 0.0, *under, *over]
+    record = stats_to_data(values, numel)
+    for counts, fractions in ((under, record.underflow), (over, record.overflow)):
+        expected = {
+            key: count / numel for key, count in zip(metrics.FORMAT_KEYS, counts, strict=True)
+        }
+        assert list(fractions.items()) == list(expected.items())
+        assert metrics._fractions_any(counts, numel) == fractions
+    with pytest.raises(ValueError):  # the general path checks the number of counts too
+        metrics._fractions_any(under[:3], numel)

@@ -604,3 +604,32 @@ def test_activation_gradient_hooks_need_no_handles_and_go_at_the_next_call(
     assert len(out._backward_hooks) == 1  # ours stays until the next call...
     tracked(torch.randn(4, 8))
     assert len(out._backward_hooks) == 0  # ...which removes it
+
+
+class _ReturnsItsInputAndWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.proj(x), x, self.proj.weight, torch.arange(3)
+
+
+def test_outputs_that_are_inputs_or_parameters_are_not_missing_ops() -> None:
+    """An output no graph produced is missing ops (replayed eagerly, with a warning) unless
+    it is one of the call's inputs or parameters, whatever the order of the outputs."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _ReturnsItsInputAndWeight()
+    tracked = track_scales(model)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out, same_x, weight, index = tracked(x)
+    assert not [w for w in caught if "outside the graphs" in str(w.message)]
+    assert same_x is x and weight is tracked.proj.weight
+    assert torch.equal(out, model(x)[0]) and torch.equal(index, torch.arange(3))
+    names = [node.meta.get("module_path") for node in tracked.scales_graph().nodes]
+    assert "proj" in names

@@ -292,6 +292,11 @@ def _readable(piece: Tensor) -> Tensor:
 
 
 _THRESHOLD_BITS: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
+# The thresholds of the last call (the same tuple objects at every call from tracking), their
+# kernel form and the kernel that took them: a contiguous float32/bfloat16 tensor with those
+# thresholds, for that kernel, skips every other check.
+_last_thresholds: tuple[Any, Any, Any, Any] = (None, None, None, None)
+_ONE_CALL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def native_stats(
@@ -300,6 +305,17 @@ def native_stats(
     """The statistics of the non-empty CPU tensor ``x`` by the native kernel (see
     :mod:`._native`), or None where it does not apply (no kernel, float64, too many
     thresholds) or ``x`` holds NaN or Inf (whose IEEE semantics the PyTorch path keeps)."""
+    global _last_thresholds
+    last = _last_thresholds
+    if (
+        under is last[0]
+        and over is last[1]
+        and native is last[3]
+        and x.dtype in _ONE_CALL_DTYPES
+        and x.is_contiguous()
+    ):
+        # The common case, shortest: it runs for every tracked tensor at every call.
+        return native.summary(x, last[2], _NATIVE_CANCELLATION)
     if x.dtype not in _NATIVE_DTYPES or not native.available():
         return None
     entry = _THRESHOLD_BITS.get((under, over))
@@ -312,6 +328,7 @@ def native_stats(
             (under_bits, over_bits),
             native.thresholds(under_bits, over_bits),
         )
+    _last_thresholds = (under, over, entry[1], native)
     if x.dtype != torch.float16 and (x.is_contiguous() or _fills_its_span(x)):
         # One call does it all (the common case: the fixed cost is what small tensors pay).
         # A tensor whose elements fill its memory span in another order (a transpose or

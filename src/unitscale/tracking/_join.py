@@ -249,17 +249,25 @@ class _Joined:
             if not meta.get("outputs_float_tensor"):
                 meta["metrics"] = None
                 continue
-            metrics = meta["metrics"] = Metrics()
             # Statistics on the host are written here, in this one pass over the nodes (it
             # runs for every tracked tensor at every read); the rest are read together.
-            for direction, entry in (("fwd", fwd.get(slot)), ("bwd", grad)):
-                if entry is None:
-                    continue
-                values = host_stats(entry[1])
+            # Written out for both directions (no loop, no call for statistics already in a
+            # list), and Metrics built with both records.
+            fwd_data = bwd_data = None
+            entry = fwd.get(slot)
+            if entry is not None:
+                values = entry[1] if type(entry[1]) is list else host_stats(entry[1])
                 if values is None:
-                    pending.append((node, direction, entry))
+                    pending.append((node, "fwd", entry))
                 else:
-                    setattr(metrics, direction, stats_to_data(values, entry[0]))
+                    fwd_data = stats_to_data(values, entry[0])
+            if grad is not None:
+                values = grad[1] if type(grad[1]) is list else host_stats(grad[1])
+                if values is None:
+                    pending.append((node, "bwd", grad))
+                else:
+                    bwd_data = stats_to_data(values, grad[0])
+            meta["metrics"] = Metrics(fwd_data, bwd_data)
         if pending:
             _read_stats(pending)
         return self.graph
