@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from _history import append_run, machine_state
+from _steps import timed, training_step
 from torch import nn
 
 from unitscale.experiments.data import batches
@@ -43,23 +44,7 @@ def stepper(model: nn.Module, config: TrainConfig, device: torch.device) -> Call
     """One training step of ``model`` per call, on its own copy of the batch stream."""
     optimiser = torch.optim.Adam(model.parameters(), lr=config.lr_for("plain-fp8"))
     stream = batches(config.batch_size, config.seq_len, seed=config.seed, split="train")
-
-    def step() -> float:
-        batch = next(stream)
-        loss = model(batch.input_ids.to(device), labels=batch.labels.to(device))
-        loss.backward()
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
-
-
-def timed(step: Callable[[], float], k: int) -> float:
-    start = time.perf_counter()
-    for _ in range(k):
-        step()
-    return (time.perf_counter() - start) / k
+    return training_step(model, optimiser, stream, device)
 
 
 def measure(
@@ -89,7 +74,7 @@ def measure(
     times: dict[str, list[float]] = {scaling: [] for scaling in SCALINGS}
     for _ in range(rounds):
         for scaling, step in steps.items():
-            times[scaling].append(timed(step, k))
+            times[scaling].append(timed(step, k)[0])
     result: dict[str, Any] = {"first_step_s": first, "per_step_counts": costs}
     for scaling in SCALINGS:
         ratios = [b / a for a, b in zip(times["none"], times[scaling], strict=True)]

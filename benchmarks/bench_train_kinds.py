@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from _history import append_run, machine_state
+from _steps import timed, training_step
 
 from unitscale.experiments.runner import evaluate, evaluation_batches, training_batches
 from unitscale.experiments.training import TrainConfig, build_optimiser, build_run_model
@@ -51,24 +51,9 @@ def stepper(run: str, config: TrainConfig) -> Callable[[], float]:
     stream = iter(training_batches(config.batch_size, config.seq_len, config.seed))
     heldout = evaluation_batches(config.batch_size, config.seq_len, config.seed, "heldout", 1)
 
-    def step() -> float:
-        batch = next(stream)
-        loss = model(batch.input_ids, labels=batch.labels)
-        loss.backward()
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    step = training_step(model, optimiser, stream)
     step.evaluate = lambda: evaluate(model, heldout)  # type: ignore[attr-defined]
     return step
-
-
-def timed(work: Callable[[], Any], k: int) -> tuple[float, float]:
-    """Mean wall and CPU seconds of ``k`` calls of ``work``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(k):
-        work()
-    return (time.perf_counter() - wall) / k, (time.process_time() - cpu) / k
 
 
 def evaluations_per_run(config: TrainConfig) -> int:

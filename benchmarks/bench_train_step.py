@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from _history import append_run, machine_state
+from _steps import timed, training_step
 from torch import nn
 
 from unitscale.experiments.data import batches
@@ -42,23 +43,7 @@ def stepper(model: nn.Module, run: str, seed: int, config: TrainConfig) -> Calla
     builds it), on its own copy of the batch stream."""
     optimiser = build_optimiser(run, model, config)
     stream = batches(config.batch_size, config.seq_len, seed=seed, split="train")
-
-    def step() -> float:
-        batch = next(stream)
-        loss = model(batch.input_ids, labels=batch.labels)
-        loss.backward()
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
-
-
-def timed(step: Callable[[], float], k: int) -> float:
-    start = time.perf_counter()
-    for _ in range(k):
-        step()
-    return (time.perf_counter() - start) / k
+    return training_step(model, optimiser, stream)
 
 
 def family(name: str, config: TrainConfig, rounds: int, k: int) -> dict[str, Any]:
@@ -81,7 +66,7 @@ def family(name: str, config: TrainConfig, rounds: int, k: int) -> dict[str, Any
     times: dict[str, list[float]] = {"fp32": [], "fp8": []}
     for _ in range(rounds):
         for key, step in steps.items():
-            times[key].append(timed(step, k))
+            times[key].append(timed(step, k)[0])
     ratios = [b / a for a, b in zip(times["fp32"], times["fp8"], strict=True)]
     ratio = statistics.median(ratios)
     result = {
