@@ -28,7 +28,7 @@ from torch.library import custom_op
 
 from ..constraints import apply_constraint
 from ..errors import UnsupportedArgumentError
-from ._base import Constraint, _finish, _prescale, _rsqrt, _specialised_int
+from ._base import Constraint, _finish, _prescale, _rsqrt, _scale_grad, _specialised_int
 from ._moments import _attention_moments, _softmax_moments
 from ._mult import check_mult
 
@@ -239,11 +239,6 @@ def _visible(mask: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     return mask > torch.finfo(mask.dtype).min / 2
-
-
-def _scale_grad(x: Tensor, scale: Tensor) -> Tensor:
-    """``x`` in the forward pass (exactly); gradient multiplied by the 0-dim tensor ``scale``."""
-    return x.detach() + (x - x.detach()) * scale
 
 
 def masked_scaled_dot_product_attention(

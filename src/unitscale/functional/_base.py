@@ -46,6 +46,12 @@ Constraint = str | None
 # --------------------------------------------------------------------------------------------
 
 
+def _scale_grad(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` in the forward pass (exactly); gradient multiplied by the 0-dim tensor ``scale``
+    (a scale computed by an op, which ``scale_bwd``'s Python float cannot take)."""
+    return x.detach() + (x - x.detach()) * scale
+
+
 def _prescale(x: Tensor, grad_scale: float | Tensor, output_scale: float | Tensor) -> Tensor:
     """Scale ``x``'s gradient so that, after the output's ``scale_fwd_bwd(., s, s)``, the
     gradient of ``x`` carries ``grad_scale`` in total (a no-op when the two are equal).
@@ -56,8 +62,7 @@ def _prescale(x: Tensor, grad_scale: float | Tensor, output_scale: float | Tenso
     if isinstance(grad_scale, Tensor) or isinstance(output_scale, Tensor):
         if grad_scale is output_scale:  # one shared (constrained) scale: nothing to do
             return x
-        ratio = torch.as_tensor(grad_scale / output_scale).to(x.dtype)
-        return x.detach() + (x - x.detach()) * ratio  # forward: x; gradient: times ratio
+        return _scale_grad(x, torch.as_tensor(grad_scale / output_scale).to(x.dtype))
     return scale_bwd(x, grad_scale / output_scale)
 
 
