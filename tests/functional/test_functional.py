@@ -358,6 +358,22 @@ def test_rotary_embedding_scores_depend_on_relative_position() -> None:
     assert not torch.allclose(scores, plain)
 
 
+def test_rotary_embedding_equals_llamas() -> None:
+    # The reference: transformers' Llama RoPE (default base 10000, half-split layout).
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 4, 24, 16).unbind(0)  # (batch, heads, seq, head size)
+    cos, sin = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4))(
+        q, torch.arange(24)[None]
+    )
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(U.rotary_embedding(q), q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(U.rotary_embedding(k), k_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize(("batch", "classes"), [(4096, 4), (512, 100), (32, 5000)])
 def test_cross_entropy_unit_grad(reduction: str, batch: int, classes: int) -> None:
