@@ -395,3 +395,126 @@ def test_the_repeated_call_path_gives_the_first_calls_values(
     monkeypatch.setattr(_cpu_stats, "native", _native.NativeStats())
     monkeypatch.setattr(_cpu_stats.native, "available", lambda: False)
     assert native_stats(x, UNDER, OVER) is None
+
+
+# -- the native kernel as a CPython extension (the tracking hot path) ------------------------
+needs_extension = pytest.mark.skipif(
+    metrics.fast_stats() is None,
+    reason=f"the statistics extension is not built: {_native.native.extension_failure}",
+)
+_BASE = torch.randn(2, 16, 4, 16, generator=torch.Generator().manual_seed(0))
+_FAST_CASES = {
+    "contiguous": _BASE,
+    "bfloat16": _BASE.bfloat16(),
+    "one element": torch.tensor([3.0]),
+    "zeros": torch.zeros(7),
+    "mean dominates (centred pass)": torch.randn(500) * 1e-3 + 1e3,
+    "beyond E4M3 and float16": torch.randn(300) * 1e5,
+    "below every subnormal": torch.randn(300) * 1e-40,
+    "large (GIL released)": torch.randn(70_000),
+    "slice": _BASE[..., :8],
+    "transpose": _BASE.transpose(1, 2),
+    "permute": _BASE.permute(3, 0, 2, 1),
+    "size-1 dimensions": torch.randn(1, 8, 1, 4).transpose(0, 2),
+    "expand": torch.randn(5, 1).expand(5, 7),
+    "two strides": torch.randn(300, 300)[::3, 1::2],
+    "bfloat16 transpose slice": torch.randn(64, 64).bfloat16().t()[:, :30],
+    "column": torch.randn(3, 4)[:, 1],
+    "parameter": torch.nn.Parameter(torch.randn(4, 4)),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("name", list(_FAST_CASES))
+def test_the_extension_gives_the_kernels_statistics(name: str) -> None:
+    """``summary(x)`` is ``(x.numel(), statistics)`` with the statistics of the ctypes/PyTorch
+    path value for value, strided tensors read as that path reads them."""
+    x = _FAST_CASES[name]
+    got = metrics.fast_stats().summary(x)
+    assert got is not None
+    numel, values = got
+    assert numel == x.numel()
+    assert values == metrics.deferred_stats(x, batch=False)
+    assert_agrees(values, truth(x), rel=1e-5)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(8).half(),
+        torch.randn(8).double(),
+        torch.tensor([1.0, math.nan]),
+        torch.tensor([1.0, -math.inf]),
+        torch.empty(0),
+        torch.randn(8).as_subclass(_Sub),
+        torch.randn(2100, 1000)[:, ::2],  # strided, over a piece: read in pieces
+    ],
+    ids=["float16", "float64", "nan", "inf", "empty", "subclass", "strided-large"],
+)
+def test_the_extension_declines_what_the_general_path_reads(x: torch.Tensor) -> None:
+    assert metrics.fast_stats().summary(x) is None
+
+
+@needs_extension
+def test_the_extensions_records_equal_stats_to_data() -> None:
+    to_data = metrics.fast_stats().to_data
+    gen = torch.Generator().manual_seed(1)
+    n = 7 + 2 * len(metrics.FORMAT_KEYS)
+    for trial in range(50):
+        values = (torch.randn(n, generator=gen, dtype=torch.float64) * 10).abs().tolist()
+        values[1] = -values[1] if trial % 2 else values[1]
+        values[2] = [math.nan, -0.0, -1e-12, 0.0][trial % 4] if trial < 8 else values[2]
+        values[5] = values[6] = float(trial % 3)
+        numel = 1 + trial * 37
+        got, want = to_data(values, numel), metrics.stats_to_data(values, numel)
+        assert type(got) is type(want)
+        assert repr(got.__dict__) == repr(want.__dict__)  # NaN and -0.0 alike
+        assert list(got.__dict__) == list(want.__dict__)
+    assert to_data([0.0] * n, 0) == metrics.stats_to_data([0.0] * n, 0)
+    with pytest.raises(ValueError, match="expected 15 values"):
+        to_data([1.0, 2.0], 4)
+
+
+@needs_extension
+def test_tracking_without_the_extension_gives_the_same_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extension changes the cost of tracking, not its statistics: every node's records
+    are those of the ctypes path."""
+    import unitscale.tracking._recorder as recorder
+    from unitscale.transforms import track_scales
+
+    def records() -> list[tuple[str, object, object]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)
+        )
+        tracked = track_scales(model)
+        tracked(torch.randn(8, 16)).t().square().mean().backward()
+        graph = tracked.scales_graph()
+        return [
+            (n.name, n.meta["metrics"].fwd, n.meta["metrics"].bwd)
+            for n in graph.nodes
+            if n.meta.get("metrics") is not None
+        ]
+
+    with_extension = records()
+    monkeypatch.setattr(recorder, "fast_stats", lambda: None)
+    without = records()
+    assert len(with_extension) >= 6
+    assert with_extension == without
+
+
+def test_the_extension_needs_the_python_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sysconfig
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    with pytest.raises(OSError, match=r"no Python\.h"):
+        _cbuild.load_extension("x", "int x;", (), "cc")

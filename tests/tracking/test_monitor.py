@@ -40,15 +40,28 @@ CONFIG = GPTConfig(hidden_size=16, depth=1, heads=2, seq_len=16)
 
 @pytest.fixture
 def stats_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the tensor statistics the tracking pass computes (one list entry per call)."""
+    """Counts the tensor statistics the tracking pass computes (one list entry per call), by
+    either path: the native extension's one call, or deferred_stats (where it declines)."""
     calls: list[int] = []
     original = recorder.deferred_stats
+    extension = recorder.fast_stats()
 
     def counting(x: torch.Tensor, **options: Any) -> Any:
         calls.append(x.numel())
         return original(x, **options)
 
+    class Counting:
+        to_data = extension.to_data if extension is not None else None
+
+        @staticmethod
+        def summary(x: torch.Tensor) -> Any:
+            entry = extension.summary(x)
+            if entry is not None:
+                calls.append(x.numel())
+            return entry
+
     monkeypatch.setattr(recorder, "deferred_stats", counting)
+    monkeypatch.setattr(recorder, "fast_stats", lambda: Counting if extension else None)
     return calls
 
 

@@ -33,7 +33,7 @@ from ..capture import (
 )
 from . import _distributed
 from ._read import _queue, _read_stats, _replication, _resolved, _Stats
-from .metrics import Metrics, host_stats, stats_to_data
+from .metrics import Metrics, fast_stats, host_stats, stats_to_data
 
 if TYPE_CHECKING:
     from ._recorder import TrackScalesPass
@@ -233,6 +233,8 @@ class _Joined:
         shapes = [invocation.data.get("shape", {}) for invocation in trace]
         pending: list[tuple[fx.Node, str, _Stats]] = []
         param_grads = track._param_grads
+        # The native extension's records where the call used it (UNITSCALE_STATS=auto).
+        to_data = fast_stats().to_data if track._fast is not None else stats_to_data
         for kind, node, base, k, slot, input_id in self.plan:
             meta = node.meta  # nobody else holds it (see unshared): refilled in place
             meta.clear()
@@ -260,13 +262,13 @@ class _Joined:
                 if values is None:
                     pending.append((node, "fwd", entry))
                 else:
-                    fwd_data = stats_to_data(values, entry[0])
+                    fwd_data = to_data(values, entry[0])
             if grad is not None:
                 values = grad[1] if type(grad[1]) is list else host_stats(grad[1])
                 if values is None:
                     pending.append((node, "bwd", grad))
                 else:
-                    bwd_data = stats_to_data(values, grad[0])
+                    bwd_data = to_data(values, grad[0])
             meta["metrics"] = Metrics(fwd_data, bwd_data)
         if pending:
             _read_stats(pending)

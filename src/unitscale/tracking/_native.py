@@ -6,7 +6,10 @@ about a dozen of them (sums, extremes, threshold counts); a compiled Inductor ke
 tens of microseconds per call and seconds to compile. This module compiles (once per
 machine, about a second, cached on disk) a small C file with no dependencies, and calls it
 through :mod:`ctypes`; large tensors are shared out over OpenMP's threads (the runtime PyTorch
-has loaded, so its thread count).
+has loaded, so its thread count). Where the interpreter's headers are installed, the same
+kernel is also built as a CPython extension (:meth:`NativeStats.extension`), which tracking
+calls once per tensor: it reads the tensor's layout itself and builds the records, at about
+a third of the ctypes path's fixed cost (the ctypes path stays the fallback, same values).
 
 The C code reads float32 or bfloat16 values and computes, in one pass, everything the
 device kernel (:func:`unitscale.tracking.metrics._stats_kernel`) does:
@@ -30,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import subprocess
 import warnings
 from typing import Any
 
@@ -226,6 +230,332 @@ void us_centred_bf16(const void* x, int64_t n, double mean, double* out) {
 }
 """
 
+# The same kernel as a CPython extension (built where the interpreter's headers are there):
+# the tracking hot path calls it once per tensor, and a call here costs a fraction of a ctypes
+# call (whose argument conversion is most of a small tensor's cost). ``summary(x)`` reads the
+# tensor's type, dtype, contiguity, size and address itself and returns ``(numel, values)``
+# in :meth:`NativeStats.summary`'s layout, or None where that path does not apply (another
+# type or dtype, a strided, empty or non-CPU tensor) or ``x`` holds NaN or Inf: the caller
+# then takes the general path. ``to_data(values, numel)`` is ``metrics.stats_to_data``.
+_EXTENSION = r"""
+static PyObject *us_tensor, *us_parameter, *us_f32, *us_bf16, *us_data_type, *us_fallback;
+static PyObject *us_keys, *us_names[11], *us_empty;
+static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_numel, *s_data_ptr, *s_dict;
+static PyObject *s_shape, *s_stride;
+static int32_t us_under[US_NT], us_over_t[US_NT];
+static double us_over_min, us_cancel;
+static int us_nu, us_no, us_ready;
+
+#define US_RELEASE_FROM 32768
+
+static PyObject* us_call(PyObject* x, PyObject* name) {
+    return PyObject_VectorcallMethod(name, &x, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* Strided tensors, as the Python path reads them: one whose elements fill their memory span
+   in another order (a transpose or permute of a contiguous tensor: its strides, ordered
+   stably, those of a contiguous tensor, dimensions of size 1 aside) in memory order, others
+   of at most US_COPY_MAX elements as a contiguous copy in logical order. 1 where x is
+   neither (the caller returns None), -1 with an exception set. */
+#define US_MAX_DIMS 16
+#define US_COPY_MAX (1 << 20)
+
+static int us_strided(PyObject* x, int64_t n, const char* data, int bf16, double* out,
+                      int* bad) {
+    PyObject* shape = PyObject_GetAttr(x, s_shape);
+    if (shape == NULL) return -1;
+    PyObject* strides = us_call(x, s_stride);
+    if (strides == NULL) {
+        Py_DECREF(shape);
+        return -1;
+    }
+    Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    int64_t size[US_MAX_DIMS], stride[US_MAX_DIMS];
+    int ok = nd > 0 && nd <= US_MAX_DIMS && PyTuple_Check(strides) &&
+             PyTuple_GET_SIZE(strides) == nd;
+    for (Py_ssize_t d = 0; ok && d < nd; ++d) {
+        size[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        stride[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d));
+        ok = stride[d] >= 0;
+    }
+    Py_DECREF(shape);
+    Py_DECREF(strides);
+    if (PyErr_Occurred()) return -1;
+    if (!ok) return 1;
+    /* Stable insertion sort of the dimensions by stride (as Python's sorted). */
+    int order[US_MAX_DIMS];
+    for (int d = 0; d < nd; ++d) {
+        int j = d;
+        while (j > 0 && stride[order[j - 1]] > stride[d]) {
+            order[j] = order[j - 1];
+            --j;
+        }
+        order[j] = d;
+    }
+    int64_t expected = 1;
+    int fills = 1;
+    for (int k = 0; k < nd && fills; ++k) {
+        int d = order[k];
+        if (size[d] == 1) continue;
+        if (stride[d] != expected) fills = 0;
+        expected *= size[d];
+    }
+    if (fills) {
+        *bad = us_summary(data, n, us_under, us_over_t, us_over_min, us_cancel, out, bf16);
+        return 0;
+    }
+    if (n > US_COPY_MAX) return 1;
+    int64_t esize = bf16 ? 2 : 4;
+    char* copy = (char*)malloc((size_t)(n * esize));
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    /* Logical order: the last dimension innermost, the others counted like an odometer. */
+    int64_t index[US_MAX_DIMS] = {0}, inner = size[nd - 1], step = stride[nd - 1] * esize;
+    int64_t rows = n / inner, offset = 0;
+    char* to = copy;
+    for (int64_t row = 0; row < rows; ++row) {
+        const char* from = data + offset * esize;
+        for (int64_t i = 0; i < inner; ++i, to += esize, from += step) memcpy(to, from, esize);
+        for (int d = (int)nd - 2; d >= 0; --d) {
+            offset += stride[d];
+            if (++index[d] < size[d]) break;
+            offset -= stride[d] * size[d];
+            index[d] = 0;
+        }
+    }
+    *bad = us_summary(copy, n, us_under, us_over_t, us_over_min, us_cancel, out, bf16);
+    free(copy);
+    return 0;
+}
+
+static PyObject* py_summary(PyObject* self, PyObject* x) {
+    if (!us_ready) Py_RETURN_NONE;
+    PyObject* type = (PyObject*)Py_TYPE(x);
+    if (type != us_tensor && type != us_parameter) Py_RETURN_NONE;
+    PyObject* dtype = PyObject_GetAttr(x, s_dtype);
+    if (dtype == NULL) return NULL;
+    Py_DECREF(dtype); /* the dtype objects live as long as torch */
+    int bf16 = dtype == us_bf16;
+    if (!bf16 && dtype != us_f32) Py_RETURN_NONE;
+    PyObject* flag = PyObject_GetAttr(x, s_is_cpu);
+    if (flag == NULL) return NULL;
+    Py_DECREF(flag);
+    if (flag != Py_True) Py_RETURN_NONE;
+    flag = us_call(x, s_is_contiguous);
+    if (flag == NULL) return NULL;
+    Py_DECREF(flag);
+    int contiguous = flag == Py_True;
+    PyObject* numel = us_call(x, s_numel);
+    if (numel == NULL) return NULL;
+    long long n = PyLong_AsLongLong(numel);
+    if (n <= 0) {
+        Py_DECREF(numel);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject* address = us_call(x, s_data_ptr);
+    if (address == NULL) {
+        Py_DECREF(numel);
+        return NULL;
+    }
+    void* data = PyLong_AsVoidPtr(address);
+    Py_DECREF(address);
+    if (data == NULL && PyErr_Occurred()) {
+        Py_DECREF(numel);
+        return NULL;
+    }
+    double out[7 + 2 * US_NT];
+    int bad;
+    if (!contiguous) {
+        int rc = us_strided(x, n, (const char*)data, bf16, out, &bad);
+        if (rc != 0) {
+            Py_DECREF(numel);
+            if (rc < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+    } else if (n >= US_RELEASE_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        bad = us_summary(data, n, us_under, us_over_t, us_over_min, us_cancel, out, bf16);
+        Py_END_ALLOW_THREADS
+    } else {
+        bad = us_summary(data, n, us_under, us_over_t, us_over_min, us_cancel, out, bf16);
+    }
+    if (bad) {
+        Py_DECREF(numel);
+        Py_RETURN_NONE;
+    }
+    PyObject* values = PyList_New(7 + us_nu + us_no);
+    if (values == NULL) {
+        Py_DECREF(numel);
+        return NULL;
+    }
+    Py_ssize_t j = 0;
+    for (int i = 0; i < 7 + us_nu; ++i) PyList_SET_ITEM(values, j++, PyFloat_FromDouble(out[i]));
+    for (int i = 0; i < us_no; ++i)
+        PyList_SET_ITEM(values, j++, PyFloat_FromDouble(out[7 + US_NT + i]));
+    for (Py_ssize_t i = 0; i < j; ++i) {
+        if (PyList_GET_ITEM(values, i) == NULL) {
+            Py_DECREF(values);
+            Py_DECREF(numel);
+            return NULL;
+        }
+    }
+    PyObject* result = PyTuple_Pack(2, numel, values);
+    Py_DECREF(numel);
+    Py_DECREF(values);
+    return result;
+}
+
+static int us_item(PyObject* list, Py_ssize_t i, double* value) {
+    PyObject* item = PyList_GET_ITEM(list, i);
+    *value = PyFloat_CheckExact(item) ? PyFloat_AS_DOUBLE(item) : PyFloat_AsDouble(item);
+    return *value == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int us_set(PyObject* dict, int name, PyObject* value) {
+    if (value == NULL) return -1;
+    int rc = PyDict_SetItem(dict, us_names[name], value);
+    Py_DECREF(value);
+    return rc;
+}
+
+static PyObject* us_fractions(PyObject* values, Py_ssize_t start, double numel) {
+    Py_ssize_t keys = PyTuple_GET_SIZE(us_keys);
+    PyObject* fractions = PyDict_New();
+    if (fractions == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < keys; ++k) {
+        double count;
+        PyObject* fraction;
+        if (us_item(values, start + k, &count) < 0 ||
+            (fraction = PyFloat_FromDouble(count / numel)) == NULL) {
+            Py_DECREF(fractions);
+            return NULL;
+        }
+        int rc = PyDict_SetItem(fractions, PyTuple_GET_ITEM(us_keys, k), fraction);
+        Py_DECREF(fraction);
+        if (rc < 0) {
+            Py_DECREF(fractions);
+            return NULL;
+        }
+    }
+    return fractions;
+}
+
+static PyObject* py_to_data(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "to_data(values, numel)");
+        return NULL;
+    }
+    PyObject *values = args[0], *numel_obj = args[1];
+    Py_ssize_t keys = us_ready ? PyTuple_GET_SIZE(us_keys) : 0;
+    long long numel = PyLong_CheckExact(numel_obj) ? PyLong_AsLongLong(numel_obj) : 0;
+    if (numel == -1 && PyErr_Occurred()) PyErr_Clear();
+    if (!us_ready || numel <= 0 || !PyList_CheckExact(values) ||
+        PyList_GET_SIZE(values) != 7 + 2 * keys)
+        /* The rare cases (an empty tensor, a malformed vector: its error) in Python. */
+        return PyObject_Vectorcall(us_fallback, args, 2, NULL);
+    double v[7];
+    for (int i = 0; i < 7; ++i)
+        if (us_item(values, i, &v[i]) < 0) return NULL;
+    double n = (double)numel, mean = v[1], var = v[2], std, rms;
+    if (isnan(var)) {
+        std = rms = var;
+    } else {
+        if (var < 0.0) var = 0.0;
+        std = sqrt(var);
+        /* Rounded before the sum, as Python rounds it: never fused into one multiply-add. */
+        volatile double square = mean * mean;
+        rms = sqrt(var + square);
+    }
+    PyObject* dict = PyDict_New();
+    if (dict == NULL) return NULL;
+    if (us_set(dict, 0, PyFloat_FromDouble(v[0] / n)) < 0 ||
+        us_set(dict, 1, PyFloat_FromDouble(fabs(mean))) < 0 ||
+        us_set(dict, 2, PyFloat_FromDouble(std)) < 0 ||
+        us_set(dict, 3, PyFloat_FromDouble(v[3])) < 0 ||
+        us_set(dict, 4, PyFloat_FromDouble(v[4])) < 0 ||
+        us_set(dict, 5, PyFloat_FromDouble(rms)) < 0 ||
+        PyDict_SetItem(dict, us_names[6], numel_obj) < 0 ||
+        us_set(dict, 7, us_fractions(values, 7, n)) < 0 ||
+        us_set(dict, 8, us_fractions(values, 7 + keys, n)) < 0 ||
+        us_set(dict, 9, PyLong_FromDouble(v[5])) < 0 ||
+        us_set(dict, 10, PyLong_FromDouble(v[6])) < 0) {
+        Py_DECREF(dict);
+        return NULL;
+    }
+    PyObject* data = PyBaseObject_Type.tp_new((PyTypeObject*)us_data_type, us_empty, NULL);
+    if (data == NULL || PyObject_GenericSetAttr(data, s_dict, dict) < 0) {
+        Py_XDECREF(data);
+        Py_DECREF(dict);
+        return NULL;
+    }
+    Py_DECREF(dict);
+    return data;
+}
+
+/* configure(tensor_type, parameter_type, float32, bfloat16, under, over, over_min, cancel,
+              data_type, names, format_keys, fallback): under/over are tuples of float32 bit
+   patterns (at most US_NT each), names the 11 fields of the record in order. */
+static PyObject* py_configure(PyObject* self, PyObject* args) {
+    PyObject *tensor, *parameter, *f32, *bf16, *under, *over, *data_type, *names, *keys;
+    PyObject* fallback;
+    double over_min, cancel;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!ddOO!O!O", &tensor, &parameter, &f32, &bf16,
+                          &PyTuple_Type, &under, &PyTuple_Type, &over, &over_min, &cancel,
+                          &data_type, &PyTuple_Type, &names, &PyTuple_Type, &keys, &fallback))
+        return NULL;
+    Py_ssize_t nu = PyTuple_GET_SIZE(under), no = PyTuple_GET_SIZE(over);
+    if (nu > US_NT || no > US_NT || PyTuple_GET_SIZE(names) != 11 || !PyType_Check(data_type)) {
+        PyErr_SetString(PyExc_ValueError, "configure: bad thresholds, names or record type");
+        return NULL;
+    }
+    for (int k = 0; k < US_NT; ++k) {
+        us_under[k] = k < nu ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(under, k)) : -1;
+        us_over_t[k] = k < no ? (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(over, k)) : INT32_MAX;
+    }
+    if (PyErr_Occurred()) return NULL;
+    PyObject* owned[] = {tensor, parameter, f32, bf16, data_type, keys, fallback};
+    for (int i = 0; i < 7; ++i) Py_INCREF(owned[i]);
+    us_tensor = tensor, us_parameter = parameter, us_f32 = f32, us_bf16 = bf16;
+    us_data_type = data_type, us_keys = keys, us_fallback = fallback;
+    for (int i = 0; i < 11; ++i) {
+        us_names[i] = PyTuple_GET_ITEM(names, i);
+        Py_INCREF(us_names[i]);
+    }
+    us_over_min = over_min, us_cancel = cancel, us_nu = (int)nu, us_no = (int)no;
+    us_ready = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef us_methods[] = {
+    {"summary", (PyCFunction)py_summary, METH_O, "(numel, statistics) of x, or None."},
+    {"to_data", (PyCFunction)(void (*)(void))py_to_data, METH_FASTCALL, "stats_to_data."},
+    {"configure", py_configure, METH_VARARGS, "Set the types and thresholds."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef us_module = {PyModuleDef_HEAD_INIT, "unitscale_stats_ext", NULL, -1,
+                                       us_methods};
+
+PyMODINIT_FUNC PyInit_unitscale_stats_ext(void) {
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    s_dict = PyUnicode_InternFromString("__dict__");
+    s_shape = PyUnicode_InternFromString("shape");
+    s_stride = PyUnicode_InternFromString("stride");
+    us_empty = PyTuple_New(0);
+    if (!s_dtype || !s_is_cpu || !s_is_contiguous || !s_numel || !s_data_ptr || !s_dict ||
+        !s_shape || !s_stride || !us_empty)
+        return NULL;
+    return PyModule_Create(&us_module);
+}
+"""
+
 # Reassociating the float64 sums lets the compiler vectorise them (which only changes their
 # rounding, not their IEEE semantics: no finite-math or flush-to-zero assumptions).
 _FLAGS = (
@@ -270,10 +600,34 @@ class NativeStats:
         self._stats_bf16: Any = None
         self._summary_f32: Any = None
         self._summary_bf16: Any = None
+        self._extension: Any = None
+        #: Why the extension (see :meth:`extension`) is unavailable ("" until that is known).
+        self.extension_failure = ""
 
     def available(self) -> bool:
         """Whether the kernel is loaded (building it on the first call)."""
         return self._lib is not None or self._library.get() is not None
+
+    def extension(self) -> Any:
+        """The kernel as a CPython extension module (see ``_EXTENSION``), built and loaded on
+        the first call where the ctypes library is available, or None where it cannot be
+        (no ``Python.h``: callers keep the ctypes path, which gives the same values)."""
+        if self._extension is not None or self.extension_failure:
+            return self._extension
+        if not self.available():
+            self.extension_failure = self._library.failure or "no native kernel"
+            return None
+        source = (
+            "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n"
+            "#include <math.h>\n#include <stdlib.h>\n" + _SOURCE + _EXTENSION
+        )
+        try:
+            self._extension = _cbuild.load_extension(
+                "unitscale_stats_ext", source, _FLAGS, _cbuild.compiler()
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            self.extension_failure = str(error) or type(error).__name__
+        return self._extension
 
     def _bind(self, lib: Any) -> None:
         ptr, double, int64 = ctypes.c_void_p, ctypes.c_double, ctypes.c_int64

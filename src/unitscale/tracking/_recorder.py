@@ -46,7 +46,7 @@ from ..capture import (
 from . import _distributed
 from ._join import _Joined, build_scales_graph
 from ._read import _Stats
-from .metrics import _mode, deferred_stats
+from .metrics import _mode, deferred_stats, fast_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 
@@ -97,6 +97,8 @@ class TrackScalesPass(GraphPass):
         self._keep_replicated = False
         #: ``UNITSCALE_STATS`` as read at the start of the running call (see deferred_stats).
         self._stats_mode = "auto"
+        #: The native extension's ``summary`` for the running call (see before_call), or None.
+        self._fast: Any = None
 
     def without_state(self) -> TrackScalesPass:
         clone = TrackScalesPass()
@@ -316,8 +318,11 @@ class TrackScalesPass(GraphPass):
         if version is not None:
             self._seen[id(x)] = (weakref.ref(x), version, invocation, slot)
         if forward:
-            stats = deferred_stats(x, mode=self._stats_mode)
-            invocation.data.setdefault("fwd", {})[slot] = (x.numel(), stats)
+            fast = self._fast
+            entry = fast(x) if fast is not None else None
+            if entry is None:
+                entry = (x.numel(), deferred_stats(x, mode=self._stats_mode))
+            invocation.data.setdefault("fwd", {})[slot] = entry
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -343,9 +348,13 @@ class TrackScalesPass(GraphPass):
             invocation.data.setdefault("shape", {})[slot] = tuple(x.shape)
 
     def _grad_hook(self, invocation: Invocation, slot: int, keep: bool = False) -> Any:
+        fast = self._fast
+
         def hook(grad: Tensor) -> None:
-            stats = deferred_stats(grad, mode=self._stats_mode)
-            invocation.data.setdefault("bwd", {})[slot] = (grad.numel(), stats)
+            entry = fast(grad) if fast is not None else None
+            if entry is None:
+                entry = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
+            invocation.data.setdefault("bwd", {})[slot] = entry
             if keep:
                 # Equal values on every rank, partial gradients: averaged when read.
                 invocation.data.setdefault("replicated_grads", {})[slot] = grad
@@ -357,10 +366,15 @@ class TrackScalesPass(GraphPass):
         added to it: the gradient the optimiser sees, accumulated over calls, the same
         quantity as under DDP (where ``param.grad`` is read after its all-reduce)."""
 
+        fast = self._fast
+
         def hook(leaf: Tensor) -> None:
             grad = leaf.grad
             if grad is not None:
-                self._param_grads[key] = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
+                entry = fast(grad) if fast is not None else None
+                if entry is None:
+                    entry = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
+                self._param_grads[key] = entry
 
         return hook
 
@@ -380,6 +394,9 @@ class TrackScalesPass(GraphPass):
         self._seen = {}
         self._param_grads = {}
         self._stats_mode = _mode()
+        # The native extension's one-call path (None: every tensor takes deferred_stats).
+        fast = fast_stats() if self._stats_mode == "auto" else None
+        self._fast = fast.summary if fast is not None else None
         self._reduce_over = _distributed.active_group()
         self._keep_replicated = self._reduce_over[0]
 

@@ -405,6 +405,45 @@ def stats_to_data(values: list[float], numel: int) -> _Data:
     return data
 
 
+_fast_module: list[Any] = []  # [the configured extension, or None] once looked for
+
+
+def fast_stats() -> Any:
+    """The native kernel's CPython extension (:meth:`._native.NativeStats.extension`),
+    configured for tracking's thresholds and records, or None where it is unavailable. Its
+    ``summary(x)`` is ``(x.numel(), deferred_stats(x))`` for a non-empty contiguous plain
+    CPU float32/bfloat16 tensor without NaN or Inf (None for any other: the caller takes
+    :func:`deferred_stats`), its ``to_data`` is :func:`stats_to_data`; the tests check both
+    value for value. Only for ``UNITSCALE_STATS=auto`` (the callers check)."""
+    if _fast_module:
+        return _fast_module[0]
+    from ._cpu_stats import _NATIVE_CANCELLATION, _bits_of
+    from ._native import THRESHOLDS, float_of_bits, native
+
+    module = None
+    if len(_UNDERFLOW_BELOW) <= THRESHOLDS and len(_OVERFLOW_ABOVE) <= THRESHOLDS:
+        module = native.extension()
+    if module is not None:
+        under = tuple(_bits_of(bound, torch.float32) for bound in _UNDERFLOW_BELOW)
+        over = tuple(_bits_of(bound, torch.float32) for bound in _OVERFLOW_ABOVE)
+        module.configure(
+            Tensor,
+            torch.nn.Parameter,
+            torch.float32,
+            torch.bfloat16,
+            under,
+            over,
+            min((float_of_bits(t) for t in over), default=math.inf),
+            _NATIVE_CANCELLATION,
+            _Data,
+            (*_Data.SCALAR_FIELDS, "underflow", "overflow", "nan_count", "inf_count"),
+            FORMAT_KEYS,
+            stats_to_data,
+        )
+    _fast_module.append(module)
+    return module
+
+
 @dataclass
 class Metrics:
     """Scale statistics of one graph node: ``fwd`` of its value, ``bwd`` of its gradient.
