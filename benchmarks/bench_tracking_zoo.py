@@ -28,7 +28,7 @@ waiting on cores that other processes hold (a 2-thread step of these tiny models
 up to a second, whatever is tracked); the run records its thread count.
 
 Run: ``python benchmarks/bench_tracking_zoo.py [--archs llama,bert] [--rounds N]
-[--threads N]``
+[--threads N] [--device cuda]``
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def build(arch: str) -> torch.nn.Module:
     return auto.from_config(config).train()
 
 
-def run_arch(arch: str, rounds: int) -> dict[str, Any]:
+def run_arch(arch: str, rounds: int, device: str = "cpu") -> dict[str, Any]:
     """One architecture's paired steps, Dynamo's graph count, or the error it raised."""
     from torch._dynamo.utils import counters
 
@@ -153,14 +153,15 @@ def run_arch(arch: str, rounds: int) -> dict[str, Any]:
         plain = build(arch)
     except Exception as error:  # a family this transformers cannot build
         return {"error": f"build: {type(error).__name__}: {error}"}
+    plain = plain.to(device)
     tracked = track_scales(copy.deepcopy(plain))
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), device=device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     graphs_before = counters["stats"]["unique_graphs"]
     breaks_before = sum(counters["graph_break"].values())
     start = time.perf_counter()
     try:
-        result = paired_steps(plain, tracked, inputs, rounds, "cpu")
+        result = paired_steps(plain, tracked, inputs, rounds, device)
     except Exception as error:  # recorded: a model that tracking cannot run
         traceback.print_exc()
         return {"error": f"track: {type(error).__name__}: {error}"[:500]}
@@ -207,6 +208,7 @@ def main() -> None:
     parser.add_argument("--archs", default=",".join(ARCHS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's own)"
     )
@@ -223,14 +225,14 @@ def main() -> None:
     run: dict[str, Any] = {
         **machine_state(),
         "transformers": transformers.__version__,
-        "device": "cpu",
+        "device": args.device,
         "rounds": args.rounds,
         "batch_seq": [BATCH, SEQ],
         "statistic": "median over rounds of tracked/untracked step time, interleaved",
         "architectures": {},
     }
     for arch in archs:
-        run["architectures"][arch] = result = run_arch(arch, args.rounds)
+        run["architectures"][arch] = result = run_arch(arch, args.rounds, args.device)
         keys = ("time_ratio", "time_ratio_without_read", "cpu_time_ratio", "error")
         brief = {k: result.get(k) for k in keys}
         print(arch, brief, f"graphs {result.get('dynamo_graphs')}", flush=True)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one prepared run for a session that is lent one (the
-# workplace's `device` tool), sized so that its steps' limits (480 s in all) fit one call
+# workplace's `device` tool), sized so that its steps' limits (540 s in all) fit one call
 # (a rerun may not fit in 15 minutes of device time):
 #
-#   run(command="bash benchmarks/device_check.sh", timeout_s=500)
+#   run(command="bash benchmarks/device_check.sh", timeout_s=570)
 #
 # There, python3 already holds a CUDA build of PyTorch (and transformers, pytest); nothing can
 # be fetched, so unitscale runs from src/ on PYTHONPATH. In order, each step under its own
@@ -16,10 +16,12 @@
 #   4. bench_fp8_scaling.py --device cuda: step time of simulate_fp8's scaling="tensorwise"
 #      and "delayed" against "none" (the CUDA line of what per-tensor scales cost);
 #   5. bench_compile_lengths.py --device cuda (graphs of compile(unit_scale(gpt2)) vs
-#      torch.compile over changing lengths).
+#      torch.compile over changing lengths);
+#   6. bench_tracking_zoo.py --device cuda over six of its architectures (llama, gpt2, gptj,
+#      bert, t5, mixtral: the CPU run's worst families among them), 5 rounds.
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
 # the development machine: copy $OUT/formats.json, $OUT/tracking.json,
-# $OUT/fp8_scaling.json and $OUT/compile_lengths.json over
+# $OUT/fp8_scaling.json, $OUT/compile_lengths.json and $OUT/tracking_zoo.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -38,14 +40,15 @@ if [ "$DEVICE" = cuda ]; then
   "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
   models=bert4,bert2,tiny,gpt2 rounds=5 formats_numel=24 tests="cuda"
-  lengths=16,32,24,64,16,48
+  lengths=16,32,24,64,16,48 archs=llama,gpt2,gptj,bert,t5,mixtral
 else
   models=tiny rounds=2 formats_numel=16 tests="cpu and nearest and not stochastic"
-  lengths=16,32,16
+  lengths=16,32,16 archs=llama,bert
 fi
 cp benchmarks/results/formats.json benchmarks/results/tracking.json \
   benchmarks/results/fp8_scaling.json "$OUT"/
-cp benchmarks/results/compile_lengths.json "$OUT"/ 2>/dev/null || true
+cp benchmarks/results/compile_lengths.json benchmarks/results/tracking_zoo.json "$OUT"/ \
+  2>/dev/null || true
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
@@ -67,4 +70,6 @@ step fp8_scaling 70 "$PYTHON" benchmarks/bench_fp8_scaling.py --device "$DEVICE"
   --rounds "$rounds" --steps-per-round 3 --output "$OUT/fp8_scaling.json"
 step compile_lengths 70 "$PYTHON" benchmarks/bench_compile_lengths.py --device "$DEVICE" \
   --lengths "$lengths" --output "$OUT/compile_lengths.json"
+step tracking_zoo 60 "$PYTHON" benchmarks/bench_tracking_zoo.py --device "$DEVICE" \
+  --archs "$archs" --rounds "$rounds" --out "$OUT/tracking_zoo.json"
 exit "$status"

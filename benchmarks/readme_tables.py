@@ -256,12 +256,15 @@ def tracking_rows(device: str = "cpu") -> list[str]:
     return rows
 
 
-def tracking_zoo_rows() -> list[str]:
-    """``bench_tracking_zoo.py``: the tracked step over many tiny architectures, if measured."""
+def tracking_zoo_rows(device: str = "cpu") -> list[str]:
+    """``bench_tracking_zoo.py``: the tracked step over many tiny architectures, if measured
+    (on ``device``)."""
     path = RESULTS / "tracking_zoo.json"
     if not path.exists():
         return []
-    run = latest_run(path)
+    run = latest_run(path) if device == "cpu" else _cuda_run(path)
+    if run is None:
+        return []
     summary = run["summary"]
     if "median_time_ratio" not in summary:
         return []
@@ -387,7 +390,7 @@ def performance_table() -> str:
     lines += analyse_rows()
     lines += optim_rows() + distributed_rows()
     # Where a GPU was lent: the same benchmarks' newest CUDA runs (benchmarks/device_check.sh).
-    lines += formats_rows("cuda") + tracking_rows("cuda")
+    lines += formats_rows("cuda") + tracking_rows("cuda") + tracking_zoo_rows("cuda")
     return "\n".join(lines)
 
 
