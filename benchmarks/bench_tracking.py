@@ -351,17 +351,25 @@ def statistics_vs_read(rounds: int) -> dict[str, Any]:
     from unitscale.tracking import metrics
 
     out: dict[str, Any] = {"target": 3.0, "sizes": {}}
+    # What tracking calls per tensor: the native kernel's CPython extension where it is
+    # built (one call: layout, statistics, the host list); tensor_stats (the ctypes path or
+    # PyTorch ops, and a tensor of the values) otherwise and for the other two paths.
+    fast = metrics.fast_stats()
+    paths = [("native", "auto"), ("pytorch", "eager")]
+    if fast is not None:
+        paths.insert(0, ("extension", "auto"))
     for exponent in (11, 15, 19, 22):
         x = torch.randn(2**exponent)
         repeat = max(3, 2 ** (20 - exponent))
-        ratios: dict[str, list[float]] = {"native": [], "pytorch": []}
+        ratios: dict[str, list[float]] = {path: [] for path, _ in paths}
         for _ in range(rounds):
-            for path, mode in (("native", "auto"), ("pytorch", "eager")):
+            for path, mode in paths:
                 os.environ["UNITSCALE_STATS"] = mode
-                metrics.tensor_stats(x)  # warm
+                compute = fast.summary if path == "extension" else metrics.tensor_stats
+                compute(x)  # warm
                 start = time.perf_counter()
                 for _ in range(repeat):
-                    metrics.tensor_stats(x)
+                    compute(x)
                 stats = time.perf_counter() - start
                 start = time.perf_counter()
                 for _ in range(repeat):

@@ -233,7 +233,14 @@ def tracking_rows(device: str = "cpu") -> list[str]:
         )
     reads = run.get("statistics_vs_read")
     if reads:
-        for key, label in (("native", "native kernel"), ("pytorch", "PyTorch ops")):
+        labels = (
+            ("extension", "native kernel as tracking calls it (CPython extension)"),
+            ("native", "native kernel through `tensor_stats` (ctypes)"),
+            ("pytorch", "PyTorch ops"),
+        )
+        for key, label in labels:
+            if key not in next(iter(reads["sizes"].values())):
+                continue  # measured before the extension existed, or without it
             cells = ", ".join(
                 f"{int(size):,}: {ratios[key]:.2f}x" for size, ratios in reads["sizes"].items()
             )
