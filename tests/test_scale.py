@@ -93,3 +93,44 @@ def test_inplace_scales_an_owned_result_without_a_copy() -> None:
     # unequal scales still go through the autograd function, out of place
     fresh = x * 3.0
     assert scale_fwd_bwd(fresh, 0.5, 2.0, inplace=True) is not fresh
+
+
+# -- torch.func -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fwd", "bwd"), [(2.0, 0.5), (1.0, 3.0), (0.25, 1.0)])
+def test_torch_func_grad_gives_the_scaled_gradient(fwd: float, bwd: float) -> None:
+    x = torch.randn(5)
+    weights = torch.arange(5.0)
+    got = torch.func.grad(lambda t: (scale_fwd_bwd(t, fwd, bwd) * weights).sum())(x)
+    leaf = x.clone().requires_grad_()
+    (scale_fwd_bwd(leaf, fwd, bwd) * weights).sum().backward()
+    assert leaf.grad is not None
+    assert torch.equal(got, leaf.grad)
+    assert torch.equal(got, weights * bwd)
+
+
+def test_per_sample_gradients_under_vmap_match_a_loop() -> None:
+    x = torch.randn(4, 3)
+    weights = torch.tensor([1.0, -2.0, 3.0])
+
+    def loss(row: torch.Tensor) -> torch.Tensor:
+        return (scale_fwd_bwd(row.square(), 2.0, 0.5) * weights).sum()
+
+    batched = torch.vmap(torch.func.grad(loss))(x)
+    for i in range(4):
+        assert torch.equal(batched[i], torch.func.grad(loss)(x[i]))
+    assert torch.equal(batched, 2 * x * weights * 0.5)
+
+
+def test_torch_func_forward_mode_differentiates_the_forward_computation() -> None:
+    """Under ``torch.func.jvp``/``jacfwd`` no input needs a gradient, so the scaling is the
+    plain multiplication: a tangent is scaled by the forward scale. Reverse mode gives the
+    backward scale."""
+    x, tangent = torch.randn(4), torch.randn(4)
+    _, out = torch.func.jvp(lambda t: scale_fwd_bwd(t, 3.0, 0.5), (x,), (tangent,))
+    assert torch.equal(out, tangent * 3.0)
+    jacfwd = torch.func.jacfwd(lambda t: scale_fwd_bwd(t, 3.0, 0.5))(x)
+    jacrev = torch.func.jacrev(lambda t: scale_fwd_bwd(t, 3.0, 0.5))(x)
+    assert torch.equal(jacfwd, torch.eye(4) * 3.0)
+    assert torch.equal(jacrev, torch.eye(4) * 0.5)

@@ -26,14 +26,26 @@ __all__ = ["scale_bwd", "scale_fwd", "scale_fwd_bwd"]
 
 
 class _ScaleFwdBwd(torch.autograd.Function):
-    """``y = x * fwd_scale``; ``grad_x = grad_y * bwd_scale``."""
+    """``y = x * fwd_scale``; ``grad_x = grad_y * bwd_scale``.
+
+    Written for :mod:`torch.func` too (``setup_context``; vmap's rule generated from the
+    forward, which is one PyTorch op): ``grad``, ``vmap(grad)``, ``jacrev``. No ``jvp``
+    (TorchDynamo cannot trace a Function that has one): under ``torch.func.jvp`` no input
+    needs a gradient, so the scaling is a plain multiplication (a tangent times
+    ``fwd_scale``).
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
-        ctx.bwd_scale = bwd_scale
+    def forward(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
         if _is_one(fwd_scale):
             return x.view_as(x)
         return x * fwd_scale
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.bwd_scale = inputs[2]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -79,6 +91,8 @@ def scale_fwd_bwd(
 
     Returns:
         ``x * fwd_scale``, whose backward multiplies the incoming gradient by ``bwd_scale``.
+        The same under :mod:`torch.func` (``grad``, ``vmap(grad)`` for per-sample
+        gradients, ``jacrev``); forward mode (``torch.func.jvp``) sees ``x * fwd_scale``.
 
     Example:
         >>> x = torch.ones(3, requires_grad=True)

@@ -798,3 +798,52 @@ def test_kernels_take_plain_numbers_and_never_import_the_format() -> None:
     assert E4M3._kernel == _kernels.KernelFormat(
         4, 3, "stochastic", "nan_only", 448.0, -6, torch.float8_e4m3fn, E4M3._bounds
     )
+
+
+# -- torch.func -----------------------------------------------------------------------------
+
+
+def test_quantise_fwd_and_bwd_under_torch_func_grad_match_autograd() -> None:
+    fmt = FPFormat(4, 3, rounding="nearest")
+    x = torch.randn(64) * 10
+    weights = torch.randn(64) * 10
+    for method in ("quantise_fwd", "quantise_bwd"):
+
+        def loss(t: torch.Tensor, method: str = method) -> torch.Tensor:
+            return (getattr(fmt, method)(t) * weights).sum()
+
+        leaf = x.clone().requires_grad_()
+        loss(leaf).backward()
+        assert torch.equal(torch.func.grad(loss)(x), leaf.grad), method
+    # quantise_bwd rounds the gradient, quantise_fwd passes it through.
+    assert torch.equal(
+        torch.func.grad(lambda t: (fmt.quantise_bwd(t) * weights).sum())(x), fmt.quantise(weights)
+    )
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantise_under_vmap_rounds_each_row_as_alone(rounding: str) -> None:
+    """vmap needs no randomness flag: stochastic rounding draws bits for every element, of
+    every batch row alike; nearest rounding gives each row's own result bit for bit."""
+    fmt = FPFormat(4, 3, rounding=rounding)
+    x = torch.randn(8, 100) * 10
+    out = torch.vmap(fmt.quantise_fwd)(x)
+    assert out.shape == x.shape
+    grid = FPFormat(4, 3, rounding="nearest")
+    assert torch.equal(grid.quantise(out), out)  # every value on the format's grid
+    if rounding == "nearest":
+        assert torch.equal(out, torch.stack([fmt.quantise_fwd(row) for row in x]))
+    # Per-sample gradients through quantise_bwd: each row's gradient rounded.
+    weights = torch.randn(100) * 10
+    per_sample = torch.vmap(torch.func.grad(lambda r: (fmt.quantise_bwd(r) * weights).sum()))(x)
+    assert torch.equal(grid.quantise(per_sample), per_sample)
+    if rounding == "nearest":
+        assert torch.equal(per_sample, fmt.quantise(weights).expand(8, -1))
+
+
+def test_quantise_bwd_under_jacrev_rounds_the_cotangent() -> None:
+    fmt = FPFormat(4, 3, rounding="nearest")
+    x = torch.randn(16) * 10
+    # Reverse mode rounds the cotangent: 1.3 reaches quantise_bwd, 1.25 leaves it.
+    jacobian = torch.func.jacrev(lambda t: fmt.quantise_bwd(t) * 1.3)(x[:4])
+    assert torch.equal(jacobian, torch.eye(4) * 1.25)

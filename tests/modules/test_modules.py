@@ -463,3 +463,28 @@ def test_decoder_positions_come_from_rope(rope: bool) -> None:
         assert moved > 1e-3 * last.abs().max().item()
     else:
         torch.testing.assert_close(last, last_swapped, rtol=1e-5, atol=1e-6)
+
+
+# PyTorch's own notice that its CPU attention kernel has no batching rule (it loops).
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_per_sample_gradients_with_torch_func_match_a_loop() -> None:
+    """``vmap(grad(...))`` over a u-muP decoder (``functional_call``): every scaling and
+    rounding op supports torch.func, and each example's gradients are those of its own
+    backward pass."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = us.TransformerDecoder(32, depth=2, heads=4, vocab_size=50)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 50, (3, 9))
+
+    def loss(p: dict[str, torch.Tensor], seq: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (seq[None, :-1], seq[None, 1:]))
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0), randomness="different")(params, ids)
+    for i in range(3):
+        model.zero_grad()
+        model(ids[i : i + 1, :-1], ids[i : i + 1, 1:]).backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None
+            torch.testing.assert_close(per_sample[name][i], p.grad, rtol=1e-4, atol=1e-5)

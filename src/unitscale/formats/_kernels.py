@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from . import _ops
 from ._native import rounding
@@ -46,31 +47,57 @@ _WORK32 = _Work(torch.float32, torch.int32, 23, -126)
 _WORK64 = _Work(torch.float64, torch.int64, 52, -1022)
 
 
+# Both Functions work under torch.func's reverse mode (grad, vmap(grad), jacrev):
+# ``setup_context``, and a vmap rule (rounding is elementwise: the batched tensor is rounded
+# as one, its batch dimension where it was, so stochastic rounding draws independent bits for
+# every batch element, as it does for every element). No ``jvp``: TorchDynamo cannot trace a
+# Function that has one, and compiled rounding matters more than forward mode.
+
+
 class _QuantiseForward(torch.autograd.Function):
     """``y = fmt.quantise(x)``; ``grad_x = grad_y``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fmt: KernelFormat) -> Tensor:
+    def forward(x: Tensor, fmt: KernelFormat) -> Tensor:
         return _quantise(fmt, x, None)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, fmt: KernelFormat) -> Any:
+        return _QuantiseForward.apply(x, fmt), in_dims[0]
 
 
 class _QuantiseBackward(torch.autograd.Function):
     """``y = x``; ``grad_x = fmt.quantise(grad_y)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fmt: KernelFormat) -> Tensor:
-        ctx.fmt = fmt
+    def forward(x: Tensor, fmt: KernelFormat) -> Tensor:
         # A copy, not a view: the caller may modify the result in place (``y += x``), which
         # autograd forbids on a view returned by a custom Function.
         return x.clone()
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.fmt = inputs[1]
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(grad):
+            # Under torch.func (vmap: jacrev, per-sample gradients): round the batch as one
+            # through quantise_fwd's vmap rule rather than op by op on the batched tensor.
+            return _QuantiseForward.apply(grad, ctx.fmt), None
         return _quantise(ctx.fmt, grad, None), None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, fmt: KernelFormat) -> Any:
+        return _QuantiseBackward.apply(x, fmt), in_dims[0]
 
 
 def _quantise(
