@@ -403,7 +403,8 @@ def performance_table() -> str:
 
 def summary_rows(path: Path) -> dict[str, dict[str, Any]]:
     """The table of a ``unitscale train`` summary.txt: run -> lr, train and held-out loss,
-    FP8 scales ("" for FP32 runs; "none" for runs from before the column existed)."""
+    scaling: FP8 scales or FP16 loss scaling ("" for FP32 runs; "no scaling" for FP8 runs
+    from before the column existed)."""
     rows: dict[str, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         cells = line.split()
@@ -442,7 +443,7 @@ def fp8_table() -> str:
     run's gaps are against its own family's FP32 run of the same folder (same commit, same
     model); a folder without that FP32 run shows no gap."""
     lines = [
-        "| recipe | run | FP8 scales | peak lr | final train loss | final held-out loss "
+        "| recipe | run | scaling | peak lr | final train loss | final held-out loss "
         "| held-out vs FP32 | train vs FP32 | file |",
         "|---|---|---|--:|--:|--:|--:|--:|---|",
     ]

@@ -775,7 +775,7 @@ _HEADER = (
     "final held-out loss",
     "vs FP32",
     "time (s)",
-    "FP8 scales",
+    "scaling",
 )
 _SCALING_LABELS = {"none": "no scaling", "tensorwise": "tensorwise", "delayed": "delayed"}
 
