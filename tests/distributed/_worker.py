@@ -17,8 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("UNITSCALE_STATS", "eager")
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -461,4 +459,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Not at import: pytest's doctest collection imports this file into the test process,
+    # whose other tests must keep the default statistics path.
+    os.environ.setdefault("UNITSCALE_STATS", "eager")
     main()
