@@ -140,3 +140,31 @@ def test_a_failing_rank_fails_the_launch_with_its_error(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "rank 1 of 2 failed: ValueError: rank one cannot go on" in result.stderr
+
+
+def test_a_group_joined_from_the_environment_is_left_when_the_block_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun's group is destroyed when the command ends (its threads ended before the
+    interpreter exits), a group joined before is kept, and one process is not several."""
+    import torch.distributed as dist
+
+    from unitscale.cli._launch import group_from_environment
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for key, value in {**env, "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    with group_from_environment() as several:
+        assert dist.is_initialized() and not several
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="stop"), group_from_environment():
+        raise RuntimeError("stop")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo")
+    try:
+        with group_from_environment():
+            pass
+        assert dist.is_initialized()  # not this block's to leave
+    finally:
+        dist.destroy_process_group()

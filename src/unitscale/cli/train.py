@@ -211,10 +211,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
     progress: Callable[[str], None] = start_command("train")
-    from ..analysis import scale_heatmap, tensorboard_available, write_tensorboard
-    from ..experiments import report, training
-    from ..tracking import MonitorError
-    from ._launch import init_from_environment, is_rank_zero, launch
+    from ..experiments import training
+    from ._launch import group_from_environment, launch
 
     config = _config(args, training)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -224,7 +222,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if "WORLD_SIZE" in os.environ:  # under torchrun: checked before joining the group
         _check_shares(config.batch_size, int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE")
-    if init_from_environment() and not is_rank_zero():
+    with group_from_environment() as several:
+        return _train(args, config, progress, several)
+
+
+def _train(
+    args: argparse.Namespace, config: Any, progress: Callable[[str], None], several: bool
+) -> int:
+    """The runs, and rank 0's outputs (``several``: this process is one of several ranks)."""
+    from ..analysis import scale_heatmap, tensorboard_available, write_tensorboard
+    from ..experiments import report, training
+    from ..tracking import MonitorError
+    from ._launch import is_rank_zero
+
+    if several and not is_rank_zero():
         args.no_progress = True  # rank 0 alone shows progress and writes the outputs
         progress = _silent
         out = Path(args.out)  # checked by rank 0 (ranks checking at once would race)
