@@ -10,6 +10,7 @@ wrapped model (DDP or FSDP2) on its shard of the batch, and writes what it measu
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import sys
@@ -455,6 +456,10 @@ def main() -> None:
                 results[check] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     finally:
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+        # As unitscale's launcher does: what holds the group let go of first, so that its
+        # threads end now rather than abort the rank at exit (see cli._launch).
+        BUILT_BEFORE_INIT.clear()
+        gc.collect()
         dist.destroy_process_group()
 
 
