@@ -354,7 +354,7 @@ def statistics_vs_read(rounds: int) -> dict[str, Any]:
     # What tracking calls per tensor: the native kernel's CPython extension where it is
     # built (one call: layout, statistics, the host list); tensor_stats (the ctypes path or
     # PyTorch ops, and a tensor of the values) otherwise and for the other two paths.
-    fast = metrics.fast_stats()
+    fast = metrics.fast_stats(load=True)
     paths = [("native", "auto"), ("pytorch", "eager")]
     if fast is not None:
         paths.insert(0, ("extension", "auto"))

@@ -399,7 +399,7 @@ def test_the_repeated_call_path_gives_the_first_calls_values(
 
 # -- the native kernel as a CPython extension (the tracking hot path) ------------------------
 needs_extension = pytest.mark.skipif(
-    metrics.fast_stats() is None,
+    metrics.fast_stats(load=True) is None,
     reason=f"the statistics extension is not built: {_native.native.extension_failure}",
 )
 _BASE = torch.randn(2, 16, 4, 16, generator=torch.Generator().manual_seed(0))
@@ -518,3 +518,19 @@ def test_the_extension_needs_the_python_headers(
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     with pytest.raises(OSError, match=r"no Python\.h"):
         _cbuild.load_extension("x", "int x;", (), "cc")
+
+
+def test_the_extension_is_built_only_once_cpu_statistics_are_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh process tracking only accelerator tensors compiles nothing (and, without a
+    compiler, warns of nothing): the extension is looked for once the kernel is loaded."""
+    kernel = _native.NativeStats()
+    monkeypatch.setattr(_native, "native", kernel)
+    monkeypatch.setattr(metrics, "_fast_module", [])
+    monkeypatch.setenv("UNITSCALE_CACHE_DIR", str(tmp_path))
+    assert metrics.fast_stats() is None
+    assert not kernel.loaded() and not list(tmp_path.iterdir())
+    if kernel.available():  # the first CPU statistics load the kernel...
+        module = metrics.fast_stats()  # ...and the next call finds the extension
+        assert (module is None) == bool(kernel.extension_failure)

@@ -608,6 +608,10 @@ class NativeStats:
         """Whether the kernel is loaded (building it on the first call)."""
         return self._lib is not None or self._library.get() is not None
 
+    def loaded(self) -> bool:
+        """Whether the ctypes library is built and loaded (without building it)."""
+        return self._lib is not None
+
     def extension(self) -> Any:
         """The kernel as a CPython extension module (see ``_EXTENSION``), built and loaded on
         the first call where the ctypes library is available, or None where it cannot be

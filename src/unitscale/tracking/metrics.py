@@ -408,18 +408,24 @@ def stats_to_data(values: list[float], numel: int) -> _Data:
 _fast_module: list[Any] = []  # [the configured extension, or None] once looked for
 
 
-def fast_stats() -> Any:
+def fast_stats(load: bool = False) -> Any:
     """The native kernel's CPython extension (:meth:`._native.NativeStats.extension`),
     configured for tracking's thresholds and records, or None where it is unavailable. Its
-    ``summary(x)`` is ``(x.numel(), deferred_stats(x))`` for a non-empty contiguous plain
-    CPU float32/bfloat16 tensor without NaN or Inf (None for any other: the caller takes
+    ``summary(x)`` is ``(x.numel(), deferred_stats(x))`` for a non-empty CPU float32/bfloat16
+    tensor without NaN or Inf, strided ones included (None for any other: the caller takes
     :func:`deferred_stats`), its ``to_data`` is :func:`stats_to_data`; the tests check both
-    value for value. Only for ``UNITSCALE_STATS=auto`` (the callers check)."""
+    value for value. Only for ``UNITSCALE_STATS=auto`` (the callers check).
+
+    The extension is built only once the ctypes kernel is loaded, i.e. once statistics of a
+    CPU tensor were needed (or with ``load``): a model tracked on an accelerator alone
+    compiles nothing, and without a C compiler warns of nothing."""
     if _fast_module:
         return _fast_module[0]
     from ._cpu_stats import _NATIVE_CANCELLATION, _bits_of
     from ._native import THRESHOLDS, float_of_bits, native
 
+    if not (load or native.loaded()):
+        return None  # looked for again at the next call
     module = None
     if len(_UNDERFLOW_BELOW) <= THRESHOLDS and len(_OVERFLOW_ABOVE) <= THRESHOLDS:
         module = native.extension()
