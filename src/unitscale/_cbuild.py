@@ -120,17 +120,30 @@ def load(name: str, source: str, flags: Sequence[str], cc: str | None) -> ctypes
 
     Raises :class:`OSError` where it cannot be built (Windows, no compiler, compile errors).
     """
+    return ctypes.CDLL(str(_cached(name, source, flags, cc)))
+
+
+def _cached(
+    name: str,
+    source: str,
+    flags: Sequence[str],
+    cc: str | None,
+    suffix: str = ".so",
+    build_flags: Sequence[str] = (),
+    key_parts: Sequence[str] = (),
+) -> Path:
+    """The cached build of ``source`` (keyed by it, the compiler, ``flags``, the optional
+    flags, the machine and ``key_parts``), built first where it is not there yet."""
     if sys.platform == "win32":
         raise OSError("not built on Windows")
     if cc is None:
         raise OSError("no C compiler found (set CC)")
-    key = hashlib.sha256(
-        "\0".join([source, cc, *flags, *map(str, OPTIONAL_FLAGS), platform.machine()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    parts = [source, cc, *flags, *map(str, OPTIONAL_FLAGS), platform.machine(), *key_parts]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}{suffix}"
     if not target.exists():
-        _build(name, source, flags, cc, target)
-    return ctypes.CDLL(str(target))
+        _build(name, source, [*build_flags, *flags], cc, target)
+    return target
 
 
 def load_extension(name: str, source: str, flags: Sequence[str], cc: str | None) -> ModuleType:
@@ -142,22 +155,11 @@ def load_extension(name: str, source: str, flags: Sequence[str], cc: str | None)
     Raises :class:`OSError` where it cannot be built (no compiler, no ``Python.h``: a Python
     without its development headers, compile errors) or loaded.
     """
-    if sys.platform == "win32":
-        raise OSError("not built on Windows")
-    if cc is None:
-        raise OSError("no C compiler found (set CC)")
     include = sysconfig.get_paths().get("include") or ""
     if not (Path(include) / "Python.h").exists():
         raise OSError(f"no Python.h in {include!r} (the Python development headers)")
     abi = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(
-        "\0".join(
-            [source, cc, *flags, *map(str, OPTIONAL_FLAGS), platform.machine(), include, abi]
-        ).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}{abi}"
-    if not target.exists():
-        _build(name, source, [f"-I{include}", *flags], cc, target)
+    target = _cached(name, source, flags, cc, abi, [f"-I{include}"], [include, abi])
     loader = importlib.machinery.ExtensionFileLoader(name, str(target))
     spec = importlib.util.spec_from_file_location(name, str(target), loader=loader)
     if spec is None:  # pragma: no cover - a file location with a loader always has a spec

@@ -52,8 +52,7 @@ def _rank_main(
         (Path(errors) / f"rank{rank}").write_text(note, encoding="utf-8")
         raise
     finally:
-        gc.collect()  # see group_from_environment
-        dist.destroy_process_group()
+        _leave_group()
 
 
 def _first_failure(errors: str) -> tuple[int, str] | None:
@@ -133,10 +132,17 @@ def group_from_environment() -> Iterator[bool]:
         yield several
     finally:
         if joined_here and dist.is_initialized():
-            # Whatever still holds the group (a DDP model, a tracking pass) is let go of
-            # first, so that destroying it ends its threads now rather than at exit.
-            gc.collect()
-            dist.destroy_process_group()
+            _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy the default group once whatever still holds it (a DDP model, a tracking pass)
+    is collected, so that its threads end now rather than at exit (see
+    :func:`group_from_environment`)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def is_rank_zero() -> bool:

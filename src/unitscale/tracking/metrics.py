@@ -422,7 +422,7 @@ def fast_stats(load: bool = False) -> Any:
     if _fast_module:
         return _fast_module[0]
     from ._cpu_stats import _NATIVE_CANCELLATION, _bits_of
-    from ._native import THRESHOLDS, float_of_bits, native
+    from ._native import THRESHOLDS, native
 
     if not (load or native.loaded()):
         return None  # looked for again at the next call
@@ -439,7 +439,7 @@ def fast_stats(load: bool = False) -> Any:
             torch.bfloat16,
             under,
             over,
-            min((float_of_bits(t) for t in over), default=math.inf),
+            native.thresholds(under, over)[2],  # the lowest overflow threshold
             _NATIVE_CANCELLATION,
             _Data,
             (*_Data.SCALAR_FIELDS, "underflow", "overflow", "nan_count", "inf_count"),
