@@ -631,6 +631,10 @@ class _VaryingSizes:
         return output
 
 
+#: Attributes of the wrapper itself, never looked up on or set into the wrapped module.
+_OWN_ATTRIBUTES = frozenset({"module", "passes", "_capture", "training"})
+
+
 class TransformedModule(nn.Module):
     """A copy of a module whose forward runs through a chain of graph passes.
 
@@ -648,6 +652,9 @@ class TransformedModule(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from ._functorch import refuse_under_functorch
+
+        refuse_under_functorch(type(self.module).__name__, self._transforms_text())
         for graph_pass in self.passes:
             graph_pass.before_call(self, args, kwargs)
         for graph_pass in self.passes:
@@ -678,6 +685,16 @@ class TransformedModule(nn.Module):
             "unitscale.transforms.track_scales(module) first"
         )
 
+    def _transforms_text(self) -> str:
+        """The transforms of the chain, for messages (``unit_scale, simulate_format``)."""
+        names = {
+            Stage.REWRITE: "unit_scale",
+            Stage.SIMULATE: "simulate_format",
+            Stage.TRACK: "track_scales",
+            Stage.COMPILE: "compile",
+        }
+        return ", ".join(dict.fromkeys(names.get(p.stage, type(p).__name__) for p in self.passes))
+
     def pass_of_type(self, cls: type[GraphPass]) -> GraphPass | None:
         """The first pass in the chain that is an instance of ``cls``."""
         return next((p for p in self.passes if isinstance(p, cls)), None)
@@ -690,6 +707,49 @@ class TransformedModule(nn.Module):
             if name in ("module", "passes", "_capture"):
                 raise
             return getattr(self._modules["module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A parameter, buffer or submodule of the wrapped module is set there, so that
+        # ``torch.func.functional_call`` (which swaps tensors by their names in
+        # named_parameters()) reaches the root's own tensors as it reaches a submodule's.
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
+            if name in inner._parameters and (
+                value is None or (isinstance(value, Tensor) and not isinstance(value, nn.Parameter))
+            ):
+                inner._parameters[name] = value  # swapped in as functional_call does
+                return
+            if name in inner._parameters or name in inner._buffers or name in inner._modules:
+                setattr(inner, name, value)
+                return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
+            if name in inner._parameters or name in inner._buffers or name in inner._modules:
+                delattr(inner, name)
+                return
+        super().__delattr__(name)
+
+    # A transformed container is a container: indexing, len(), iteration and ``in`` are the
+    # wrapped module's. What they return are modules of the copy, untransformed when called
+    # on their own (the transform applies to calls of this module).
+    def __getitem__(self, key: Any) -> Any:
+        return self._modules["module"][key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self._modules["module"])  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._modules["module"])  # type: ignore[call-overload]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._modules["module"]  # type: ignore[operator]
+
+    def __bool__(self) -> bool:
+        # Defined because __len__ is: a module is true, however long the container it wraps.
+        return True
 
     # A parent module sees the wrapped module's tree under this module's own name, so that its
     # named_parameters(), state_dict() and load_state_dict() agree ("block.weight", never

@@ -75,6 +75,7 @@ from ..capture import (
 from ..errors import UnitScaleError
 from ..functional import masked_scaled_dot_product_attention
 from ..parameter import tag_model
+from ._inplace import functionalize_inplace
 from ._rewrite import (
     RewritePass,
     ancestors,
@@ -342,6 +343,7 @@ class UnitScalePass(RewritePass):
     # -- the rewrite ------------------------------------------------------------------------
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         graph = gm.graph
+        functionalize_inplace(graph)  # x += 1 on a residual stream: see _inplace
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
         # already ran in this call come first.
