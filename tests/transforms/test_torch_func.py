@@ -45,7 +45,9 @@ def test_functional_call_of_a_tracked_model_uses_the_root_tensors_given() -> Non
     assert torch.equal(torch.func.functional_call(tracked, new, (x,)), expected)
     # A root buffer alone (no parameter given) is used too, and put back afterwards.
     only_buffer = torch.func.functional_call(tracked, {"shift": new["shift"]}, (x,))
-    assert torch.equal(only_buffer, torch.func.functional_call(model, {"shift": new["shift"]}, (x,)))
+    assert torch.equal(
+        only_buffer, torch.func.functional_call(model, {"shift": new["shift"]}, (x,))
+    )
     assert torch.equal(tracked(x), model(x))
     assert isinstance(tracked.w, nn.Parameter) and torch.equal(tracked.shift, model.shift)
 
@@ -70,9 +72,7 @@ def _transforms() -> list[tuple[str, Callable[[nn.Module], nn.Module]]]:
     ]
 
 
-@pytest.mark.parametrize(
-    "name, transform", _transforms(), ids=[name for name, _ in _transforms()]
-)
+@pytest.mark.parametrize("name, transform", _transforms(), ids=[name for name, _ in _transforms()])
 def test_torch_func_transforms_are_refused_and_leave_later_calls_transformed(
     name: str, transform: Callable[[nn.Module], nn.Module]
 ) -> None:
