@@ -24,12 +24,14 @@ from tensor shapes, never from the mere existence of a process group), first mat
 
 Since the decision is made when the op runs, a model transformed or tracked (or compiled
 with Dynamo's ``"eager"`` backend) before ``init_process_group`` gets the right size once it
-runs inside DDP. A compiling backend (Inductor, ``torch.compile``'s default) is different:
-each unit-scaled op is one opaque node for Dynamo, which Inductor traces through when the
-compiled module first runs, so the size and accumulation of that first call are baked into
-its backward. Run the first compiled call inside DDP (or after the settings), or call
-``torch.compiler.reset()`` after changing them. Gradient accumulation is only ever what
-:func:`set_gradient_accumulation` says (default 1).
+runs inside DDP. A compiling backend (Inductor, ``torch.compile``'s default) folds the size
+and accumulation into the compiled backward, so a compiled model is compiled again when they
+change: :func:`unitscale.transforms.compile` keys its compiled graphs on both, and the
+modules of :mod:`unitscale.modules` read both in their ``forward``, where ``torch.compile``
+guards on them. A hand-written function that calls :mod:`unitscale.functional` ops directly
+(each op is one opaque node for Dynamo) and is ``torch.compile``'d keeps the values of its
+first compiled call: call ``torch.compiler.reset()`` after changing them. Gradient
+accumulation is only ever what :func:`set_gradient_accumulation` says (default 1).
 
 Which tensors are shared: dimension 0 of an op's batched operand is the sharded dimension,
 whatever its size (a local batch of 1 included): the rows of a linear layer's or norm's input

@@ -188,6 +188,14 @@ class GraphPass:
 
         return in_scope
 
+    def state_key(self) -> Hashable:
+        """What, outside the module and its inputs, the code this pass builds bakes in (None:
+        nothing). Read before every call; for each distinct key the call runs through a
+        Dynamo capture of its own, so that a change of the key builds the graphs anew (Dynamo
+        guards only on what the traced frame reads). ``compile`` keys on the data-parallel
+        size and gradient accumulation, which Inductor folds into the backward."""
+        return None
+
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         """What, besides the graph, this pass's rewrite of ``piece`` depends on at the place
         in the running call where the piece is about to run (None: nothing).
@@ -407,6 +415,28 @@ class Capture:
         self.compiled: Callable[..., Any] = torch.compile(
             owner.module, backend=self.backend, dynamic=False
         )
+        # One Dynamo capture per state key of the passes (see GraphPass.state_key); the first
+        # key seen uses ``compiled``. Each has a backend of its own: Dynamo keeps the code it
+        # compiled per backend.
+        self._keyed = [p for p in owner.passes if type(p).state_key is not GraphPass.state_key]
+        self._by_state: dict[Hashable, Callable[..., Any]] = {}
+
+    def _compiled_for_state(self) -> Callable[..., Any]:
+        if not self._keyed:
+            return self.compiled
+        key = tuple(graph_pass.state_key() for graph_pass in self._keyed)
+        compiled = self._by_state.get(key)
+        if compiled is None:
+            if not self._by_state:
+                compiled = self.compiled
+            else:
+
+                def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+                    return self.backend(gm, example_inputs)
+
+                compiled = torch.compile(self.owner_module, backend=backend, dynamic=False)
+            self._by_state[key] = compiled
+        return compiled
 
     # Dynamo backend: called once per captured piece.
     def backend(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -513,7 +543,7 @@ class Capture:
         args, kwargs, marked = self.varying.mark(args, kwargs)
         try:
             with dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True):
-                out = self.compiled(*args, **kwargs)
+                out = self._compiled_for_state()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
             if isinstance(inner, CaptureError):

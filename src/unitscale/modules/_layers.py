@@ -23,9 +23,23 @@ from torch import Tensor, nn
 
 from .. import functional as U
 from ..constraints import apply_constraint
+from ..data_parallel import data_parallel_size, gradient_accumulation_steps
 from ..errors import UnsupportedArgumentError
 from ..functional import Constraint, check_mult
 from ..parameter import tag_module, tag_parameter
+
+
+def _read_batch_counts() -> None:
+    """Read the data-parallel size and gradient accumulation in the forward of each module
+    whose op scales a shared tensor's gradient by them (see :mod:`unitscale.data_parallel`).
+
+    The functional ops are opaque to TorchDynamo and Inductor folds their factors into the
+    compiled backward; read here, in code Dynamo traces, they are guarded, so that a
+    ``torch.compile``'d model compiles again when either changes instead of keeping the
+    factors of its first call.
+    """
+    if data_parallel_size() * gradient_accumulation_steps() < 1:  # the comparison is the guard
+        raise AssertionError("the data-parallel size and accumulation steps are positive")
 
 
 def _check_constraint(constraint: Constraint, scales: int) -> Constraint:
@@ -82,6 +96,7 @@ class Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        _read_batch_counts()
         return U.linear(input, self.weight, self.bias, self.constraint)
 
     def extra_repr(self) -> str:
@@ -131,6 +146,7 @@ class LinearReadout(Linear):
         tag_parameter(self.weight, "output" if mup else "weight")  # type: ignore[arg-type]
 
     def forward(self, input: Tensor) -> Tensor:
+        _read_batch_counts()
         return U.linear_readout(input, self.weight, self.bias, self.constraint, mup=self.mup)
 
     def extra_repr(self) -> str:
@@ -196,6 +212,7 @@ class Conv1d(nn.Conv1d):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        _read_batch_counts()
         return U.conv1d(
             input,
             self.weight,
@@ -303,6 +320,7 @@ class Embedding(nn.Embedding):
         tag_module(self)
 
     def forward(self, input: Tensor) -> Tensor:
+        _read_batch_counts()
         return U.embedding(input, self.weight, self.padding_idx)
 
 

@@ -14,7 +14,7 @@ compiled code; the capture core's stage order checks both.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -38,6 +38,14 @@ class CompilePass(GraphPass):
 
     def __repr__(self) -> str:
         return "CompilePass()"
+
+    def state_key(self) -> Hashable:
+        """The data-parallel size and gradient accumulation: Inductor folds the gradient
+        factors of unit-scaled ops (see :mod:`unitscale.data_parallel`) into the compiled
+        backward, so a change of either compiles the graphs again."""
+        from ..data_parallel import data_parallel_size, gradient_accumulation_steps
+
+        return data_parallel_size(), gradient_accumulation_steps()
 
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         if not getattr(self, "_warned", False):
