@@ -102,3 +102,16 @@ def test_in_place_changes_of_an_input_stay_in_place() -> None:
     x = torch.zeros(2, 4)
     unit_scale(AddsToInput(), mup=False)(x)
     assert torch.equal(x, torch.ones(2, 4))  # the caller sees the change, as in plain torch
+
+
+def test_unit_scale_after_simulate_fp8_is_refused_with_the_order_and_the_reason() -> None:
+    from unitscale.errors import CaptureError
+    from unitscale.transforms import simulate_fp8
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    reason = r"the other order has no meaning, as unit_scale would replace the ops"
+    with pytest.raises(CaptureError, match=rf"simulate_fp8\(unit_scale\(model\)\); {reason}"):
+        unit_scale(simulate_fp8(model))
+    outer = nn.Sequential(simulate_fp8(nn.Linear(4, 4)))
+    with pytest.raises(CaptureError, match=rf"submodule '0'.*{reason}"):
+        unit_scale(outer)

@@ -387,7 +387,8 @@ class SimulateFormatPass(RewritePass):
     applied = "already simulates a number format"
     order_fix = (
         "unit-scale first so that the formats see unit-scaled tensors, e.g. "
-        "simulate_fp8(unit_scale(model))"
+        "simulate_fp8(unit_scale(model)); the other order has no meaning, as {op} would "
+        "replace the ops whose operands the format rounds"
     )
 
     def __init__(
