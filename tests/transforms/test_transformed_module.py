@@ -115,3 +115,30 @@ def test_unit_scale_after_simulate_fp8_is_refused_with_the_order_and_the_reason(
     outer = nn.Sequential(simulate_fp8(nn.Linear(4, 4)))
     with pytest.raises(CaptureError, match=rf"submodule '0'.*{reason}"):
         unit_scale(outer)
+
+
+class WrongShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x.view(3, 5))  # the user's own mistake
+
+
+@pytest.mark.parametrize("transform", [unit_scale, track_scales])
+def test_a_users_own_error_comes_first_and_alone(transform: object) -> None:
+    import traceback
+
+    model = transform(WrongShape())  # type: ignore[operator]
+    with pytest.raises(RuntimeError, match=r"shape '\[3, 5\]' is invalid") as caught:
+        model(torch.randn(8, 16))
+    error = caught.value
+    from unitscale.errors import CaptureError
+
+    assert not isinstance(error, CaptureError)
+    assert error.__cause__ is None and error.__suppress_context__
+    text = "".join(traceback.format_exception(error))
+    assert "_dynamo" not in text and "fake" not in text.lower()
+    assert "x.view(3, 5)" in text  # the user's source line, last in the traceback
+    assert text.rstrip().splitlines()[-1].startswith(("RuntimeError", "(raised by WrongShape"))

@@ -553,6 +553,7 @@ class Capture:
                 f"{type(inner).__name__}: {inner}"
             ) from inner
         except torch._dynamo.exc.TorchDynamoException as error:
+            self._raise_eager_error(args, kwargs)
             raise CaptureError(
                 f"TorchDynamo could not capture {type(self.owner_module).__name__}.forward: "
                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. "
@@ -566,6 +567,22 @@ class Capture:
             self.last_trace = self.trace
         self.produced = {}
         return _VaryingSizes.unmark(out, marked) if marked else out
+
+    def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the forward eagerly after Dynamo failed, and raise what the user's own code
+        raises there (a shape error, say), with its source line and without Dynamo's
+        traceback. Returns where the eager forward runs: Dynamo itself failed."""
+        try:
+            with torch.no_grad():
+                self.owner_module(*args, **kwargs)
+        except Exception as user_error:
+            note = (
+                f"(raised by {type(self.owner_module).__name__}.forward, run eagerly by "
+                "unitscale after TorchDynamo failed to capture it; it fails without unitscale too)"
+            )
+            if hasattr(user_error, "add_note"):  # Python 3.11+
+                user_error.add_note(note)
+            raise user_error from None
 
     @property
     def owner_passes(self) -> tuple[GraphPass, ...]:
