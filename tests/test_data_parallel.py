@@ -148,24 +148,32 @@ def test_compiled_module_follows_the_setting() -> None:
     assert float(compiled.weight.grad.norm() / at_one.norm()) == pytest.approx(0.5, rel=1e-6)
 
 
-def test_compiling_backend_bakes_the_size_until_reset() -> None:
-    """The documented limit: Inductor traces through the unit-scaled ops (one opaque node
-    each for Dynamo, so no guard on the setting) when the compiled module first runs, so a
-    later change of size keeps the first call's factor until ``torch.compiler.reset()``."""
+@pytest.mark.slow  # three Inductor compiles
+def test_compiling_backend_follows_the_size_in_modules_and_bakes_it_in_bare_ops() -> None:
+    """Inductor folds the factor into the compiled backward. A unitscale module reads the
+    setting in its forward, where Dynamo guards on it: a change of size compiles it again.
+    The documented limit: a compiled function calling a unit-scaled op directly (one opaque
+    node for Dynamo, so no guard) keeps the first call's factor until
+    ``torch.compiler.reset()``."""
     torch.manual_seed(0)
     layer = us.Linear(16, 8)
     x = torch.randn(4, 16)
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True)
+    weight = layer.weight.detach().clone().requires_grad_()
+    bare = torch.compile(lambda t, w: U.linear(t, w), fullgraph=True)
     compiled(x).sum().backward()
-    at_one = compiled.weight.grad.clone()
-    compiled.weight.grad = None
+    bare(x, weight).sum().backward()
+    at_one, bare_at_one = compiled.weight.grad.clone(), weight.grad.clone()
+    compiled.weight.grad = weight.grad = None
     set_data_parallel(size=4)
     compiled(x).sum().backward()
-    assert torch.equal(compiled.weight.grad, at_one)
-    compiled.weight.grad = None
-    torch.compiler.reset()
-    compiled(x).sum().backward()
+    bare(x, weight).sum().backward()
     assert float(compiled.weight.grad.norm() / at_one.norm()) == pytest.approx(2.0, rel=1e-6)
+    assert torch.equal(weight.grad, bare_at_one)
+    weight.grad = None
+    torch.compiler.reset()
+    bare(x, weight).sum().backward()
+    assert float(weight.grad.norm() / bare_at_one.norm()) == pytest.approx(2.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
