@@ -573,8 +573,7 @@ class Capture:
         raises there (a shape error, say), with its source line and without Dynamo's
         traceback. Returns where the eager forward runs: Dynamo itself failed."""
         try:
-            with torch.no_grad():
-                self.owner_module(*args, **kwargs)
+            self.owner_module(*args, **kwargs)  # as called (grad mode included), output unused
         except Exception as user_error:
             note = (
                 f"(raised by {type(self.owner_module).__name__}.forward, run eagerly by "
