@@ -3,11 +3,14 @@
 Each subcommand lives in ``unitscale.cli.<name>`` and provides ``add_parser(subparsers)``
 (which registers its options and ``set_defaults(run=run)``) and ``run(args) -> int``. To add
 one, write the module and append its name to :data:`SUBCOMMANDS`. Subcommand modules import
-heavy libraries inside ``run`` so that ``unitscale --help`` stays fast.
+heavy libraries inside ``run`` so that ``unitscale --help`` stays fast, and a command line is
+parsed and checked before torch is imported: a typo fails at once. Option defaults that live
+in a torch-backed configuration (``train``'s ``TrainConfig``) parse as None and are filled in
+by ``run``, and by :attr:`Parser.load_help_defaults` when ``--help`` shows them.
 
 Failures are one line on stderr and a non-zero exit status, never a traceback (set
-``UNITSCALE_DEBUG=1`` to see one): bad options exit 2, whether argparse finds them or the
-subcommand does (an :class:`OptionError`: a malformed ``--model``, a missing file, an
+``UNITSCALE_DEBUG=1`` to see one): bad options (and ``unitscale`` with no command, which prints
+the usage) exit 2, whether argparse finds them or the subcommand does (an :class:`OptionError`: a malformed ``--model``, a missing file, an
 ``--out`` that is a file, a text too short for ``--seq-len``); errors while working exit 1.
 """
 
@@ -18,7 +21,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .._version import __version__
@@ -64,7 +67,20 @@ def usage_error(command: str, message: str) -> UsageError:
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, raised rather than printed with usage."""
+    """An ArgumentParser whose errors are one line, raised rather than printed with usage.
+
+    Attributes:
+        load_help_defaults: called with the parser before its help is formatted, to fill in
+            defaults whose values need a heavy import (None: nothing to load). Parsing a
+            command line never calls it.
+    """
+
+    load_help_defaults: Callable[[Parser], None] | None = None
+
+    def format_help(self) -> str:
+        if self.load_help_defaults is not None:
+            self.load_help_defaults(self)
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
@@ -137,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 1 when the work failed, 2 for bad options, 130 when interrupted.
+        0 on success, 1 when the work failed, 2 for bad options or no command, 130 when
+        interrupted.
 
     Example:
         >>> main(["analyse", "--seq-len", "0"])  # one line on stderr, no traceback
@@ -157,9 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # nothing to run: the usage, and a failed status for scripts
+        parser.print_help(sys.stderr)
+        print("unitscale: error: no command given; choose one of the commands above", file=sys.stderr)
+        return 2
     debug = os.environ.get("UNITSCALE_DEBUG", "") not in ("", "0")
     try:
         return int(args.run(args) or 0)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..analysis import RiskSummary
 
 from ._args import positive_int
+from ._memory import BUILTIN_GPT, check_memory
 from ._output import Progress, check_out_folder, require_analysis_extra, slug
 
 __all__ = ["HELP", "add_parser", "conclusion", "run"]
@@ -85,6 +86,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale analyse`` with parsed options; return the exit status."""
+    if args.model == "builtin":  # from the options alone, before torch loads
+        check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
     import pandas as pd
