@@ -19,11 +19,20 @@ if TYPE_CHECKING:
 
 from ._args import positive_int
 from ._memory import BUILTIN_GPT, check_memory
-from ._output import Progress, check_out_folder, require_analysis_extra, slug
+from ._output import (
+    Progress,
+    check_out_folder,
+    refuse_earlier_outputs,
+    require_analysis_extra,
+    slug,
+)
 
 __all__ = ["HELP", "add_parser", "conclusion", "run"]
 
 DEFAULT_OUT = "unitscale-report"
+#: The files ``unitscale analyse`` writes (``glob`` patterns): a folder that holds one of
+#: them is refused unless ``--overwrite`` is given.
+OUTPUTS: tuple[str, ...] = ("scales.csv", "scales_*.png", "report.html", "summary.txt")
 #: The one-line summary ``unitscale --help`` lists.
 HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
@@ -80,6 +89,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier run in --out (without it, a folder that "
+        "holds them is refused)",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -98,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from ._models import quiet_transformers
 
     out = check_out_folder(args.out)
+    refuse_earlier_outputs(out, OUTPUTS, args.overwrite)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")

@@ -262,13 +262,11 @@ def run(args: argparse.Namespace) -> int:
     # From the options alone, before torch loads: an impossible run fails at once.
     check_memory("train", args.batch_size, args.seq_len, args.width, args.depth, args.heads)
     progress: Callable[[str], None] = start_command("train")
-    threads = set_threads(args.threads)
     from ..experiments import training
     from ._launch import group_from_environment, launch
 
-    progress(f"torch threads: {threads}")
-
     config = _config(args, training)
+    set_threads(args.threads)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _check_shares(config.batch_size, args.nproc, "--nproc")
         check_out_folder(args.out)
@@ -308,6 +306,7 @@ def _train(
         out = check_out_folder(args.out)
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
+    progress(f"torch threads: {set_threads(None)} per process (--threads)")
     progress(
         f"training {len(config.runs)} run(s) of {config.steps} steps "
         f"({', '.join(config.runs)}) on the bundled CPython documentation text",
