@@ -123,7 +123,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps "
-        "(its outputs say so, and it reports no claim held)",
+        "(its outputs say so, and it judges no claim)",
     )
     parser.add_argument(
         "--threads",
