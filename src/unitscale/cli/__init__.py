@@ -4,13 +4,15 @@ Each subcommand lives in ``unitscale.cli.<name>`` and provides ``add_parser(subp
 (which registers its options and ``set_defaults(run=run)``) and ``run(args) -> int``. To add
 one, write the module and append its name to :data:`SUBCOMMANDS`. Subcommand modules import
 heavy libraries inside ``run`` so that ``unitscale --help`` stays fast, and a command line is
-parsed and checked before torch is imported: a typo fails at once. Option defaults that live
-in a torch-backed configuration (``train``'s ``TrainConfig``) parse as None and are filled in
-by ``run``, and by :attr:`Parser.load_help_defaults` when ``--help`` shows them.
+parsed and checked before torch is imported: a typo fails at once. Parsers therefore
+take their defaults from torch-free values (``train`` repeats ``TrainConfig``'s, checked
+equal by the tests); what only ``--help`` shows and needs torch to know (the run names) is
+filled in by :attr:`Parser.load_help_defaults`.
 
 Failures are one line on stderr and a non-zero exit status, never a traceback (set
-``UNITSCALE_DEBUG=1`` to see one): bad options (and ``unitscale`` with no command, which prints
-the usage) exit 2, whether argparse finds them or the subcommand does (an :class:`OptionError`: a malformed ``--model``, a missing file, an
+``UNITSCALE_DEBUG=1`` to see one): bad options (and ``unitscale`` with no command, which
+prints the usage) exit 2, whether argparse finds them or the subcommand does (an
+:class:`OptionError`: a malformed ``--model``, a missing file, an
 ``--out`` that is a file, a text too short for ``--seq-len``); errors while working exit 1.
 """
 
@@ -91,8 +93,8 @@ def build_parser(only: str | None = None) -> Parser:
 
     Args:
         only: build this subcommand's options only (the one being run); the others are
-            listed by their ``HELP`` line, so that their option defaults, which may need
-            torch (``train``'s come from ``TrainConfig``), are not imported. None: all.
+            listed by their ``HELP`` line, so that their modules' work is not prepared.
+            None: all.
     """
     parser = Parser(
         prog="unitscale",
@@ -176,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command is None:  # nothing to run: the usage, and a failed status for scripts
         parser.print_help(sys.stderr)
-        print("unitscale: error: no command given; choose one of the commands above", file=sys.stderr)
+        print(
+            "unitscale: error: no command given; choose one of the commands above", file=sys.stderr
+        )
         return 2
     debug = os.environ.get("UNITSCALE_DEBUG", "") not in ("", "0")
     try:

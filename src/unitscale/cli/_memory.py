@@ -19,7 +19,11 @@ from . import OptionError
 
 __all__ = [
     "BUILTIN_GPT",
-    "ActivationEstimate", "available_memory", "check_memory", "estimate_activations"]
+    "ActivationEstimate",
+    "available_memory",
+    "check_memory",
+    "estimate_activations",
+]
 
 #: Bytes per element: the built-in models train in float32.
 _BYTES = 4
@@ -112,9 +116,7 @@ def available_memory() -> int | None:
     return available
 
 
-def _largest_seq_len(
-    batch_size: int, width: int, depth: int, heads: int, available: int
-) -> int:
+def _largest_seq_len(batch_size: int, width: int, depth: int, heads: int, available: int) -> int:
     """The longest sequence whose estimate fits in ``available`` bytes (0 if none does)."""
 
     def fits(seq_len: int) -> bool:

@@ -13,8 +13,8 @@ from pathlib import Path
 __all__ = [
     "Progress",
     "check_out_folder",
-    "refuse_earlier_outputs",
     "finish_summary",
+    "refuse_earlier_outputs",
     "require_analysis_extra",
     "slug",
     "start_command",

@@ -212,7 +212,8 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
 
 
 def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
-    """The summary's last line: which model has the fewest tensors at risk in E4M3.
+    """The summary's last line: which model has the fewest tensors at risk in E4M3
+    (:func:`unitscale.analysis.risk_conclusion`, which the report shows too).
 
     Example:
         >>> from unitscale.analysis import FormatRisk, RiskSummary
@@ -220,29 +221,10 @@ def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
         >>> print(conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))]))
         conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain
         77 of 120).
-        >>> conclusion([("mine", risk(10, 0))])
-        'conclusion: in E4M3, mine has no tensor at risk (of 10).'
     """
+    from ..analysis import risk_conclusion
 
-    def at_risk(summary: RiskSummary) -> int:
-        e4m3 = summary.formats["e4m3"]
-        return e4m3.underflow + e4m3.overflow
-
-    ranked = sorted(summaries, key=lambda item: at_risk(item[1]))
-    (best, summary), others = ranked[0], ranked[1:]
-    if not others:
-        count = at_risk(summary)
-        if count == 0:
-            return f"conclusion: in E4M3, {best} has no tensor at risk (of {summary.tensors})."
-        return f"conclusion: in E4M3, {best} has {count} of {summary.tensors} tensors at risk."
-    if at_risk(summary) == at_risk(others[0][1]):
-        tied = ", ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in ranked)
-        return f"conclusion: in E4M3, no model has fewer tensors at risk than another ({tied})."
-    rest = "; ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in others)
-    return (
-        f"conclusion: in E4M3, {best} has the fewest tensors at risk "
-        f"({at_risk(summary)} of {summary.tensors}; {rest})."
-    )
+    return risk_conclusion(summaries)
 
 
 def _render(figure: Figure, path: Path, dpi: int = 100) -> Any:

@@ -138,9 +138,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_model_name,
         default=None,
         metavar="NAME",
-        help="the model family, of {models}: builtin (default: unitscale's decoder against a plain-PyTorch "
-        "GPT) or hf:llama (a transformers Llama config at each width, random weights, plain "
-        "against unit_scale)",
+        help="the model family, of {models}: builtin (default: unitscale's decoder against a "
+        "plain-PyTorch GPT) or hf:llama (a transformers Llama config at each width, random "
+        "weights, plain against unit_scale)",
     )
     parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
     parser.add_argument(
