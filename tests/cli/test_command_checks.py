@@ -74,6 +74,24 @@ def test_train_threads_option_reaches_torch() -> None:
         torch.set_num_threads(before)
 
 
+def test_train_runs_with_the_threads_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+
+    def fake_train(*args: object) -> int:  # the runs themselves: not needed here
+        seen.append(torch.get_num_threads())
+        return 0
+
+    monkeypatch.setattr(train_command, "_train", fake_train)
+    before = torch.get_num_threads()
+    try:
+        assert main(["train", "--threads", "1", "--out", str(tmp_path / "out")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+
+
 def test_a_huge_seq_len_is_refused_at_once_with_the_estimate() -> None:
     code = (
         "import sys, time, contextlib, io\n"

@@ -60,12 +60,16 @@ def _load_help_defaults(parser: argparse.ArgumentParser) -> None:
     chooses their values (a quick run's differ)."""
     from ..experiments.transfer import DEFAULT_CONFIG, MODELS
 
-    values = {"steps": DEFAULT_CONFIG.steps, "seed": DEFAULT_CONFIG.seed}
-    values |= {"threads": DEFAULT_CONFIG.threads, "models": ",".join(MODELS)}
+    values = {
+        "steps": str(DEFAULT_CONFIG.steps),
+        "seed": str(DEFAULT_CONFIG.seed),
+        "threads": str(DEFAULT_CONFIG.threads),
+        "models": ",".join(MODELS),
+    }
     for action in parser._actions:
         if action.help is not None:
             for name, value in values.items():
-                action.help = action.help.replace(f"{{{name}}}", str(value))
+                action.help = action.help.replace(f"{{{name}}}", value)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
