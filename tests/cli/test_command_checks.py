@@ -122,6 +122,10 @@ def test_memory_estimate_suggests_a_seq_len_that_fits() -> None:
     assert estimate_activations(16, longest, 128, 2, 4).total <= available
     assert estimate_activations(16, longest + 1, 128, 2, 4).total > available
     check_memory("train", 16, longest, 128, 2, 4, available=available)  # fits: no error
+    # A torchrun job over two machines: this one holds half of each batch.
+    with pytest.raises(OptionError, match=r"--batch-size 16 \(8 on this machine\) needs"):
+        check_memory("train", 16, 100_000, 128, 2, 4, available=available, share=0.5)
+    check_memory("train", 32, longest, 128, 2, 4, available=available, share=0.5)
     # The quadratic term: doubling seq_len at least quadruples attention's maps.
     short, long = (estimate_activations(8, s, 128, 2, 4) for s in (1024, 2048))
     assert long.attention_per_block == 4 * short.attention_per_block

@@ -11,6 +11,7 @@ and a run it lets through may still need more.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ def check_memory(
     depth: int,
     heads: int,
     available: int | None = None,
+    share: float = 1.0,
 ) -> None:
     """Refuse a run of a built-in decoder whose activations cannot fit in memory.
 
@@ -146,6 +148,8 @@ def check_memory(
         command: the subcommand, for the message.
         batch_size, seq_len, width, depth, heads: the model and batch of the run.
         available: bytes available (default :func:`available_memory`; unknown: no check).
+        share: the share of each batch this machine's processes train (a torchrun
+            job over several machines: local processes / all processes).
 
     Raises:
         OptionError: the estimate exceeds the memory available; the message gives both and
@@ -158,17 +162,19 @@ def check_memory(
         available = available_memory()
     if available is None:
         return
-    estimate = estimate_activations(batch_size, seq_len, width, depth, heads)
+    here = max(1, math.ceil(batch_size * share))
+    estimate = estimate_activations(here, seq_len, width, depth, heads)
     if estimate.total <= available:
         return
-    longest = _largest_seq_len(batch_size, width, depth, heads, available)
+    longest = _largest_seq_len(here, width, depth, heads, available)
     way_out = (
         f"choose --seq-len {longest} or less, or a smaller --batch-size"
         if longest
         else "choose a smaller --batch-size or --width"
     )
+    shared = f" ({here} on this machine)" if here != batch_size else ""
     raise OptionError(
-        f"--seq-len {seq_len} with --batch-size {batch_size} needs at least "
+        f"--seq-len {seq_len} with --batch-size {batch_size}{shared} needs at least "
         f"{_gib(estimate.total)} of memory for one step's activations (attention's "
         f"seq_len^2 scores: {_gib(estimate.attention_per_block)} per block), but "
         f"{_gib(available)} is available; {way_out} (unitscale {command} stopped before any work)"

@@ -260,7 +260,11 @@ def set_threads(threads: int | None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
     # From the options alone, before torch loads: an impossible run fails at once.
-    check_memory("train", args.batch_size, args.seq_len, args.width, args.depth, args.heads)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # under torchrun: this machine's share
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world) / max(world, 1)
+    check_memory(
+        "train", args.batch_size, args.seq_len, args.width, args.depth, args.heads, share=share
+    )
     progress: Callable[[str], None] = start_command("train")
     from ..experiments import training
     from ._launch import group_from_environment, launch
