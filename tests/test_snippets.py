@@ -257,3 +257,13 @@ def test_a_failing_snippet_names_its_page_line(tmp_path: Path) -> None:
     assert (frame.path, frame.lineno + 1) == (page, 8)
     with pytest.raises(AssertionError, match=r"index\.rst:3"):
         run_snippet(Snippet(3, ">>> 1 + 1\n3\n", None), page, {})
+
+
+def test_the_fp8_guide_compares_fp32_and_fp8_from_the_same_weights() -> None:
+    """Each ``unit_scale`` call draws new weights: the guide's FP32-vs-FP8 example must
+    unit-scale once and check the comparison it makes (the snippet itself runs above)."""
+    first = snippets_of(ROOT / "docs" / "guide" / "fp8.rst")[0]
+    assert first.skip is None
+    assert first.code.count("unit_scale(") == 1, first.code  # one model, one draw of weights
+    assert "simulate_fp8(scaled)" in first.code
+    assert "assert abs(fp8_loss - fp32_loss)" in first.code

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+import torch
 from torch import nn
 from torch.fx import Graph, symbolic_trace
 
@@ -80,3 +81,32 @@ def test_clear_errors_for_graphs_without_tracking() -> None:
     untracked = symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU())).graph
     with pytest.raises(AnalysisError, match=r"no scale metrics .*track_scales\(module\)"):
         graph_to_dataframe(untracked)
+
+
+class _Shift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x - 0.5  # a mean of about -0.5, values of both signs
+        return shifted * 2.0
+
+
+@pytest.mark.parametrize("path", ["auto", "eager"])
+def test_mean_abs_and_abs_mean_are_their_own_definitions(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mean_abs`` is the mean of |x|, ``abs_mean`` is |mean of x|: different on a tensor
+    with a non-zero mean, in every statistics path."""
+    from unitscale.transforms import track_scales
+
+    monkeypatch.setenv("UNITSCALE_STATS", path)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    tracked = track_scales(_Shift())
+    out = tracked(x)
+    df = graph_to_dataframe(tracked.scales_graph())
+    row = df[(df["name"] == "shifted") & (df["direction"] == "fwd")].iloc[0]
+    shifted = x - 0.5
+    assert row["mean_abs"] == pytest.approx(shifted.abs().mean().item(), rel=1e-5)
+    assert row["abs_mean"] == pytest.approx(shifted.mean().abs().item(), rel=1e-5)
+    assert row["mean_abs"] > 1.5 * row["abs_mean"] > 0
+    last = df[df["direction"] == "fwd"].iloc[-1]
+    assert last["abs_mean"] == pytest.approx(out.mean().abs().item(), rel=1e-5)
+    assert last["mean_abs"] == pytest.approx(out.abs().mean().item(), rel=1e-5)

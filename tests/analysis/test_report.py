@@ -6,6 +6,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,67 @@ def test_non_finite_values_and_hostile_names(
     assert rows[0]["name"] == "</script><b>x" and rows[1]["name"] == "<!--y"
     assert rows[0]["fwd"]["mean_abs"] == "NaN" and rows[0]["bwd"]["mean_abs"] == "Infinity"
     assert rows[1]["bwd"] is None
+
+
+class _TextWithoutScripts(HTMLParser):
+    """The text a browser with scripts disabled shows: no <script>, <style> or <title>;
+    <noscript> is shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = 0
+        self.parts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("script", "style", "title"):
+            self.hidden += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style", "title"):
+            self.hidden -= 1
+
+    def handle_data(self, data: str) -> None:
+        if not self.hidden and data.strip():
+            self.parts.append(" ".join(data.split()))
+
+
+def test_conclusion_and_worst_tensors_read_without_scripts(
+    tracked_gpt: tuple[Graph, dict], tmp_path: Path
+) -> None:
+    from unitscale.analysis import risk_conclusion, risk_summary
+    from unitscale.tracking import prune_same_scale_tensors
+
+    graph, _ = tracked_gpt
+    path = write_report({"plain <gpt>": graph}, tmp_path / "report.html")
+    parser = _TextWithoutScripts()
+    parser.feed(path.read_text(encoding="utf-8"))
+    text = "\n".join(parser.parts)
+    summary = risk_summary(graph_to_dataframe(prune_same_scale_tensors(graph)))
+    conclusion = risk_conclusion([("plain <gpt>", summary)])
+    assert conclusion.startswith("conclusion: in E4M3, plain <gpt> ")
+    assert conclusion in parser.parts  # a line of its own, escaped in the page
+    counts = summary.formats["e4m3"], summary.formats["e5m2"]
+    row = f"plain <gpt>\n{summary.tensors}\n" + "\n".join(
+        f"{c.underflow}\n{c.overflow}" for c in counts
+    )
+    assert row in text
+    worst = [str(w) for key in ("e4m3", "e5m2") for w in summary.worst[key]]
+    assert worst  # a plain model at initialisation has gradients that underflow in FP8
+    for line in worst:
+        assert line in parser.parts
+    assert "need JavaScript" in text  # the <noscript> note says what needs scripts
+
+
+def test_mean_abs_and_abs_mean_are_labelled_apart(
+    tracked_gpt: tuple[Graph, dict], tmp_path: Path
+) -> None:
+    from unitscale.analysis.dataframe import METRIC_DESCRIPTIONS
+
+    graph, _ = tracked_gpt
+    data = embedded(write_report(graph, tmp_path / "report.html"))
+    about = data["metric_descriptions"]
+    assert about == METRIC_DESCRIPTIONS
+    assert about["mean_abs"].startswith("mean of |x|")
+    assert about["abs_mean"].startswith("|mean of x|")
+    doc = graph_to_dataframe.__doc__ or ""
+    assert "``mean_abs``: mean of ``|x|``" in doc and "``abs_mean``: ``|mean of x|``" in doc

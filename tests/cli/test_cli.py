@@ -106,8 +106,8 @@ def test_subcommand_help(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for option in ("--model", "--batch-size", "--seq-len", "--seed", "--forward-only", "--out"):
         assert option in text
-    assert main([]) == 0  # no subcommand: the overview
-    assert "analyse" in capsys.readouterr().out
+    assert main([]) == 2  # no subcommand: the overview, and a failed status
+    assert "analyse" in capsys.readouterr().err
 
 
 def test_default_run_writes_every_output_and_a_summary(

@@ -201,10 +201,25 @@ def test_a_quick_run_holds_no_claim() -> None:
     full = evaluate_claims(final)
     quick = evaluate_claims(final, quick=True)
     assert [c.verdict for c in full] == ["held", "measured", "held", "NOT held"]
-    assert [c.verdict for c in quick] == ["inconclusive", "measured", "inconclusive", "NOT held"]
-    assert all(c.held is not True for c in quick)
-    assert quick[0].detail.startswith("inconclusive: a --quick smoke run cannot support it; ")
+    # A quick run judges no claim, either way: no "NOT held" after "none is judged".
+    assert [c.verdict for c in quick] == ["not judged"] * 4
+    assert all(c.held is None for c in quick)
+    assert quick[3].detail.startswith("not judged: a --quick smoke run is no evidence either way; ")
+    assert quick[3].detail.endswith(full[3].detail)  # the numbers are still shown
     assert default_config(quick=True).quick and not default_config().quick
+
+
+def test_the_transfer_plot_labels_every_axis() -> None:
+    from unitscale.experiments.transfer import plot_transfer
+
+    curves = {(p, w): [2.6, 2.3, 2.2, 2.25, 2.5] for p in ("u-muP", "standard") for w in (32, 64)}
+    figure = plot_transfer(table(curves, fp8={32: 2.21, 64: 2.2}), default_config())
+    panels = [ax for ax in figure.axes if ax.has_data()]
+    assert len(panels) == 2
+    for ax in panels:
+        assert ax.get_xlabel().startswith("peak learning rate (log2 axis)")
+        assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+        assert ax.get_ylabel() == "final held-out loss (nats per byte)"
 
 
 # -- sweeps (train) --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .risk import (
     FormatRisk,
     RiskSummary,
     WorstTensor,
+    risk_conclusion,
     risk_summary,
     structural_zeros,
 )
@@ -53,6 +54,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "FormatRisk",
     "RiskSummary",
     "WorstTensor",
+    "risk_conclusion",
     "risk_summary",
     "structural_zeros",
 ]

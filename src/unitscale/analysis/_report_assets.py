@@ -241,7 +241,8 @@ JS = r"""
     add("tensor type", m.tensor_type);
     DATA.metrics.forEach(function (k) {
       if (k.indexOf("underflow_") === 0 || k.indexOf("overflow_") === 0) { return; }
-      add(k, fmt(m[k]), true);
+      add(DATA.metric_descriptions[k] ? k + " (" + DATA.metric_descriptions[k] + ")" : k,
+          fmt(m[k]), true);
     });
     tip.appendChild(t);
     var f = document.createElement("table");
@@ -366,7 +367,8 @@ JS = r"""
     var ms = byId("metric");
     DATA.scale_metrics.forEach(function (k) {
       var o = document.createElement("option");
-      o.value = k; o.textContent = k; ms.appendChild(o);
+      var about = DATA.metric_descriptions[k];
+      o.value = k; o.textContent = about ? k + ": " + about : k; ms.appendChild(o);
     });
     ms.value = state.metric;
     var fs = byId("format");
@@ -414,6 +416,7 @@ PAGE = """<!DOCTYPE html>
 </div>
 </header>
 <main>
+{verdict}
 <div id="summary"></div>
 <div class="legend note"><span><i class="swatch fwd"></i>forward value</span><span><i class="swatch bwd"></i>gradient</span><span>outlined: weight</span><span>hollow at the left edge: zero</span><span>bars: abs_min..abs_max</span><span>guides: smallest subnormal (dashed), smallest normal (dotted), largest value (solid){guide_legend}</span></div>
 <div id="chart-wrap"><svg id="chart" xmlns="http://www.w3.org/2000/svg" role="img" aria-label="tensor scales"></svg></div>

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ID_COLUMNS",
+    "METRIC_DESCRIPTIONS",
     "METRIC_NAMES",
     "AnalysisError",
     "ScaleRecord",
@@ -29,13 +30,40 @@ __all__ = [
 ]
 
 
+#: What each scale metric of a tensor ``x`` is (the table's columns, the report's labels).
+#: ``mean_abs`` and ``abs_mean`` are different statistics: the first is the scale (the
+#: average magnitude), the second only the size of the mean, near 0 for a centred tensor
+#: however large its values.
+METRIC_DESCRIPTIONS: dict[str, str] = {
+    "mean_abs": "mean of |x| (average magnitude: the scale)",
+    "abs_mean": "|mean of x| (size of the mean; 0 for a centred tensor)",
+    "std": "standard deviation of x (population)",
+    "rms": "sqrt(mean of x^2)",
+    "abs_max": "largest |x|",
+    "abs_min": "smallest |x|",
+    "numel": "number of elements",
+}
+
+
 def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
     """Tabulate a tracked graph: one row per node and direction, with every metric.
 
     Columns: ``order``, ``node``, ``name`` (clean name), ``module`` (module path), ``op``,
     ``weight``, ``direction`` (``"fwd"``/``"bwd"``), ``tensor_type``
     (``"x"``/``"w"``/``"grad_x"``/``"grad_w"``), ``shape``, ``dtype``, then every metric of
-    ``Metrics.Data.as_dict()`` (``mean_abs``, ..., ``underflow_e4m3``, ``overflow_e4m3``, ...).
+    ``Metrics.Data.as_dict()``, of the tensor ``x`` of the row (a value or a gradient):
+
+    - ``mean_abs``: mean of ``|x|``, the average magnitude: the scale that plots and
+      pruning use;
+    - ``abs_mean``: ``|mean of x|``, the size of the mean (not of the values: 0 for any
+      centred tensor, however large);
+    - ``std`` (population), ``rms`` (``sqrt(mean of x**2)``), ``abs_max``, ``abs_min``
+      (of ``|x|``), ``numel``;
+    - ``underflow_<fmt>``/``overflow_<fmt>`` for ``e4m3``, ``e5m2``, ``fp16``, ``bf16``:
+      the fraction of elements that are non-zero but round to zero in that format, and
+      the fraction beyond its largest value; ``nan_count``, ``inf_count``.
+
+    :data:`METRIC_DESCRIPTIONS` holds these descriptions.
 
     Args:
         graph: ``tracked.scales_graph()`` of a module tracked with

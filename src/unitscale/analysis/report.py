@@ -23,9 +23,9 @@ from .._version import __version__
 from ..tracking.metrics import FORMAT_KEYS, FORMAT_RANGES
 from ..tracking.rows import TensorRow, prepare_rows
 from ._report_assets import CSS, JS, PAGE
-from .dataframe import METRIC_NAMES, AnalysisError, ScaleRecord
+from .dataframe import METRIC_DESCRIPTIONS, METRIC_NAMES, AnalysisError, ScaleRecord
 from .plot import FORMAT_GUIDES
-from .risk import RISK_FRACTION
+from .risk import RISK_FRACTION, RiskSummary, risk_conclusion, risk_summary
 
 __all__ = ["write_report"]
 
@@ -69,6 +69,66 @@ def _row_json(row: TensorRow, structural: Mapping[str, float]) -> dict[str, Any]
     }
 
 
+def _verdict_html(summaries: list[tuple[str, RiskSummary]]) -> str:
+    """The page's conclusion, the counts per model and the worst tensors, as static HTML
+    (read with scripts disabled): what ``unitscale analyse`` prints in ``summary.txt``."""
+    keys = ("e4m3", "e5m2")
+    head = "".join(
+        f"<th>{k.upper()} {what}</th>" for k in keys for what in ("underflow", "overflow")
+    )
+    rows = []
+    for name, summary in summaries:
+        cells = "".join(
+            f'<td class="num">{getattr(summary.formats[k], what)}</td>'
+            for k in keys
+            for what in ("underflow", "overflow")
+        )
+        rows.append(
+            f'<tr><td>{html.escape(name)}</td><td class="num">{summary.tensors}</td>{cells}</tr>'
+        )
+    worst = [
+        f"<tr><td>{html.escape(name)}</td><td>{k.upper()}</td><td>{html.escape(str(w))}</td></tr>"
+        for name, summary in summaries
+        for k in keys
+        for w in summary.worst.get(k, [])
+    ]
+    worst_table = (
+        '<table class="risk" id="worst-static"><tr><th>model</th><th>format</th>'
+        f"<th>tensor: fraction at risk</th></tr>{''.join(worst)}</table>"
+        if worst
+        else '<p id="worst-static">No tensor is at risk in E4M3 or E5M2.</p>'
+    )
+    return (
+        '<section id="verdict">\n'
+        f'<p id="conclusion"><strong>{html.escape(risk_conclusion(summaries))}</strong></p>\n'
+        '<table class="risk" id="counts-static"><tr><th>model</th><th>tensors</th>'
+        f"{head}</tr>{''.join(rows)}</table>\n"
+        f'<p class="note">Tensors: the values and gradients shown (an op\'s output and its '
+        f"gradient count as two); underflow counts those with more than "
+        f"{100 * RISK_FRACTION:g}% of their non-zero values flushed to zero (structural zeros "
+        "of parameter gradients aside), overflow those with any value beyond the format's "
+        "largest.</p>\n"
+        f"<h2>Worst tensors</h2>\n{worst_table}\n"
+        '<noscript><p class="note">The chart, its controls and the sortable table below '
+        "need JavaScript; the conclusion and the tables above do not.</p></noscript>\n"
+        "</section>"
+    )
+
+
+def _summaries(
+    graphs: Mapping[str, Graph], prune_same_scale: bool, noise: Mapping[str, Any]
+) -> list[tuple[str, RiskSummary]]:
+    """:func:`risk_summary` of every graph, as ``unitscale analyse`` computes it."""
+    from ..tracking import prune_same_scale_tensors
+    from .dataframe import graph_to_dataframe
+
+    out = []
+    for name, g in graphs.items():
+        table = graph_to_dataframe(prune_same_scale_tensors(g) if prune_same_scale else g)
+        out.append((str(name), risk_summary(table, structural_zeros=noise.get(name) or {})))
+    return out
+
+
 def write_report(
     graph: Graph | Mapping[str, Graph],
     path: str | os.PathLike[str],
@@ -78,6 +138,10 @@ def write_report(
 ) -> Path:
     """Write an interactive, self-contained HTML report of tracked scales.
 
+    The page opens with its conclusion (which model has the fewest tensors at risk in E4M3,
+    :func:`~unitscale.analysis.risk_conclusion`), the counts of tensors at risk per model
+    and format and the worst tensors (:func:`~unitscale.analysis.risk_summary`, as
+    ``unitscale analyse`` prints them), all as plain HTML that reads with scripts disabled.
     The page shows every tensor's forward and backward scale on a log2 axis (one mark per
     tensor and direction) with the E4M3, E5M2 and FP16 ranges; hovering a mark shows its module
     path, op, shape, dtype and every metric including per-format underflow and overflow.
@@ -143,6 +207,7 @@ def write_report(
         "version": __version__,
         "risk_fraction": RISK_FRACTION,
         "metrics": list(METRIC_NAMES),
+        "metric_descriptions": METRIC_DESCRIPTIONS,
         "scale_metrics": ["mean_abs", "rms", "std", "abs_max", "abs_min", "abs_mean"],
         "formats": formats,
         "models": models,
@@ -162,11 +227,14 @@ def write_report(
         "js": JS,
         "data": payload,
         "guide_legend": guide_legend,
+        "verdict": _verdict_html(_summaries(graphs, prune_same_scale, by_model)),
         "footer": html.escape(
             f"Written by unitscale {__version__}. Self-contained: no network needed."
         ),
     }
-    page = re.sub(r"\{(title|css|js|data|guide_legend|footer)\}", lambda m: values[m[1]], PAGE)
+    page = re.sub(
+        r"\{(title|css|js|data|guide_legend|footer|verdict)\}", lambda m: values[m[1]], PAGE
+    )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")

@@ -6,7 +6,7 @@ separate from presentation); the command's summary and the report use the same r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ __all__ = [
     "FormatRisk",
     "RiskSummary",
     "WorstTensor",
+    "risk_conclusion",
     "risk_summary",
     "structural_zeros",
 ]
@@ -188,6 +189,49 @@ def risk_summary(
             )
         ][:worst]
     return RiskSummary(len(df), counts, worst_by_format)
+
+
+def risk_conclusion(summaries: Sequence[tuple[str, RiskSummary]]) -> str:
+    """One line that says which model has the fewest tensors at risk in E4M3 (underflow and
+    overflow together): the last line of ``unitscale analyse``'s summary, and the verdict
+    at the top of :func:`~unitscale.analysis.write_report`'s page.
+
+    Args:
+        summaries: ``(model name, risk_summary(...))`` per model, with an ``"e4m3"`` entry.
+
+    Raises:
+        AnalysisError: when ``summaries`` is empty.
+
+    Example:
+        >>> def risk(n, under): return RiskSummary(n, {"e4m3": FormatRisk("e4m3", under, 0)}, {})
+        >>> print(risk_conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))]))
+        conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain
+        77 of 120).
+        >>> risk_conclusion([("mine", risk(10, 0))])
+        'conclusion: in E4M3, mine has no tensor at risk (of 10).'
+    """
+    if not summaries:
+        raise AnalysisError("risk_conclusion: no model given; pass [(name, risk_summary), ...]")
+
+    def at_risk(summary: RiskSummary) -> int:
+        e4m3 = summary.formats["e4m3"]
+        return e4m3.underflow + e4m3.overflow
+
+    ranked = sorted(summaries, key=lambda item: at_risk(item[1]))
+    (best, summary), others = ranked[0], ranked[1:]
+    if not others:
+        count = at_risk(summary)
+        if count == 0:
+            return f"conclusion: in E4M3, {best} has no tensor at risk (of {summary.tensors})."
+        return f"conclusion: in E4M3, {best} has {count} of {summary.tensors} tensors at risk."
+    if at_risk(summary) == at_risk(others[0][1]):
+        tied = ", ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in ranked)
+        return f"conclusion: in E4M3, no model has fewer tensors at risk than another ({tied})."
+    rest = "; ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in others)
+    return (
+        f"conclusion: in E4M3, {best} has the fewest tensors at risk "
+        f"({at_risk(summary)} of {summary.tensors}; {rest})."
+    )
 
 
 def _without_structural_zeros(

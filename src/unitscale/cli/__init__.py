@@ -3,11 +3,16 @@
 Each subcommand lives in ``unitscale.cli.<name>`` and provides ``add_parser(subparsers)``
 (which registers its options and ``set_defaults(run=run)``) and ``run(args) -> int``. To add
 one, write the module and append its name to :data:`SUBCOMMANDS`. Subcommand modules import
-heavy libraries inside ``run`` so that ``unitscale --help`` stays fast.
+heavy libraries inside ``run`` so that ``unitscale --help`` stays fast, and a command line is
+parsed and checked before torch is imported: a typo fails at once. Parsers therefore
+take their defaults from torch-free values (``train`` repeats ``TrainConfig``'s, checked
+equal by the tests); what only ``--help`` shows and needs torch to know (the run names) is
+filled in by :attr:`Parser.load_help_defaults`.
 
 Failures are one line on stderr and a non-zero exit status, never a traceback (set
-``UNITSCALE_DEBUG=1`` to see one): bad options exit 2, whether argparse finds them or the
-subcommand does (an :class:`OptionError`: a malformed ``--model``, a missing file, an
+``UNITSCALE_DEBUG=1`` to see one): bad options (and ``unitscale`` with no command, which
+prints the usage) exit 2, whether argparse finds them or the subcommand does (an
+:class:`OptionError`: a malformed ``--model``, a missing file, an
 ``--out`` that is a file, a text too short for ``--seq-len``); errors while working exit 1.
 """
 
@@ -18,7 +23,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .._version import __version__
@@ -64,7 +69,20 @@ def usage_error(command: str, message: str) -> UsageError:
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, raised rather than printed with usage."""
+    """An ArgumentParser whose errors are one line, raised rather than printed with usage.
+
+    Attributes:
+        load_help_defaults: called with the parser before its help is formatted, to fill in
+            defaults whose values need a heavy import (None: nothing to load). Parsing a
+            command line never calls it.
+    """
+
+    load_help_defaults: Callable[[Parser], None] | None = None
+
+    def format_help(self) -> str:
+        if self.load_help_defaults is not None:
+            self.load_help_defaults(self)
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
@@ -75,8 +93,8 @@ def build_parser(only: str | None = None) -> Parser:
 
     Args:
         only: build this subcommand's options only (the one being run); the others are
-            listed by their ``HELP`` line, so that their option defaults, which may need
-            torch (``train``'s come from ``TrainConfig``), are not imported. None: all.
+            listed by their ``HELP`` line, so that their modules' work is not prepared.
+            None: all.
     """
     parser = Parser(
         prog="unitscale",
@@ -137,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 1 when the work failed, 2 for bad options, 130 when interrupted.
+        0 on success, 1 when the work failed, 2 for bad options or no command, 130 when
+        interrupted.
 
     Example:
         >>> main(["analyse", "--seq-len", "0"])  # one line on stderr, no traceback
@@ -157,9 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # nothing to run: the usage, and a failed status for scripts
+        parser.print_help(sys.stderr)
+        print(
+            "unitscale: error: no command given; choose one of the commands above", file=sys.stderr
+        )
+        return 2
     debug = os.environ.get("UNITSCALE_DEBUG", "") not in ("", "0")
     try:
         return int(args.run(args) or 0)

@@ -14,6 +14,7 @@ __all__ = [
     "Progress",
     "check_out_folder",
     "finish_summary",
+    "refuse_earlier_outputs",
     "require_analysis_extra",
     "slug",
     "start_command",
@@ -95,6 +96,33 @@ def check_out_folder(text: str, option: str = "--out") -> Path:
         except OSError:  # written into meanwhile (another rank): it stays
             break
     return out
+
+
+def refuse_earlier_outputs(
+    out: Path, patterns: tuple[str, ...], overwrite: bool, option: str = "--out"
+) -> None:
+    """Refuse to write into a folder that holds an earlier run's outputs, unless told to.
+
+    Args:
+        out: the output folder (checked by :func:`check_out_folder`).
+        patterns: the names (``glob`` patterns) of the files the command writes.
+        overwrite: the user asked to replace them (``--overwrite``).
+
+    Raises:
+        OptionError: ``out`` holds a file of ``patterns`` and ``overwrite`` is False; the
+            message names the files and the two ways out.
+    """
+    if overwrite or not out.is_dir():
+        return
+    found = sorted({p.name for pattern in patterns for p in out.glob(pattern) if p.is_file()})
+    if found:
+        from . import OptionError
+
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise OptionError(
+            f"{option} {str(out)!r} holds the outputs of an earlier run ({shown}); give "
+            "--overwrite to replace them, or choose another folder"
+        )
 
 
 def start_command(command: str) -> Progress:

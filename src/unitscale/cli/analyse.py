@@ -18,11 +18,21 @@ if TYPE_CHECKING:
     from ..analysis import RiskSummary
 
 from ._args import positive_int
-from ._output import Progress, check_out_folder, require_analysis_extra, slug
+from ._memory import BUILTIN_GPT, check_memory
+from ._output import (
+    Progress,
+    check_out_folder,
+    refuse_earlier_outputs,
+    require_analysis_extra,
+    slug,
+)
 
 __all__ = ["HELP", "add_parser", "conclusion", "run"]
 
 DEFAULT_OUT = "unitscale-report"
+#: The files ``unitscale analyse`` writes (``glob`` patterns): a folder that holds one of
+#: them is refused unless ``--overwrite`` is given.
+OUTPUTS: tuple[str, ...] = ("scales.csv", "scales_*.png", "report.html", "summary.txt")
 #: The one-line summary ``unitscale --help`` lists.
 HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
@@ -79,12 +89,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier run in --out (without it, a folder that "
+        "holds them is refused)",
+    )
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale analyse`` with parsed options; return the exit status."""
+    if args.model == "builtin":  # from the options alone, before torch loads
+        check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
     import pandas as pd
@@ -95,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from ._models import quiet_transformers
 
     out = check_out_folder(args.out)
+    refuse_earlier_outputs(out, OUTPUTS, args.overwrite)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
@@ -193,7 +212,8 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
 
 
 def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
-    """The summary's last line: which model has the fewest tensors at risk in E4M3.
+    """The summary's last line: which model has the fewest tensors at risk in E4M3
+    (:func:`unitscale.analysis.risk_conclusion`, which the report shows too).
 
     Example:
         >>> from unitscale.analysis import FormatRisk, RiskSummary
@@ -201,29 +221,10 @@ def conclusion(summaries: list[tuple[str, RiskSummary]]) -> str:
         >>> print(conclusion([("plain", risk(120, 77)), ("unit-scaled", risk(136, 3))]))
         conclusion: in E4M3, unit-scaled has the fewest tensors at risk (3 of 136; plain
         77 of 120).
-        >>> conclusion([("mine", risk(10, 0))])
-        'conclusion: in E4M3, mine has no tensor at risk (of 10).'
     """
+    from ..analysis import risk_conclusion
 
-    def at_risk(summary: RiskSummary) -> int:
-        e4m3 = summary.formats["e4m3"]
-        return e4m3.underflow + e4m3.overflow
-
-    ranked = sorted(summaries, key=lambda item: at_risk(item[1]))
-    (best, summary), others = ranked[0], ranked[1:]
-    if not others:
-        count = at_risk(summary)
-        if count == 0:
-            return f"conclusion: in E4M3, {best} has no tensor at risk (of {summary.tensors})."
-        return f"conclusion: in E4M3, {best} has {count} of {summary.tensors} tensors at risk."
-    if at_risk(summary) == at_risk(others[0][1]):
-        tied = ", ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in ranked)
-        return f"conclusion: in E4M3, no model has fewer tensors at risk than another ({tied})."
-    rest = "; ".join(f"{name} {at_risk(s)} of {s.tensors}" for name, s in others)
-    return (
-        f"conclusion: in E4M3, {best} has the fewest tensors at risk "
-        f"({at_risk(summary)} of {summary.tensors}; {rest})."
-    )
+    return risk_conclusion(summaries)
 
 
 def _render(figure: Figure, path: Path, dpi: int = 100) -> Any:

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-from . import usage_error
+from . import Parser, usage_error
 from ._args import non_negative_int, positive_float, positive_int
+from ._memory import check_memory
 from ._output import check_out_folder, finish_summary, slug, start_command
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["DEFAULTS", "HELP", "add_parser", "run", "set_threads"]
 
 DEFAULT_OUT = "unitscale-train"
 #: The one-line summary ``unitscale --help`` lists (no import of torch needed to show it).
@@ -45,11 +46,38 @@ def _run_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``train`` and its options."""
-    from ..experiments.training import DEFAULT_RUNS, RUN_NAMES, TrainConfig
+#: :class:`~unitscale.training.TrainConfig`'s defaults, by option dest, repeated here so that
+#: parsing and checking a command line (the memory estimate included) imports no torch: a
+#: typo fails at once. ``tests/cli`` checks that they equal ``TrainConfig()``'s. ``--runs``
+#: parses as None and ``run`` gives it ``DEFAULT_RUNS``.
+DEFAULTS: dict[str, Any] = {
+    "steps": 1000,
+    "batch_size": 16,
+    "seq_len": 64,
+    "width": 128,
+    "depth": 2,
+    "heads": 4,
+    "lr_plain": 3e-3,
+    "lr_unit_scaled": 0.5,
+    "eval_every": 50,
+    "eval_batches": 8,
+    "seed": 0,
+    "fp8_recipe": "hardware",
+}
 
-    d = TrainConfig()
+
+def _load_help_defaults(parser: argparse.ArgumentParser) -> None:
+    """Name the runs and the default ones in ``unitscale train --help`` (imports torch)."""
+    from ..experiments.training import DEFAULT_RUNS, RUN_NAMES
+
+    parser.set_defaults(runs=",".join(DEFAULT_RUNS))
+    for action in parser._actions:
+        if action.dest == "runs" and action.help is not None:
+            action.help = action.help.replace("RUN_NAMES", ",".join(RUN_NAMES))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``train`` and its options (parsing them imports no torch)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "train",
         help=HELP,
@@ -72,60 +100,60 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps",
         type=positive_int,
-        default=d.steps,
+        default=DEFAULTS["steps"],
         metavar="N",
-        help=f"optimiser steps per run (default {d.steps})",
+        help="optimiser steps per run (default %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        default=d.batch_size,
+        default=DEFAULTS["batch_size"],
         metavar="N",
-        help=f"sequences per batch (default {d.batch_size})",
+        help="sequences per batch (default %(default)s)",
     )
     parser.add_argument(
         "--seq-len",
         type=positive_int,
-        default=d.seq_len,
+        default=DEFAULTS["seq_len"],
         metavar="N",
-        help=f"bytes per sequence (default {d.seq_len})",
+        help="bytes per sequence (default %(default)s)",
     )
     parser.add_argument(
         "--width",
         type=positive_int,
-        default=d.hidden_size,
+        default=DEFAULTS["width"],
         metavar="N",
-        help=f"model width, a multiple of --heads (default {d.hidden_size})",
+        help="model width, a multiple of --heads (default %(default)s)",
     )
     parser.add_argument(
         "--depth",
         type=positive_int,
-        default=d.depth,
+        default=DEFAULTS["depth"],
         metavar="N",
-        help=f"transformer blocks (default {d.depth})",
+        help="transformer blocks (default %(default)s)",
     )
     parser.add_argument(
         "--heads",
         type=positive_int,
-        default=d.heads,
+        default=DEFAULTS["heads"],
         metavar="N",
-        help=f"attention heads (default {d.heads})",
+        help="attention heads (default %(default)s)",
     )
     parser.add_argument(
         "--lr-plain",
         type=positive_float,
-        default=d.lr_plain,
+        default=DEFAULTS["lr_plain"],
         metavar="LR",
-        help=f"peak learning rate of the plain runs (default {d.lr_plain:g})",
+        help="peak learning rate of the plain runs (default %(default)s)",
     )
     parser.add_argument(
         "--lr-unit-scaled",
         type=positive_float,
-        default=d.lr_unit_scaled,
+        default=DEFAULTS["lr_unit_scaled"],
         metavar="LR",
         help=(
-            f"peak base learning rate of the unit-scaled (u-μP) runs, scaled per parameter "
-            f"by unitscale.optim.AdamW (default {d.lr_unit_scaled:g}, u-μP's default)"
+            "peak base learning rate of the unit-scaled (u-μP) runs, scaled per parameter "
+            "by unitscale.optim.AdamW (default %(default)s, u-μP's default)"
         ),
     )
     parser.add_argument(
@@ -145,29 +173,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--eval-every",
         type=positive_int,
-        default=d.eval_every,
+        default=DEFAULTS["eval_every"],
         metavar="N",
-        help=f"held-out loss every N steps (default {d.eval_every})",
+        help="held-out loss every N steps (default %(default)s)",
     )
     parser.add_argument(
         "--eval-batches",
         type=positive_int,
-        default=d.eval_batches,
+        default=DEFAULTS["eval_batches"],
         metavar="N",
-        help=f"batches per evaluation (default {d.eval_batches})",
+        help="batches per evaluation (default %(default)s)",
     )
     parser.add_argument(
         "--seed",
         type=int,
-        default=d.seed,
-        help="initialisation, data order and evaluation seed (default 0)",
+        default=DEFAULTS["seed"],
+        help="initialisation, data order and evaluation seed (default %(default)s)",
     )
     parser.add_argument(
         "--runs",
         type=_run_list,
-        default=DEFAULT_RUNS,
+        default=None,
         metavar="LIST",
-        help=f"comma-separated runs, of {','.join(RUN_NAMES)} (default {','.join(DEFAULT_RUNS)})",
+        help="comma-separated runs, of RUN_NAMES (default %(default)s)",
     )
     parser.add_argument(
         "--monitor-every",
@@ -187,7 +215,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--fp8-recipe",
         choices=("hardware", "all-operands"),
-        default=d.fp8_recipe,
+        default=DEFAULTS["fp8_recipe"],
         help="which tensors the FP8 runs round (unitscale.transforms.FP8_RECIPES): "
         "'hardware' (default): matmul inputs in E4M3 and the gradient of each matmul's "
         "output in E5M2; 'all-operands': the gradient of every matmul input, weights "
@@ -198,6 +226,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads per process (default: torch's, one per core); on a "
+        "busy machine fewer threads are often much faster (1 is safest)",
+    )
+    parser.add_argument(
         "--nproc",
         type=positive_int,
         default=1,
@@ -206,16 +242,35 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "which --batch-size must divide); under torchrun, its ranks are used instead",
     )
     parser.set_defaults(run=run)
+    if isinstance(parser, Parser):
+        parser.load_help_defaults = _load_help_defaults
     return parser  # fmt: skip
+
+
+def set_threads(threads: int | None) -> int:
+    """Give torch ``threads`` intra-op threads (None: keep torch's default, one per core);
+    return the number it uses."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``unitscale train`` with parsed options; return the exit status."""
+    # From the options alone, before torch loads: an impossible run fails at once.
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # under torchrun: this machine's share
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world) / max(world, 1)
+    check_memory(
+        "train", args.batch_size, args.seq_len, args.width, args.depth, args.heads, share=share
+    )
     progress: Callable[[str], None] = start_command("train")
     from ..experiments import training
     from ._launch import group_from_environment, launch
 
     config = _config(args, training)
+    set_threads(args.threads)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _check_shares(config.batch_size, args.nproc, "--nproc")
         check_out_folder(args.out)
@@ -255,6 +310,7 @@ def _train(
         out = check_out_folder(args.out)
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
+    progress(f"torch threads: {set_threads(None)} per process (--threads)")
     progress(
         f"training {len(config.runs)} run(s) of {config.steps} steps "
         f"({', '.join(config.runs)}) on the bundled CPython documentation text",
@@ -323,7 +379,7 @@ def _config(args: argparse.Namespace, training: Any) -> Any:
             eval_every=args.eval_every,
             eval_batches=args.eval_batches,
             monitor_every=args.monitor_every,
-            runs=args.runs,
+            runs=args.runs if args.runs is not None else training.DEFAULT_RUNS,
             compile_fp8=args.compile,
             fp8_recipe=args.fp8_recipe,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import usage_error
+from . import Parser, usage_error
 from ._args import positive_int
 from ._output import check_out_folder, finish_summary, start_command
 
@@ -44,11 +44,36 @@ def _size_list(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``transfer`` and its options."""
-    from ..experiments.transfer import DEFAULT_CONFIG as d
+def _model_name(text: str) -> str:
+    """One of the sweep's model families (checking it imports the sweep, and torch)."""
     from ..experiments.transfer import MODELS
 
+    if text not in MODELS:
+        choices = ", ".join(repr(m) for m in MODELS)
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {choices})")
+    return text
+
+
+def _load_help_defaults(parser: argparse.ArgumentParser) -> None:
+    """Fill the sweep's defaults into ``unitscale transfer --help`` (imports torch): the
+    options parse as None, and :func:`~unitscale.experiments.transfer.default_config`
+    chooses their values (a quick run's differ)."""
+    from ..experiments.transfer import DEFAULT_CONFIG, MODELS
+
+    values = {
+        "steps": str(DEFAULT_CONFIG.steps),
+        "seed": str(DEFAULT_CONFIG.seed),
+        "threads": str(DEFAULT_CONFIG.threads),
+        "models": ",".join(MODELS),
+    }
+    for action in parser._actions:
+        if action.help is not None:
+            for name, value in values.items():
+                action.help = action.help.replace(f"{{{name}}}", value)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``transfer`` and its options (parsing them imports no torch)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "transfer",
         help=HELP,
@@ -90,35 +115,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help=f"optimiser steps per run (default {d.steps})",
+        help="optimiser steps per run (default {steps})",
     )
     parser.add_argument(
         "--seed",
         type=int,
         default=None,
-        help=f"initialisation, data order and evaluation seed (default {d.seed})",
+        help="initialisation, data order and evaluation seed (default {seed})",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke run of a minute or two: two sizes, 3 learning rates, 24 short steps "
-        "(its outputs say so, and it reports no claim held)",
+        "(its outputs say so, and it judges no claim)",
     )
     parser.add_argument(
         "--threads",
         type=positive_int,
         default=None,
         metavar="N",
-        help=f"torch threads (default {d.threads}: the models are small, and one thread per "
+        help="torch threads (default {threads}: the models are small, and one thread per "
         "process is fastest on a busy machine)",
     )
     parser.add_argument(
         "--model",
-        choices=MODELS,
+        type=_model_name,
         default=None,
-        help="the model family: builtin (default: unitscale's decoder against a plain-PyTorch "
-        "GPT) or hf:llama (a transformers Llama config at each width, random weights, plain "
-        "against unit_scale)",
+        metavar="NAME",
+        help="the model family, of {models}: builtin (default: unitscale's decoder against a "
+        "plain-PyTorch GPT) or hf:llama (a transformers Llama config at each width, random "
+        "weights, plain against unit_scale)",
     )
     parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
     parser.add_argument(
@@ -126,6 +152,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress lines")
     parser.set_defaults(run=run)
+    if isinstance(parser, Parser):
+        parser.load_help_defaults = _load_help_defaults
     return parser
 
 

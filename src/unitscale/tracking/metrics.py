@@ -294,7 +294,11 @@ def host_stats(stats: Stats) -> list[float] | None:
 
 @dataclass(frozen=True)
 class _Data:
-    """Scale statistics of one tensor (forward value or gradient)."""
+    """Scale statistics of one tensor ``x`` (forward value or gradient).
+
+    ``mean_abs`` is the mean of ``|x|`` (the scale); ``abs_mean`` is ``|mean of x|`` (the
+    size of the mean, 0 for a centred tensor): two different statistics.
+    """
 
     mean_abs: float
     abs_mean: float

@@ -20,8 +20,9 @@ class Claim:
         number: 1 to 4.
         statement: what is claimed.
         held: True or False, or None where the claim is a measurement (claim 2), could not
-            be evaluated (e.g. no FP8 runs) or the run cannot decide it (``detail`` starts
-            with ``inconclusive``: an optimum on the grid's edge, a quick run).
+            be evaluated (e.g. no FP8 runs), the run cannot decide it (``detail`` starts
+            with ``inconclusive``: an optimum on the grid's edge) or is not judged at all
+            (``detail`` starts with ``not judged``: a quick run).
         detail: the numbers it rests on.
     """
 
@@ -32,11 +33,11 @@ class Claim:
 
     @property
     def verdict(self) -> str:
-        """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"``/``"inconclusive"``
-        for None."""
+        """``"held"``, ``"NOT held"``, or ``"measured"``/``"not evaluated"``/``"inconclusive"``/
+        ``"not judged"`` for None."""
         if self.held is not None:
             return "held" if self.held else "NOT held"
-        for verdict in ("not evaluated", "inconclusive"):
+        for verdict in ("not evaluated", "inconclusive", "not judged"):
             if self.detail.startswith(verdict):
                 return verdict
         return "measured"
@@ -74,7 +75,8 @@ def evaluate_claims(
     ``inconclusive`` when a u-μP optimum lies on the grid's edge (the true optimum may lie
     beyond it, so neither where it is nor how far the default is from it is known; claim 3
     still fails when the default is already too far from the grid's best), and with
-    ``quick`` no claim is held (a smoke run's verdict would be ``inconclusive``).
+    ``quick`` no claim is judged, held or not (every verdict is ``not judged``: a smoke
+    run's numbers are shown, but they are no evidence either way).
 
     Args:
         final: :func:`final_frame`, or any table with its columns.
@@ -104,8 +106,8 @@ def evaluate_claims(
         _claim_fp8(final, mup, size, tolerance),
     ]
     if quick:
-        reason = "inconclusive: a --quick smoke run cannot support it; "
-        claims = [replace(c, held=None, detail=reason + c.detail) if c.held else c for c in claims]
+        reason = "not judged: a --quick smoke run is no evidence either way; "
+        claims = [replace(c, held=None, detail=reason + c.detail) for c in claims]
     return claims
 
 

@@ -83,7 +83,7 @@ class TransferConfig:
             25 ms on one thread, 376 ms on two); one thread also makes the results
             independent of the core count.
         quick: a smoke run (:func:`default_config` with ``quick=True``): the summary, the
-            JSON and the report say so, and no claim is reported held on it (a few dozen
+            JSON and the report say so, and no claim is judged on it, held or not (a few dozen
             steps on three grid points cannot support one).
 
     Example:

@@ -45,11 +45,14 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
                 ax.plot(fp8["lr"], fp8["heldout_loss"], "x", color=colour, ms=9, mew=2)
         ax.axvline(dict(config.grid(p))[0], color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("peak learning rate" + (" (base lr of every rule)" if p == "u-muP" else ""))
+        ax.set_xlabel(
+            "peak learning rate (log2 axis)" + (", base lr of every rule" if p == "u-muP" else "")
+        )
+        # Every panel names its axes: a panel cropped out of the figure still reads.
+        ax.set_ylabel("final held-out loss (nats per byte)")
         title = _spec(p, config.model).description
         ax.set_title(title if p == "standard" else f"{title}; x: FP8 at best lr", fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("final held-out loss (nats per byte)")
     if finite:
         low, high = min(finite), min(max(finite), math.log(256))
         pad = 0.05 * (high - low) + 1e-3

@@ -71,7 +71,7 @@ def _quick_note(config: TransferConfig) -> str:
     return (
         f"QUICK SMOKE RUN (--quick): {config.steps} steps, {len(config.lr_steps)} learning "
         "rates per size; it checks that the command works and is no evidence for the "
-        "claims: none is reported held"
+        "claims: none is judged (each is shown 'not judged', with its numbers)"
     )
 
 
@@ -111,7 +111,7 @@ def _time_note(result: TransferResult) -> str:
 
 
 def transfer_claims(result: TransferResult) -> list[Claim]:
-    """:func:`evaluate_claims` of a sweep's runs (no claim held for a quick run)."""
+    """:func:`evaluate_claims` of a sweep's runs (none judged for a quick run)."""
     final = final_frame(runs_frame(result.runs))
     return evaluate_claims(final, quick=result.config.quick)
 
