@@ -400,6 +400,20 @@ def test_mse_loss_unit_grad(reduction: str, shape: tuple[int, ...]) -> None:
         assert_unit(grad, TIGHT, "grad")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("broadcast", ["target", "input"])
+def test_mse_loss_unit_grad_of_a_broadcast_operand(reduction: str, broadcast: str) -> None:
+    """An operand broadcast over the batch (a target shared by every example) sums the
+    gradient of every row: unit after its own factor, like the full-size operand's."""
+    shapes = [(512, 64), (64,)] if broadcast == "target" else [(64,), (512, 64)]
+    with pytest.warns(UserWarning, match="target size"):  # torch's own note on broadcasting
+        _, grads = scale_stats(
+            lambda x, t: U.mse_loss(x, t, reduction=reduction), randn(*shapes), 8
+        )
+    for grad in grads:
+        assert_unit(grad, TOL, "grad")
+
+
 def test_losses_are_not_scaled() -> None:
     logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
     target[::5] = -100
