@@ -87,7 +87,8 @@ def test_tracking_a_transformed_module_changes_nothing_and_shows_its_graph() -> 
 
 
 def tiny_gpt(dropout: float = 0.0) -> nn.Module:
-    return plain_gpt(GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout))
+    config = GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout)
+    return plain_gpt(dataclasses.replace(config, aligned_labels=True))  # labels: next tokens
 
 
 @pytest.mark.slow
