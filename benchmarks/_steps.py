@@ -27,7 +27,7 @@ def training_step(
 
     def step() -> float:
         batch = next(stream)
-        ids, labels = batch.input_ids, batch.labels
+        ids, labels = batch.input_ids, batch.targets  # as the runner: aligned targets
         if device is not None:
             ids, labels = ids.to(device), labels.to(device)
         loss = model(ids, labels=labels)

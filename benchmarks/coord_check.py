@@ -68,7 +68,7 @@ def collect(steps: int) -> list[dict[str, Any]]:
             lambda m, b: m(*b),
         ),
         "SP": (
-            lambda w, d: PlainGPT(GPTConfig(VOCAB, w, d, w // 32, SEQ)),
+            lambda w, d: PlainGPT(GPTConfig(VOCAB, w, d, w // 32, SEQ, aligned_labels=True)),
             lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
             lambda m, b: m(b[0], labels=b[1]),
         ),

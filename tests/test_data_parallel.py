@@ -26,7 +26,7 @@ from unitscale.errors import UnitScaleError
 from unitscale.models import GPTConfig, plain_gpt, unit_scaled_gpt
 from unitscale.transforms import unit_scale
 
-CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=8)
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=8, aligned_labels=True)
 
 
 @pytest.fixture(autouse=True)

@@ -65,6 +65,36 @@ def test_sgd_and_adam_rules_agree_and_groups_are_shared() -> None:
     assert len(groups) == len({lr_scale_func_adam(p) for p in model.parameters()})
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_scaled_parameters_keeps_a_tensor_learning_rate(capturable: bool) -> None:
+    """A tensor ``lr`` gives tensor group rates (``lr * factor``), one group per factor, that
+    a torch optimiser takes: its steps equal those of the same rates as floats."""
+    device = "cuda" if capturable else "cpu"
+    if capturable and not torch.cuda.is_available():
+        pytest.skip("Adam(capturable=True) runs on an accelerator only")
+    torch.manual_seed(0)
+    model = nn.Sequential(us.Linear(16, 64), us.Linear(64, 8)).to(device)
+    twin = copy.deepcopy(model)
+    lr = torch.tensor(0.01, device=device)
+    groups = scaled_parameters(model.parameters(), lr_scale_func_adam, lr=lr)
+    assert len(groups) == len({lr_scale_func_adam(p) for p in model.parameters()})
+    for group in groups:
+        assert isinstance(group["lr"], torch.Tensor) and group["lr"].device == lr.device
+        scale = lr_scale_func_adam(group["params"][0])
+        assert group["lr"].item() == pytest.approx(0.01 * scale, rel=1e-6)
+    floats = scaled_parameters(twin.parameters(), lr_scale_func_adam, lr=0.01)
+    options = {"capturable": True} if capturable else {"foreach": False}
+    optimisers = [torch.optim.Adam(groups, **options), torch.optim.Adam(floats, foreach=False)]
+    x = torch.randn(4, 16, device=device)
+    for net, optimiser in zip((model, twin), optimisers, strict=True):
+        for _ in range(2):
+            net(x).pow(2).mean().backward()
+            optimiser.step()
+            optimiser.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+
+
 def test_untagged_parameter_is_an_error_naming_it() -> None:
     model = nn.Sequential(us.Linear(4, 4), nn.Linear(4, 2))
     with pytest.raises(UntaggedParameterError, match=r"'1\.weight' of shape \(2, 4\)"):

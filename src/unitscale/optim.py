@@ -207,7 +207,7 @@ def _named(params: Any) -> list[dict[str, Any]]:
 def scaled_parameters(
     params: Iterable[Any],
     lr_scale_func: LRScaleFunc,
-    lr: float | None = None,
+    lr: float | Tensor | None = None,
     weight_decay: float = 0.0,
     independent_weight_decay: bool = True,
     allow_untagged: bool = False,
@@ -222,7 +222,9 @@ def scaled_parameters(
         params: tensors, ``(name, tensor)`` pairs (named in errors) or torch group dicts
             (whose own ``lr``/``weight_decay`` replace the arguments).
         lr_scale_func: the rule, e.g. :func:`lr_scale_func_adam`.
-        lr: base learning rate (required unless every group dict has one).
+        lr: base learning rate (required unless every group dict has one); a tensor
+            rate gives tensor rates (``lr * factor``, new tensors), as torch optimisers
+            accept them.
         weight_decay: decay per step (independent) or torch's coefficient (not).
         independent_weight_decay: divide each group's ``weight_decay`` by its factor, so
             that a decoupled optimiser (AdamW, SGD without momentum) shrinks every
@@ -256,15 +258,24 @@ def scaled_parameters(
                 scale = 1.0
             else:
                 raise _untagged(param, None if name.startswith("#") else name)
-            group_lr = float(base_lr) * scale
+            group_lr = _scaled_rate(base_lr, scale)
             decay = float(base_decay)
             if independent_weight_decay and decay:
                 decay = decay / scale if scale else 0.0
-            key = (group_lr, decay, *sorted((k, repr(v)) for k, v in options.items()))
+            rate_key = (id(base_lr), float(scale)) if isinstance(base_lr, Tensor) else group_lr
+            key = (rate_key, decay, *sorted((k, repr(v)) for k, v in options.items()))
             if key not in out:
                 out[key] = {"params": [], "lr": group_lr, "weight_decay": decay, **options}
             out[key]["params"].append(param)
     return list(out.values())
+
+
+def _scaled_rate(base_lr: Any, scale: float) -> Any:
+    """``base_lr * scale``: a tensor rate stays a tensor (a new one, of its dtype and
+    device), as torch optimisers accept it (e.g. ``Adam(capturable=True)``); else a float."""
+    if isinstance(base_lr, Tensor):
+        return base_lr.detach() * scale
+    return float(base_lr) * scale
 
 
 def _mup_groups(

@@ -108,7 +108,7 @@ def test_a_factory_model_keeps_its_parameter_names_and_class_name(factories: Pat
     batch = example_batch(2, 16, seed=0)
     expected = torch.nn.functional.cross_entropy(
         type(plain.model).__mro__[1].forward(plain.model, batch.input_ids).flatten(0, 1),
-        batch.labels.flatten(),
+        batch.targets.flatten(),  # the command's convention: labels already shifted
     )
     assert torch.equal(call_model(plain, plain.model, batch), expected)
 

@@ -29,7 +29,7 @@ from unitscale.models import GPTConfig, plain_gpt, unit_scaled_gpt
 from unitscale.parameter import has_mup_tags
 from unitscale.transforms import simulate_fp8, track_scales, unit_scale
 
-CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16, aligned_labels=True)
 GLOBAL_BATCH = 8
 
 

@@ -55,7 +55,7 @@ def umup_records(widths: list[int], depths: list[int], layers: Any) -> list[dict
 
 def sp_records(widths: list[int]) -> list[dict[str, Any]]:
     return coord_data(
-        lambda w, d: PlainGPT(GPTConfig(VOCAB, w, d, w // 32, SEQ)),
+        lambda w, d: PlainGPT(GPTConfig(VOCAB, w, d, w // 32, SEQ, aligned_labels=True)),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
         lambda m, b: m(b[0], labels=b[1]),
         _batch(),

@@ -48,19 +48,21 @@ def test_example_batch_shapes_targets_and_determinism() -> None:
     for key in ("input_ids", "attention_mask", "labels"):
         assert batch[key].shape == (4, 32)
         assert batch[key].dtype == torch.int64
+    assert batch.targets.shape == (4, 32) and batch.targets.dtype == torch.int64
     assert set(dict(batch)) == {"input_ids", "attention_mask", "labels"}
-    # labels are the next tokens
-    assert torch.equal(batch.labels[:, :-1], batch.input_ids[:, 1:])
+    # labels are unshifted (the model shifts), targets the next tokens
+    assert torch.equal(batch.labels, batch.input_ids) and batch.labels is not batch.input_ids
+    assert torch.equal(batch.targets[:, :-1], batch.input_ids[:, 1:])
     assert bool((batch.attention_mask == 1).all())
     assert int(batch.input_ids.max()) < VOCAB_SIZE
     again = example_batch(4, 32, seed=3)
     assert torch.equal(again.input_ids, batch.input_ids)
-    assert torch.equal(again.labels, batch.labels)
+    assert torch.equal(again.targets, batch.targets)
     other = example_batch(4, 32, seed=4)
     assert not torch.equal(other.input_ids, batch.input_ids)
     # Each row is a contiguous window of the corpus.
     corpus = load_corpus()
-    row = bytes(batch.input_ids[0].tolist()) + bytes([int(batch.labels[0, -1])])
+    row = bytes(batch.input_ids[0].tolist()) + bytes([int(batch.targets[0, -1])])
     assert row in corpus
 
 
@@ -75,7 +77,7 @@ def test_user_text_file(tmp_path: Path) -> None:
     path.write_text("abcdefgh" * 20)
     batch = example_batch(3, 16, seed=0, path=path)
     assert set(batch.input_ids.flatten().tolist()) <= set(b"abcdefgh")
-    assert torch.equal(batch.labels[:, :-1], batch.input_ids[:, 1:])
+    assert torch.equal(batch.targets[:, :-1], batch.input_ids[:, 1:])
 
 
 def test_missing_short_or_empty_text_gives_clear_errors(tmp_path: Path) -> None:

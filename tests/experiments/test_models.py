@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,42 @@ from unitscale.experiments.models import (
 )
 
 SMALL = GPTConfig(hidden_size=32, depth=2, heads=4, seq_len=32)
+
+
+def _by_hand(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@pytest.mark.slow
+def test_example_batch_gives_a_transformers_causal_lm_its_loss_with_one_shift() -> None:
+    """``model(**example_batch(...))``: a transformers causal LM shifts ``labels`` itself, so
+    its loss is that of its logits at positions ``0..T-2`` against ``input_ids[:, 1:]``
+    (one shift, not two)."""
+    transformers = pytest.importorskip("transformers")
+    batch = example_batch(2, 16, seed=0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        loss = lm(**batch).loss
+        logits = lm(input_ids=batch.input_ids).logits
+    torch.testing.assert_close(loss, _by_hand(logits[:, :-1], batch.input_ids[:, 1:]))
+
+
+@pytest.mark.parametrize("build", [plain_gpt, unit_scaled_gpt])
+def test_built_in_models_take_example_batch_as_transformers_does(build: Any) -> None:
+    """The built-in models take ``model(**batch)`` like a transformers causal LM (one shift
+    inside) and, built with ``aligned_labels=True``, the already-shifted ``Batch.targets``
+    (every position scored)."""
+    batch = example_batch(2, 16, seed=0)
+    model = build(SMALL, seed=0).eval()
+    aligned = build(dataclasses.replace(SMALL, aligned_labels=True), seed=0).eval()
+    with torch.no_grad():
+        logits = model(batch.input_ids)
+        by_hand = _by_hand(logits[:, :-1], batch.input_ids[:, 1:])
+        torch.testing.assert_close(model(**batch), by_hand, rtol=1e-5, atol=1e-5)
+        got = aligned(batch.input_ids, labels=batch.targets)
+        torch.testing.assert_close(got, _by_hand(logits, batch.targets), rtol=1e-5, atol=1e-5)
 
 
 def test_config_validates_and_derives_sizes() -> None:

@@ -87,7 +87,7 @@ def test_loop_stops_at_a_non_finite_loss_before_its_step() -> None:
     with torch.no_grad():
         model.table.weight[0, 0] = math.inf
     data = _data(4)
-    data[1] = Batch(*(torch.zeros_like(t) for t in data[1].values()))
+    data[1] = Batch(*(torch.zeros_like(t) for t in (*data[1].values(), data[1].targets)))
     result = train_loop(
         model, optimiser, data, Schedule(steps=4), eval_every=10,
         heldout=data[:1], train_eval=data[:1],

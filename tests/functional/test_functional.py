@@ -400,6 +400,20 @@ def test_mse_loss_unit_grad(reduction: str, shape: tuple[int, ...]) -> None:
         assert_unit(grad, TIGHT, "grad")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("broadcast", ["target", "input"])
+def test_mse_loss_unit_grad_of_a_broadcast_operand(reduction: str, broadcast: str) -> None:
+    """An operand broadcast over the batch (a target shared by every example) sums the
+    gradient of every row: unit after its own factor, like the full-size operand's."""
+    shapes = [(512, 64), (64,)] if broadcast == "target" else [(64,), (512, 64)]
+    with pytest.warns(UserWarning, match="target size"):  # torch's own note on broadcasting
+        _, grads = scale_stats(
+            lambda x, t: U.mse_loss(x, t, reduction=reduction), randn(*shapes), 8
+        )
+    for grad in grads:
+        assert_unit(grad, TOL, "grad")
+
+
 def test_losses_are_not_scaled() -> None:
     logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
     target[::5] = -100
@@ -487,6 +501,37 @@ def test_matmul_constraints(constraint: str) -> None:
     assert out == pytest.approx(shared / ideal["out"], rel=TIGHT)
     assert grad_l == pytest.approx(shared / ideal["left"], rel=TIGHT)
     assert grad_r == pytest.approx(shared / ideal["right"], rel=TIGHT)
+
+
+@pytest.mark.parametrize("constant_first", [True, False])
+@pytest.mark.parametrize("alpha", [1.0, -2.0])
+def test_add_of_a_one_element_operand_keeps_the_scale(constant_first: bool, alpha: float) -> None:
+    """A constant (or one-element parameter) plus a tensor: a constant offset, so the output
+    keeps the tensor's scale, the tensor's gradient is the incoming one, and the offset's is
+    the sum over the output (unit after ``1/sqrt(numel)`` with ``constraint=None``)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=generator, requires_grad=True)
+    c = torch.tensor(5.0, requires_grad=True)
+    grad = torch.randn(256, 64, generator=generator)
+    for constraint in ("to_output_scale", None):
+        x.grad = c.grad = None
+        operands = (c, x) if constant_first else (x, c)
+        out = U.add(*operands, alpha=alpha, constraint=constraint)
+        out.backward(grad)
+        x_coefficient = alpha if constant_first else 1.0
+        c_coefficient = 1.0 if constant_first else alpha
+        # the offset moves every element alike: only x's coefficient is undone
+        scale = 1 / abs(x_coefficient)
+        torch.testing.assert_close(out, (c * c_coefficient + x * x_coefficient) * scale)
+        assert out.std().item() == pytest.approx(x.std().item(), rel=1e-5)
+        torch.testing.assert_close(x.grad, grad * x_coefficient * scale)
+        expected = grad.sum() * c_coefficient * scale
+        if constraint is None:
+            expected = grad.sum() / math.sqrt(grad.numel()) * math.copysign(1, c_coefficient)
+        torch.testing.assert_close(c.grad, expected)
+    for shape in ((), (1,), (1, 1)):  # every one-element shape, the reference's std of 1
+        out = U.add(torch.full(shape, 5.0), torch.randn(256, 64, generator=generator))
+        assert out.std().item() == pytest.approx(1.0, rel=TIGHT)
 
 
 def test_add_default_constraint_is_a_true_mean() -> None:

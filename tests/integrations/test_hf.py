@@ -95,6 +95,36 @@ def _losses(trainer: Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+class _TokensAndExtra(_Tokens):
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**super().__getitem__(i), "row": i}  # a column the model does not take
+
+
+@pytest.mark.slow
+def test_trainer_trains_a_unit_scaled_model_with_default_arguments(tmp_path: Path) -> None:
+    """``Trainer`` keeps the dataset columns that ``inspect.signature(model.forward)``
+    names (``remove_unused_columns=True`` by default): a unit-scaled model shows the wrapped
+    model's arguments, so its batches keep ``input_ids`` and ``labels`` (and drop ``row``)
+    rather than arriving empty."""
+    from unitscale.transforms import unit_scale
+
+    model = unit_scale(_model())
+    initial = copy.deepcopy(model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=2, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    assert args.remove_unused_columns
+    trainer = _RecordingTrainer(model=model, args=args, train_dataset=_TokensAndExtra())
+    trainer.train()
+    assert [sorted(inputs) for inputs, _, _ in trainer.seen] == [["input_ids", "labels"]] * 2
+    losses = _losses(trainer)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    pairs = zip(model.parameters(), initial.parameters(), strict=True)
+    assert any(not torch.equal(p, q) for p, q in pairs)  # the optimiser stepped
+
+
 @pytest.mark.slow
 def test_trainer_run_records_track_scales_values_and_keeps_losses(tmp_path: Path) -> None:
     plain = _train(tmp_path / "plain", [], steps=4)
@@ -298,7 +328,6 @@ def _accumulating_run(tmp_path: Path, recipe: bool) -> tuple[dict[str, float], A
         output_dir=str(tmp_path / "trainer"), max_steps=1, per_device_train_batch_size=4,
         gradient_accumulation_steps=4, learning_rate=1e-3, report_to="none",
         save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-        remove_unused_columns=False,  # the transformed model's forward takes **kwargs
         max_grad_norm=0.0,  # no clipping: the callback reads param.grad after it
     )  # fmt: skip
     trainer = _RecordingTrainer(

@@ -14,7 +14,7 @@ from unitscale.models import GPTConfig, plain_gpt
 from unitscale.tracking.records import graph_records
 from unitscale.transforms import track_scales, unit_scale
 
-CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=8)
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=8, aligned_labels=True)
 
 
 def _param_bwd_rms(model: torch.nn.Module) -> dict[str, float]:

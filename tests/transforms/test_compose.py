@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pickle
 from collections.abc import Callable
 
@@ -86,7 +87,8 @@ def test_tracking_a_transformed_module_changes_nothing_and_shows_its_graph() -> 
 
 
 def tiny_gpt(dropout: float = 0.0) -> nn.Module:
-    return plain_gpt(GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout))
+    config = GPTConfig(hidden_size=32, depth=1, heads=2, seq_len=16, dropout=dropout)
+    return plain_gpt(dataclasses.replace(config, aligned_labels=True))  # labels: next tokens
 
 
 @pytest.mark.slow
@@ -264,6 +266,27 @@ def test_transformed_module_behaves_like_a_module(name: str) -> None:
     for key, value in original.state_dict().items():
         assert torch.equal(value, state_before[key]), key
     assert torch.equal(original(ids), out_before)
+
+
+def test_transformed_forward_has_the_wrapped_modules_signature() -> None:
+    """Code that reads a model's arguments off ``inspect.signature(model.forward)`` (the
+    Hugging Face Trainer's column filter) sees the wrapped module's, not ``*args, **kwargs``;
+    ``forward`` still behaves as a bound method, and the class keeps a plain function."""
+    original = tiny_gpt().eval()
+    ids = torch.randint(0, 256, (2, 16))
+    model = unit_scale(original)
+    expected = inspect.signature(original.forward)
+    for clone in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert inspect.signature(clone.forward) == expected
+        assert list(inspect.signature(clone.forward).parameters)[:2] == [
+            "input_ids",
+            "attention_mask",
+        ]
+    assert inspect.isfunction(type(model).forward)
+    assert model.forward.__self__ is model and model.forward.__name__ == "forward"
+    assert inspect.isfunction(model.forward.__func__)
+    assert torch.equal(model.forward(ids), model(ids))
+    assert torch.equal(model.forward.__func__(model, ids), model(ids))
 
 
 # -- a transformed child inside a model transformed again --------------------------------------

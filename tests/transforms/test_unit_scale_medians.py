@@ -105,7 +105,7 @@ def check(
 
 
 def test_unit_scaled_gpt_medians_and_named_outliers() -> None:
-    plain = plain_gpt(GPTConfig(hidden_size=64, depth=2, seq_len=64), seed=0)
+    plain = plain_gpt(GPTConfig(hidden_size=64, depth=2, seq_len=64, aligned_labels=True), seed=0)
     ids = torch.randint(0, 256, (4, 64))
     groups = scales(unit_scale(plain), lambda m: m(ids, labels=ids.roll(-1, dims=1)))
     check(groups, GPT_OUTLIERS, minimum=25)

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from .._compat import dynamo_recompile_limit
 from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError, UnitScaleError
+from ._signature import signed_forward
 
 __all__ = [
     "NOT_INTERCEPTED",
@@ -697,6 +698,7 @@ class TransformedModule(nn.Module):
         self._capture: Capture | None = None
 
     # -- running ---------------------------------------------------------------------------
+    @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from ._functorch import refuse_under_functorch
 

@@ -6,17 +6,17 @@ download) or ``path/to/file.py:factory`` (a function of no arguments returning a
 ``torch.nn.Module``). For the last two the unit-scaled twin is
 ``unitscale.transforms.unit_scale(model)``.
 
-Calling convention of a factory's model: it is called with the keyword arguments of
-:class:`unitscale.data.Batch` that its ``forward`` accepts by name (``input_ids``,
-``attention_mask``, ``labels``), or with ``input_ids`` alone, positionally, if it accepts
-none of them by name. ``input_ids`` is ``(batch, seq)`` int64 bytes; ``labels`` are the
-next-token targets, already shifted (``labels[:, t]`` is ``input_ids[:, t + 1]`` of the
-same text window). The loss is the output if it is a scalar, else its ``loss`` (attribute or
-key), else the mean cross-entropy of its logits (``(batch, seq, vocab)``, alone or as the only
-element of a tuple) against ``labels``. A tuple of several outputs is refused: which of them
-is the loss or the logits cannot be told from their values. Tokens are bytes (0-255), so
-the model's vocabulary must have at least 256 entries; a smaller one is refused with that
-reason. That loss is computed *inside* the module that is
+Calling convention of a factory's model: it is called with those of ``input_ids``,
+``attention_mask`` and ``labels`` that its ``forward`` accepts by name, or with
+``input_ids`` alone, positionally, if it accepts none of them by name. ``input_ids`` is
+``(batch, seq)`` int64 bytes; ``labels`` are the next-token targets, already shifted
+(``labels[:, t]`` is ``input_ids[:, t + 1]`` of the same text window: ``Batch.targets``,
+not the unshifted ``Batch.labels``). The loss is the output if it is a scalar, else its
+``loss`` (attribute or key), else the mean cross-entropy of its logits (``(batch, seq,
+vocab)``, alone or as the only element of a tuple) against ``labels``. A tuple of several
+outputs is refused: which of them is the loss or the logits cannot be told from their
+values. Tokens are bytes (0-255), so the model's vocabulary must have at least 256 entries;
+a smaller one is refused with that reason. That loss is computed *inside* the module that is
 tracked and unit-scaled (:func:`with_loss`): the plain model gets ``F.cross_entropy``, its
 twin the unit-scaled ``U.cross_entropy``, exactly as if the model returned its own loss.
 
@@ -456,7 +456,8 @@ def resolve_models(spec: str, seq_len: int, seed: int) -> list[NamedModel]:
     if spec == "builtin":
         from ..experiments.models import plain_gpt, unit_scaled_gpt
 
-        config = GPTConfig(seq_len=max(GPTConfig().seq_len, seq_len))
+        # labels already shifted, as the command passes them to every "batch" model
+        config = GPTConfig(seq_len=max(GPTConfig().seq_len, seq_len), aligned_labels=True)
         return [
             NamedModel("plain", plain_gpt(config, seed)),
             NamedModel("unit-scaled", unit_scaled_gpt(config, seed)),
@@ -519,7 +520,12 @@ def call_model(entry: NamedModel, model: nn.Module, batch: Batch) -> Tensor:
     """
     owner = entry.forward_owner
     if entry.objective == "batch":
-        values: dict[str, Tensor] = dict(batch)
+        # The command's convention (module docstring): labels already shifted.
+        values: dict[str, Tensor] = {
+            "input_ids": batch.input_ids,
+            "attention_mask": batch.attention_mask,
+            "labels": batch.targets,
+        }
     else:
         values = objective_batch(entry.objective, batch, getattr(owner, "config", None))
     accepted = _batch_arguments(owner.forward)

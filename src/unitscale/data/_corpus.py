@@ -175,17 +175,27 @@ def train_heldout_split(
 class Batch(Mapping[str, Tensor]):
     """A language-modelling batch; a mapping, so ``model(**batch)`` works.
 
+    As a mapping it holds ``input_ids``, ``attention_mask`` and ``labels``, with ``labels``
+    as Hugging Face causal LMs take them: the input ids themselves, which the model shifts
+    (position ``t`` is scored against ``labels[:, t + 1]``). So ``model(**batch)`` gives the
+    right loss for a transformers causal LM and for :func:`unitscale.models.plain_gpt`
+    (which shifts them the same way). ``targets`` (not in the mapping) are the next tokens
+    aligned with ``input_ids``, for models that take already-shifted targets
+    (:class:`unitscale.TransformerDecoder`'s ``labels``): they also score the last position,
+    against the token that follows the window.
+
     Attributes:
         input_ids: ``(batch, seq_len)`` int64 byte tokens.
         attention_mask: ``(batch, seq_len)`` int64 ones (every position is real text).
-        labels: ``(batch, seq_len)`` int64 next-token targets: ``labels[:, t]`` is the token
-            that follows ``input_ids[:, t]`` (already shifted; Hugging Face models expect
-            unshifted labels, i.e. ``labels=input_ids``).
+        labels: ``(batch, seq_len)`` int64, equal to ``input_ids`` (a copy): unshifted.
+        targets: ``(batch, seq_len)`` int64 next-token targets: ``targets[:, t]`` is the
+            token that follows ``input_ids[:, t]`` (already shifted).
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     labels: Tensor
+    targets: Tensor
 
     def __getitem__(self, key: str) -> Tensor:
         if key not in ("input_ids", "attention_mask", "labels"):
@@ -234,7 +244,9 @@ def sample_batch(
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> b = sample_batch(torch.arange(50), 2, 4, g)
-        >>> bool((b.labels[:, :-1] == b.input_ids[:, 1:]).all())
+        >>> bool((b.targets[:, :-1] == b.input_ids[:, 1:]).all())
+        True
+        >>> bool((b.labels == b.input_ids).all())  # unshifted, as transformers takes them
         True
     """
     _check_sizes("sample_batch", tokens, batch_size, seq_len)
@@ -245,7 +257,8 @@ def sample_batch(
     return Batch(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
-        labels=windows[:, 1:].contiguous(),
+        labels=input_ids.clone(),
+        targets=windows[:, 1:].contiguous(),
     )
 
 
@@ -300,7 +313,9 @@ def example_batch(
         path: a text file to use instead of the bundled corpus (CPython's documentation).
 
     Returns:
-        A :class:`Batch` with ``input_ids``, ``attention_mask`` and ``labels``.
+        A :class:`Batch`: ``model(**batch)`` passes ``input_ids``, ``attention_mask`` and
+        ``labels`` (unshifted, as transformers causal LMs take them); ``batch.targets``
+        holds the next tokens aligned with ``input_ids``.
 
     Raises:
         CorpusError: when ``path`` is missing or too short, or a size is not positive.

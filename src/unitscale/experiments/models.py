@@ -4,8 +4,10 @@ Design constraints:
 
 - both models share one frozen :class:`GPTConfig` and one calling convention,
   ``forward(input_ids, attention_mask=None, labels=None)``, returning the mean next-token
-  cross-entropy when ``labels`` (already shifted targets, as :func:`unitscale.data.example_batch`
-  gives them) are passed and the logits otherwise;
+  cross-entropy when ``labels`` are passed and the logits otherwise; ``labels`` are
+  unshifted, as transformers causal LMs take them and ``model(**example_batch(...))`` passes
+  them (the model shifts), or, with ``GPTConfig(aligned_labels=True)``, next-token targets
+  already aligned with ``input_ids`` (``Batch.targets``, what the experiments train on);
 - the plain model is written the way people write GPTs (pre-norm blocks, residual adds as
   ``x = x + ...`` in ``forward``, GPT-2's N(0, 0.02) initialisation) so that scale tracking and
   ``unit_scale`` see ordinary code;
@@ -63,6 +65,12 @@ class GPTConfig:
         position_embedding: give the plain model a learned position embedding (default);
             False builds it without one ("NoPE", causal attention alone tells positions
             apart), the layout of :class:`unitscale.TransformerDecoder`. Unused by the twin.
+        aligned_labels: what ``forward``'s ``labels`` are. False (default): the input ids,
+            shifted inside the model as transformers causal LMs do (position ``t`` scored
+            against ``labels[:, t + 1]``; ``model(**batch)`` of a
+            :class:`~unitscale.data.Batch`). True: next-token targets aligned with
+            ``input_ids`` (``labels[:, t]`` follows ``input_ids[:, t]``; ``Batch.targets``),
+            as :class:`unitscale.TransformerDecoder` takes them.
 
     Example:
         >>> GPTConfig(hidden_size=64).head_size
@@ -78,6 +86,7 @@ class GPTConfig:
     dropout: float = 0.0
     residual_tau: float | None = None
     position_embedding: bool = True
+    aligned_labels: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "depth", "heads", "seq_len", "mlp_ratio"):
@@ -117,6 +126,14 @@ def _check_inputs(model: str, input_ids: Tensor, config: GPTConfig) -> None:
             f"{model}: sequence length {input_ids.shape[1]} exceeds config.seq_len="
             f"{config.seq_len}; build the model with a larger GPTConfig(seq_len=...)"
         )
+
+
+def _next_token_pairs(logits: Tensor, labels: Tensor, config: GPTConfig) -> tuple[Tensor, Tensor]:
+    """``(batch * positions, vocab)`` logits and their targets, from ``labels`` as
+    :attr:`GPTConfig.aligned_labels` says they are (unshifted: one shift here)."""
+    if not config.aligned_labels:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return logits.flatten(0, 1), labels.flatten()
 
 
 def _attention_mask(attention_mask: Tensor | None, seq_len: int, device: torch.device) -> Tensor:
@@ -229,7 +246,9 @@ class PlainGPT(nn.Module):
         Args:
             input_ids: ``(batch, seq)`` token ids.
             attention_mask: optional ``(batch, seq)``, 1 for real tokens, 0 for padding.
-            labels: optional ``(batch, seq)`` next-token targets; -100 marks ignored positions.
+            labels: optional ``(batch, seq)`` labels, unshifted (the input ids) or aligned
+                next-token targets as ``config.aligned_labels`` says; -100 marks ignored
+                positions.
         """
         _check_inputs("PlainGPT", input_ids, self.config)
         seq = input_ids.shape[1]
@@ -245,7 +264,8 @@ class PlainGPT(nn.Module):
         logits = self.lm_head(x)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        flat_logits, targets = _next_token_pairs(logits, labels, self.config)
+        return F.cross_entropy(flat_logits, targets, ignore_index=-100)
 
 
 def plain_gpt(config: GPTConfig | None = None, seed: int = 0) -> PlainGPT:
@@ -332,7 +352,9 @@ class UnitScaledGPT(nn.Module):
         Args:
             input_ids: ``(batch, seq)`` token ids.
             attention_mask: optional ``(batch, seq)`` of ones (padding is not supported).
-            labels: optional ``(batch, seq)`` next-token targets; -100 marks ignored positions.
+            labels: optional ``(batch, seq)`` labels, unshifted (the input ids) or aligned
+                next-token targets as ``config.aligned_labels`` says; -100 marks ignored
+                positions.
 
         Raises:
             ModelConfigError: for a sequence longer than ``config.seq_len`` or a padding mask.
@@ -349,7 +371,8 @@ class UnitScaledGPT(nn.Module):
         logits = self.lm_head(x)
         if labels is None:
             return logits
-        return U.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        flat_logits, targets = _next_token_pairs(logits, labels, self.config)
+        return U.cross_entropy(flat_logits, targets, ignore_index=-100)
 
 
 @disable

@@ -124,8 +124,9 @@ class Schedule:
 
 
 def loss_of(model: Callable[..., Tensor], batch: Batch) -> Tensor:
-    """``model(input_ids, labels=labels)``: every experiment's model returns its mean loss."""
-    return model(batch.input_ids, labels=batch.labels)
+    """``model(input_ids, labels=targets)``: every experiment's model takes next-token
+    targets aligned with ``input_ids`` (``Batch.targets``) and returns its mean loss."""
+    return model(batch.input_ids, labels=batch.targets)
 
 
 def evaluate(model: Callable[..., Tensor], data: Sequence[Batch], grad: bool = True) -> float:
@@ -162,6 +163,7 @@ def _shard(batch: Batch, rank: int, world: int) -> Batch:
         input_ids=batch.input_ids[part],
         attention_mask=batch.attention_mask[part],
         labels=batch.labels[part],
+        targets=batch.targets[part],
     )
 
 

@@ -374,9 +374,14 @@ class TrainConfig:
 
     @property
     def model_config(self) -> GPTConfig:
-        """The :class:`~unitscale.models.GPTConfig` of both model families."""
+        """The :class:`~unitscale.models.GPTConfig` of both model families (labels aligned
+        with ``input_ids``: the runner passes ``Batch.targets``)."""
         return GPTConfig(
-            hidden_size=self.hidden_size, depth=self.depth, heads=self.heads, seq_len=self.seq_len
+            hidden_size=self.hidden_size,
+            depth=self.depth,
+            heads=self.heads,
+            seq_len=self.seq_len,
+            aligned_labels=True,
         )
 
     @property

@@ -130,8 +130,15 @@ def mse_loss(
     The loss value is never scaled. Scaling rule for the gradients, for independent unit
     ``input`` and ``target``: ``d/dinput (input - target)^2 = 2 (input - target)`` has std
     ``2 sqrt(2)``, divided by ``N = numel`` for ``"mean"``; so both gradients are scaled by
-    ``1/(2 sqrt(2))``, times ``N`` for ``"mean"``. No constraint (the gradients are the
-    true ones times that factor).
+    ``1/(2 sqrt(2))``, times ``N`` for ``"mean"`` (``N`` the numel of the broadcast
+    shape). An operand broadcast against the other (a target shared by every example)
+    receives the sum of ``R = N / numel(operand)`` terms ``2 (input - target)`` in which its
+    own value recurs: with a scalar loss (``"mean"``, ``"sum"``) the incoming gradient is
+    the same for every term, so that part adds up coherently and the sum has std
+    ``2 sqrt(R (1 + R))``; with ``"none"`` each term has its own unit incoming gradient and
+    the sum has std ``2 sqrt(2 R)``. Both are ``2 sqrt(2)`` for ``R = 1``, and the
+    operand's gradient is scaled by their inverse. No constraint (the gradients are the
+    true ones times these factors).
 
     Args:
         input: predictions, assumed unit-scaled.
@@ -156,9 +163,18 @@ def mse_loss(
     _reject(op, "reduce", reduce, None, "use reduction=")
     _reject(op, "weight", weight, None, "elementwise weights are not supported")
     _check_reduction(op, reduction)
-    grad_scale = 1.0 / (2.0 * math.sqrt(2.0))
-    if reduction == "mean":
-        grad_scale *= math.prod(torch.broadcast_shapes(input.shape, target.shape))
+    out_numel = math.prod(torch.broadcast_shapes(input.shape, target.shape))
+
+    def grad_scale(operand: Tensor) -> float:
+        repeats = max(out_numel, 1) / max(operand.numel(), 1)
+        if reduction == "none":
+            grad_std = 2.0 * math.sqrt(2.0 * repeats)
+        else:
+            grad_std = 2.0 * math.sqrt(repeats * (1.0 + repeats))
+        return (out_numel if reduction == "mean" else 1.0) / grad_std
+
     return F.mse_loss(
-        scale_bwd(input, grad_scale), scale_bwd(target, grad_scale), reduction=reduction
+        scale_bwd(input, grad_scale(input)),
+        scale_bwd(target, grad_scale(target)),
+        reduction=reduction,
     )

@@ -30,7 +30,18 @@ def add(
     is also multiplied by ``alpha``. Ideal scales: output ``1/sqrt(1 + alpha^2)``, input
     ``1/sqrt(numel(out)/numel(input))``, other ``1/(|alpha| sqrt(numel(out)/numel(other)))``.
     Default ``to_output_scale``: all equal the output scale (true gradients, e.g. std
-    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit. Under data
+    ``1/sqrt(2)`` each for same-shape operands); ``None``: all unit.
+
+    A one-element operand added to a larger tensor (``x + torch.tensor(5.0)``, a scalar
+    parameter) is a constant offset: it moves every element of the sum alike and leaves its
+    standard deviation that of the other operand's term, so the output scale undoes that
+    term's coefficient alone: 1 for ``x + alpha * c`` (not rescaled), ``1/|alpha|`` for
+    ``c + alpha * x``. The offset's gradient is still the sum of ``numel(out)`` terms (ideal
+    scale ``1/sqrt(numel(out))``). An operand of several elements broadcast against
+    the other (a bias of shape ``(features,)``) varies across the elements it is added to,
+    so it counts as an independent unit operand like any other: the rule above (a
+    unit-initialised bias; one initialised at zero leaves the sum at std ``1/sqrt(2)`` until
+    it grows). Under data
     parallelism or gradient accumulation an operand broadcast along dimension 0 of an output
     of 2 or more dimensions counts the whole batch and its gradient is multiplied by the
     data-parallel size (:mod:`unitscale.data_parallel`).
@@ -55,6 +66,8 @@ def add(
         [1.4142135381698608, 1.4142135381698608]
         >>> add(torch.ones(2), 1.0).tolist()
         [2.0, 2.0]
+        >>> add(torch.tensor(5.0), torch.ones(2)).tolist()  # a constant offset: not rescaled
+        [6.0, 6.0]
     """
     return scaled_add(input, other, alpha, constraint, (False, False))
 
@@ -74,7 +87,7 @@ def scaled_add(
     other_shards, other_size = shared_counts(
         shared[1] or broadcast_along_batch(other.shape, out_shape)
     )
-    out_ideal = 1.0 / math.sqrt(1.0 + alpha * alpha)
+    out_ideal = _sum_ideal(input.numel(), other.numel(), alpha)
     input_ideal = _rsqrt(out_numel * input_shards // max(input.numel(), 1))
     other_ideal = (
         _rsqrt(out_numel * other_shards // max(other.numel(), 1)) / abs(alpha)
@@ -88,6 +101,16 @@ def scaled_add(
     other = _prescale(other, other_scale * other_size, out_scale)
     summed = input + other if alpha == 1 else torch.add(input, other, alpha=alpha)
     return _finish(summed, out_scale)
+
+
+def _sum_ideal(input_numel: int, other_numel: int, alpha: float) -> float:
+    """The ideal output scale of ``input + alpha * other`` (see :func:`add`): a one-element
+    operand beside a larger one is a constant offset, which leaves the other's scale."""
+    if input_numel == 1 and other_numel > 1:
+        return 1.0 / abs(alpha) if alpha != 0 else 1.0
+    if other_numel == 1 and input_numel > 1:
+        return 1.0
+    return 1.0 / math.sqrt(1.0 + alpha * alpha)
 
 
 def _check_tau(op: str, tau: float) -> None:

@@ -15,7 +15,8 @@
    its resume function are compiled once and reused for every layer), each depth runs a
    variant of the graph rewritten with its own taus (:meth:`UnitScalePass.variant_key`).
 2. **Op replacement.** Every call of a function in ``unitscale.functional.torch_map``
-   (updated with ``replace``) whose result is a floating-point tensor is replaced by its
+   (updated with ``replace``; a user's own function among its keys is kept as one op by
+   Dynamo, see ``_user_ops.py``) whose result is a floating-point tensor is replaced by its
    unit-scaled equivalent; ``Tensor`` methods are looked up as ``getattr(torch.Tensor, name)``.
    An addition that is not a residual add becomes ``U.add`` only if its operands are two
    float tensors neither of which is computed from the other (``U.add`` assumes independent
@@ -84,6 +85,7 @@ from ._rewrite import (
     parameter_nodes,
     placeholder_names,
 )
+from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
     "ResidualTau",
@@ -212,11 +214,11 @@ def _check_replace(
             known = key in domain
         except TypeError:  # unhashable
             known = False
-        if not known:
+        if not known and not is_user_function(key):
             raise UnknownOpError(
                 f"unitscale.unit_scale: replace key {_op_name(key)} is not an op that "
                 "unit_scale replaces; use a key of unitscale.functional.torch_map, e.g. "
-                "torch.nn.functional.gelu"
+                "torch.nn.functional.gelu, or a Python function of your own (kept as one op)"
             )
         if not callable(value):
             raise UnknownOpError(
@@ -276,6 +278,8 @@ class UnitScalePass(RewritePass):
         readout_weight: str | None = None,
     ) -> None:
         self.replace = _check_replace(replace)
+        # The user's own functions among the keys: one op each in the graph while we run.
+        self._kept = KeptWhole(k for k in self.replace if is_user_function(k))
         self.residual_tau = residual_tau if residual_tau is not None else ResidualTau()
         self.readout_weight = readout_weight
         #: Qualified names of the parameters ``unit_scale`` re-initialised (for warnings).
@@ -289,7 +293,15 @@ class UnitScalePass(RewritePass):
     def without_state(self) -> UnitScalePass:
         clone = copy.copy(self)
         clone._counted = None
+        clone._kept = KeptWhole(self._kept.functions)
         return clone
+
+    def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        self._kept.enter()  # the user's functions of replace: kept whole by Dynamo
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        self._kept.exit()
+        super().after_call(module, capture, output)
 
     def scoped(self, prefix: str) -> UnitScalePass:
         """This pass for the submodule ``prefix`` only: its parameter names gain the prefix."""
@@ -773,9 +785,12 @@ def unit_scale(
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
             format-simulated or compiled).
         replace: ``{torch function: replacement}`` entries that override or extend
-            ``torch_map``; each key must be a key of ``torch_map`` and each value a callable
-            taking the same arguments (map a function to itself to leave it as it is).
-            Use module-level functions if the result is to be pickled.
+            ``torch_map``; each key must be a key of ``torch_map`` or a Python function of
+            your own (a hand-written GELU: while the model runs, TorchDynamo keeps each
+            call of it as one op, rather than tracing into it, so that the call is
+            replaced whole), and each value a callable taking the same arguments (map a
+            function to itself to leave it as it is). Use module-level functions if the
+            result is to be pickled.
         mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: the depth rule of
             :class:`ResidualTau`).
@@ -785,7 +800,9 @@ def unit_scale(
         into it, though unit-scaled ops expect unit-scaled weights).
 
     Raises:
-        UnknownOpError: a ``replace`` key is not in ``torch_map`` or a value is not callable.
+        UnknownOpError: a ``replace`` key is neither in ``torch_map`` nor a Python function
+            of the user's (e.g. a torch op ``unit_scale`` does not know), or a value is not
+            callable.
         CaptureError: ``module`` is not a module, is compiled, tracked, already unit-scaled
             or format-simulated, or holds a submodule that is (the error names it); or
             TorchDynamo cannot capture it (at the first call).

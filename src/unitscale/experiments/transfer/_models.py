@@ -29,6 +29,7 @@ def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module
         heads=width // HEAD_SIZE,
         seq_len=config.seq_len,
         position_embedding=False,
+        aligned_labels=True,  # the runner passes Batch.targets
     )
     return plain_gpt(gpt, seed=config.seed)
 
@@ -41,7 +42,7 @@ def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
 
 class _CausalLMLoss(nn.Module):
     """A transformers causal LM that returns the mean cross-entropy of its logits against
-    already-shifted ``labels`` (the runner's :class:`~unitscale.experiments.data.Batch`).
+    already-shifted ``labels`` (the runner passes ``Batch.targets``).
 
     The loss is computed inside ``forward`` so that :func:`~unitscale.transforms.unit_scale`
     makes it the unit-scaled ``U.cross_entropy`` (as it does for the built-in decoder), and
@@ -167,8 +168,8 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
 
     Every model has ``width / 32`` heads of 32, ``depth`` pre-norm blocks, a final norm, an
     untied readout, a 256-byte vocabulary and no learned position embedding, and takes
-    ``model(input_ids, labels=labels)`` (labels already shifted) and returns the mean
-    cross-entropy. The weight matrices of the two parametrisations of a model family have
+    ``model(input_ids, labels=targets)`` (``Batch.targets``, already shifted) and returns the
+    mean cross-entropy. The weight matrices of the two parametrisations of a model family have
     the same shapes; what differs is the parametrisation:
 
     - ``builtin``: ``standard`` is :class:`unitscale.models.PlainGPT`
