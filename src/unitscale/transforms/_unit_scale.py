@@ -765,7 +765,10 @@ def unit_scale(
     tagged ``"weight"`` (its true role). The attention's logit scale is the model's own
     (``1/sqrt(d_head)`` in transformers models): a constant when, as usual, the head size
     stays fixed as the width grows. ``mup=False``: plain unit scaling (the head a
-    unit-scaled linear tagged ``"weight"``, tied weights kept tied).
+    unit-scaled linear tagged ``"weight"``), its head untied from the input embedding too:
+    where the residual stream still holds a token's own embedding row (gemma multiplies its
+    embedding by ``sqrt(width)``), a tied head gives that row a logit of up to
+    ``sqrt(width)`` against unit-scale others, so the initial loss is not ``ln(vocab)``.
 
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
@@ -804,10 +807,13 @@ def unit_scale(
     checked = _check_replace(replace)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
-    readout = _readout_name(result.module) if mup else None
-    if readout is not None:
-        _untie_readout(result.module, readout)
-        graph_pass.readout_weight = readout
+    head = _readout_name(result.module)
+    if head is not None:
+        # Untied with or without u-muP: a tied head gives each token's own embedding row a
+        # logit of up to sqrt(width), which dominates the unit-scale others (see unit_scale).
+        _untie_readout(result.module, head)
+    readout = head if mup else None
+    graph_pass.readout_weight = readout
     graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
     # Parameters not owned by a module re-initialised above may turn out, at capture, to be
     # matmul weights (x @ self.W): remember their versions to re-initialise them then.
