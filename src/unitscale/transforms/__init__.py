@@ -2,9 +2,11 @@
 
 from ..tracking import (
     Metrics,
+    TrackingCoverage,
     prune_non_float_tensors,
     prune_same_scale_tensors,
     prune_selected_nodes,
+    tracking_coverage,
 )
 from ._compile import compile
 from ._simulate import (
@@ -25,6 +27,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "prune_same_scale_tensors",
     "prune_selected_nodes",
     "track_scales",
+    "TrackingCoverage",
+    "tracking_coverage",
     # automatic unit scaling
     "ResidualTau",
     "UnknownOpError",
