@@ -19,6 +19,7 @@ from ._simulate import (
 )
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
+from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
 
 __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     # scale tracking
@@ -33,6 +34,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "ResidualTau",
     "UnknownOpError",
     "unit_scale",
+    "UnitScaleSummary",
+    "unit_scale_summary",
     # number-format simulation
     "FP8_RECIPES",
     "FP8Recipe",

@@ -83,6 +83,7 @@ from ._rewrite import (
     parameter_nodes,
     placeholder_names,
 )
+from ._unit_scale_summary import classify, log_left_as_is
 
 __all__ = [
     "ResidualTau",
@@ -369,8 +370,14 @@ class UnitScalePass(RewritePass):
             "replaced": [n.name for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
+            # the other float ops: left as they are, or scale-neutral (see unit_scale_summary)
+            **classify(graph, rewritten, in_scope),
         }
         return gm
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        super().after_call(module, capture, output)
+        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
 
     def _rewrite_residual_adds(
         self,
