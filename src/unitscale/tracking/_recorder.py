@@ -40,11 +40,12 @@ from ..capture import (
     example_value,
     is_float_node,
     iter_tensors,
+    outside_inputs,
+    received_parameters,
     trace_eagerly,
     warn_user,
 )
 from . import _distributed
-from ._coverage import outside_inputs, received_parameters
 from ._join import _Joined, build_scales_graph
 from ._read import _Stats
 from .metrics import _mode, deferred_stats, fast_stats
