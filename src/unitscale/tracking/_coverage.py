@@ -79,12 +79,11 @@ def tracking_coverage(module: nn.Module) -> TrackingCoverage:
     from ._recorder import TrackScalesPass
 
     track = module.pass_of_type(TrackScalesPass) if isinstance(module, TransformedModule) else None
-    if track is None:
+    if not isinstance(module, TransformedModule) or not isinstance(track, TrackScalesPass):
         raise UnitScaleError(
             f"tracking_coverage: {type(module).__name__} is not tracked; pass a model "
             "returned by unitscale.transforms.track_scales"
         )
-    assert isinstance(track, TrackScalesPass)
     capture = module.capture
     if capture is None or not capture.last_trace:
         raise UnitScaleError(
