@@ -71,6 +71,7 @@ def tracking_coverage(module: nn.Module) -> TrackingCoverage:
 
     Example:
         >>> from unitscale.transforms import track_scales
+        >>> import torch
         >>> tracked = track_scales(torch.nn.Linear(4, 2))
         >>> _ = tracked(torch.ones(3, 4))
         >>> tracking_coverage(tracked).complete
