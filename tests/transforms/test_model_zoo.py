@@ -11,10 +11,16 @@ untracked model's under the same seed, and every parameter that gets a gradient 
 and backward statistics; ``unit_scale`` tags every parameter for u-μP and keeps the
 parameter names; ``simulate_fp8`` of it changes the loss (FP8 rounding really happens) by
 less than 5%.
+
+Nothing is skipped silently: for each transform, :data:`UNSAID` holds a check that lists the
+ops (or parameters) the transform neither handled nor reported; it must list none. A
+transform that reports what it skips adds its check there (``simulate_fp8``: the rounded and
+not-rounded ops of its summary, once it has one).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +28,15 @@ import pytest
 import torch
 from torch import nn
 
+from unitscale.capture import TransformedModule
 from unitscale.parameter import has_mup_tags
-from unitscale.transforms import simulate_fp8, track_scales, unit_scale
+from unitscale.transforms import (
+    simulate_fp8,
+    track_scales,
+    tracking_coverage,
+    unit_scale,
+    unit_scale_summary,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,6 +137,62 @@ def _loss_and_grads(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Ten
     return loss.detach(), grads
 
 
+def _float_ops(graph: torch.fx.Graph) -> list[str]:
+    """Names of the op nodes of a captured graph (as Dynamo gave it) with a float output."""
+    found = []
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op.startswith("call_") and isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                found.append(node.name)
+    return found
+
+
+def _unit_scale_unsaid(model: TransformedModule) -> list[str]:
+    """Float ops of ``unit_scale``'s graphs that are neither replaced, nor reported as left
+    as they are, nor scale-neutral; and the ops it left as they are if nothing said so."""
+    unsaid = []
+    summary = unit_scale_summary(model)
+    assert model.capture is not None
+    for invocation in model.capture.last_trace:
+        data = invocation.piece.data["unit_scale"]
+        said = set(data["replaced"]) | {name for name, *_ in data["residual_adds"]}
+        said |= {name for name, _ in data["left_as_is"]} | set(data["scale_neutral"])
+        if data["left_as_is"] and not data.get("reported"):
+            unsaid.extend(f"{name} (not logged)" for name, _ in data["left_as_is"])
+        unsaid.extend(name for name in _float_ops(invocation.piece.graph) if name not in said)
+    assert len(summary.left_as_is) == sum(
+        len(inv.piece.data["unit_scale"]["left_as_is"]) for inv in model.capture.last_trace
+    )
+    return unsaid
+
+
+def _track_scales_unsaid(model: TransformedModule) -> list[str]:
+    """Parameters that got a gradient but have no node in ``scales_graph()``, unless
+    ``tracking_coverage`` reports them (the call also warned: the suite makes that fail)."""
+    graph = model.scales_graph()
+    nodes = {n.meta["clean_name"] for n in graph.nodes if n.op == "placeholder"}
+    reported = set(tracking_coverage(model).missing_parameters)
+    used = [n for n, p in model.named_parameters() if p.grad is not None]
+    return [n for n in used if n not in nodes and n not in reported]
+
+
+#: Per transform, what it skipped without saying so (see the module docstring).
+UNSAID: dict[str, Callable[[TransformedModule], list[str]]] = {
+    "unit_scale": _unit_scale_unsaid,
+    "track_scales": _track_scales_unsaid,
+}
+
+
+def _call_strictly(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The model's loss; a transform's UserWarning (an op it could not handle) fails."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", category=UserWarning, message=r"(unit_scale|track_scales|simulate_)"
+        )
+        return model(**inputs).loss
+
+
 @pytest.fixture(params=list(CASES))
 def case(request: pytest.FixtureRequest) -> tuple[str, nn.Module, dict[str, torch.Tensor]]:
     build, make_inputs = CASES[request.param]
@@ -158,6 +227,8 @@ def test_tracking_is_whole_and_bit_identical(
         assert metrics.bwd.numel == expected_grads[key].numel(), (name, key)
     float_nodes = [n for n in graph.nodes if n.meta.get("outputs_float_tensor")]
     assert all(n.meta["metrics"].fwd is not None for n in float_nodes), name
+    assert tracking_coverage(tracked).complete, (name, str(tracking_coverage(tracked)))
+    assert not UNSAID["track_scales"](tracked), name
 
 
 def test_unit_scale_and_fp8_simulation(
@@ -166,6 +237,8 @@ def test_unit_scale_and_fp8_simulation(
     name, model, inputs = case
     _known_failure(request, "fp8", name)
     scaled = unit_scale(model)
+    _call_strictly(scaled, inputs)
+    assert not UNSAID["unit_scale"](scaled), name
     loss, grads = _loss_and_grads(scaled, inputs)
     assert torch.isfinite(loss), name
     assert all(torch.isfinite(g).all() for g in grads.values()), name
@@ -179,5 +252,7 @@ def test_unit_scale_and_fp8_simulation(
 
     fp8 = simulate_fp8(scaled)
     fp8_loss, _ = _loss_and_grads(fp8, inputs)
+    if "simulate_fp8" in UNSAID:
+        assert not UNSAID["simulate_fp8"](fp8), name
     assert not torch.equal(fp8_loss, loss), name  # the operands were really rounded
     assert abs(fp8_loss - loss) / loss < 0.05, (name, fp8_loss.item(), loss.item())

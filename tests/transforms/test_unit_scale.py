@@ -603,12 +603,47 @@ def test_unit_scale_without_mup_is_plain_unit_scaling() -> None:
     torch.manual_seed(0)
     model = unit_scale(TiedLM(), mup=False)
     logits = model(torch.randint(0, 64, (8, 64)))
-    # a unit-scaled linear (1/sqrt(fan_in)), not u-muP's 1/fan_in: std ~1 (1.7 here: each
-    # token's own embedding row is in the tied head)
-    assert 0.7 < logits.std().item() < 3.0
+    # a unit-scaled linear (1/sqrt(fan_in)), not u-muP's 1/fan_in: unit logits
+    assert logits.std().item() == pytest.approx(1.0, rel=0.2)
     inner = model.module
-    assert inner.head.weight is inner.embed.weight  # still tied
+    # untied as under u-muP: tied, each token's own embedding row would score ~sqrt(width)
+    assert inner.head.weight is not inner.embed.weight
     assert inner.head.weight.mup_type == "weight"  # applied as a hidden weight is
+
+
+def _tiny_gemma(family: str, vocab: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class = {
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[family]
+    config = config_class(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=vocab, use_cache=False,
+    )  # fmt: skip
+    assert config.tie_word_embeddings  # the family's default: input and output tied
+    return model_class(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_unit_scale_without_mup_gives_a_tied_gemma_the_initial_loss_of_unit_logits(
+    family: str,
+) -> None:
+    """Plain unit scaling: unit-variance logits, whose cross-entropy is ln(vocab) + 1/2 in
+    expectation (E[logsumexp] of V i.i.d. N(0, 1) logits is ln(V) + 1/2)."""
+    from unitscale.transforms import unit_scale
+
+    vocab = 512
+    torch.manual_seed(0)
+    model = _tiny_gemma(family, vocab)
+    ids = torch.randint(0, vocab, (4, 32))
+    scaled = unit_scale(model, mup=False)
+    loss = scaled(input_ids=ids, labels=ids).loss.item()
+    # tied, the head scored each token's own row at up to sqrt(64) = 8: a loss near 8
+    assert loss == pytest.approx(math.log(vocab) + 0.5, abs=0.3), family
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 def test_unit_scale_gives_hf_conv1d_its_fan_in() -> None:

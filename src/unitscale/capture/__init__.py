@@ -26,6 +26,7 @@ from ._core import (
 )
 from ._eager import trace_eagerly
 from ._naming import function_name, readable_name
+from ._outside import outside_inputs, received_parameters
 
 __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # transformed modules and their passes
@@ -39,6 +40,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "Capture",
     "Invocation",
     "Piece",
+    "outside_inputs",
+    "received_parameters",
     "trace_eagerly",
     # helpers for passes
     "example_value",

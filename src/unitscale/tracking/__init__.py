@@ -4,6 +4,7 @@
 This layer collects and returns tables and records; drawing and TensorBoard export are
 :mod:`unitscale.analysis` functions of them (see :class:`ScaleMonitor`)."""
 
+from ._coverage import TrackingCoverage, tracking_coverage
 from ._join import build_scales_graph
 from ._recorder import TrackScalesPass
 from .metrics import (
@@ -37,6 +38,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     # recording
     "TrackScalesPass",
     "build_scales_graph",
+    "TrackingCoverage",
+    "tracking_coverage",
     # records of a tracked graph
     "ScaleRecord",
     "TensorRow",

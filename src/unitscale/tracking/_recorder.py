@@ -40,6 +40,8 @@ from ..capture import (
     example_value,
     is_float_node,
     iter_tensors,
+    outside_inputs,
+    received_parameters,
     trace_eagerly,
     warn_user,
 )
@@ -74,6 +76,9 @@ class TrackScalesPass(GraphPass):
         #: "dynamo", or "eager" once Dynamo failed to capture a call whole.
         self.engine = "dynamo"
         self._partial = ""
+        #: Values the last Dynamo-recorded call's graphs received from code run outside them
+        #: (see :func:`~unitscale.tracking._coverage.outside_inputs`).
+        self.outside: list[str] = []
         self._warned = False
         self._handles: list[Any] = []
         #: (hook dict of a tensor, our hook in it): gradient hooks added without a handle.
@@ -227,18 +232,30 @@ class TrackScalesPass(GraphPass):
 
         out, _, invocation = trace_eagerly(module.module, args, kwargs, self.record, set_current)
         capture.last_trace = [invocation]
+        self.outside = []  # the eager tracer records every op
         return out
 
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
-        """Note whether ops ran outside the captured graphs (see :meth:`intercept_call`)."""
+        """Note whether ops ran outside the captured graphs (see :meth:`intercept_call`):
+        an output, or a value a later graph received, that no captured graph computed."""
         self._partial = ""
+        self.outside = []
         if not self.enabled:
             return
-        # Ids of tensors alive for the whole call (its arguments, the parameters): an output
-        # that is one of them was not computed. (Ids of pieces' inputs may be reused by now.)
-        # Collected only for an output no graph produced (walking the parameters at every
+        # Ids of tensors alive for the whole call (its arguments, the parameters and
+        # buffers): such a tensor was not computed. (Ids of pieces' inputs may be reused by
+        # now, but not these.) Collected only when needed (walking the parameters at every
         # call costs about 1% of a tiny model's tracked step).
         known: set[int] | None = None
+
+        def known_ids() -> set[int]:
+            nonlocal known
+            if known is None:
+                inner = module.module
+                known = set(self._call_inputs) | {id(p) for p in inner.parameters()}
+                known.update(id(b) for b in inner.buffers())
+            return known
+
         missing = 0
         for tensor in iter_tensors(output):
             if not tensor.is_floating_point():
@@ -246,22 +263,40 @@ class TrackScalesPass(GraphPass):
             hit = capture.produced.get(id(tensor))
             if hit is not None and hit[0]() is tensor:
                 continue
-            if known is None:
-                known = set(self._call_inputs) | {id(p) for p in module.module.parameters()}
-            if id(tensor) not in known:
+            if id(tensor) not in known_ids():
                 missing += 1
+        reasons = []
         if missing:
-            self._partial = (
+            reasons.append(
                 f"{missing} floating-point output(s) of {type(module.module).__name__} were "
-                "computed outside the graphs TorchDynamo captured (it ran some code eagerly: "
-                "a graph break inside a loop, or a skipped function)"
+                "computed outside the graphs TorchDynamo captured"
             )
-            if len(module.passes) > 1 and not self._warned:
-                self._warned = True
-                warn_user(
-                    f"track_scales: {self._partial}; the ops computing them are missing from "
-                    "scales_graph()"
-                )
+        self.outside = outside_inputs(capture, known_ids)
+        if self.outside:
+            shown = ", ".join(self.outside[:4]) + (" ..." if len(self.outside) > 4 else "")
+            reasons.append(
+                f"{len(self.outside)} value(s) entering captured graphs were computed outside "
+                f"them ({shown})"
+            )
+        if not reasons:
+            return
+        self._partial = (
+            " and ".join(reasons) + " (TorchDynamo ran some code eagerly: a graph break "
+            "inside a loop, a data-dependent shape, or a skipped function)"
+        )
+        if len(module.passes) > 1 and not self._warned:
+            self._warned = True
+            params = {n for n, _ in module.module.named_parameters()}
+            outside = sorted(params - received_parameters(capture))
+            listed = ", ".join(outside[:8]) + (
+                f" and {len(outside) - 8} more" if len(outside) > 8 else ""
+            )
+            warn_user(
+                f"track_scales: {self._partial}; the ops computing them are missing from "
+                "scales_graph()"
+                + (f", and these parameters have no node there: {listed}" if outside else "")
+                + "; unitscale.transforms.tracking_coverage(model) lists them"
+            )
 
     def release_hooks(self) -> None:
         """Remove the gradient hooks of the last recorded call.

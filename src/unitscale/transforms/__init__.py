@@ -2,9 +2,11 @@
 
 from ..tracking import (
     Metrics,
+    TrackingCoverage,
     prune_non_float_tensors,
     prune_same_scale_tensors,
     prune_selected_nodes,
+    tracking_coverage,
 )
 from ._compile import compile
 from ._simulate import (
@@ -17,6 +19,7 @@ from ._simulate import (
 )
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
+from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
 
 __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     # scale tracking
@@ -25,10 +28,14 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "prune_same_scale_tensors",
     "prune_selected_nodes",
     "track_scales",
+    "TrackingCoverage",
+    "tracking_coverage",
     # automatic unit scaling
     "ResidualTau",
     "UnknownOpError",
     "unit_scale",
+    "UnitScaleSummary",
+    "unit_scale_summary",
     # number-format simulation
     "FP8_RECIPES",
     "FP8Recipe",

@@ -21,6 +21,7 @@ from ..capture import (
     TransformedModule,
     identifier,
     iter_tensors,
+    outside_inputs,
 )
 
 __all__ = [
@@ -145,21 +146,44 @@ def warn_uncaptured(
     op: str,
     consequence: str,
     reinitialised: Collection[str] = (),
+    call_inputs: Collection[int] = (),
 ) -> bool:
-    """Warn (once per call site; returns whether it did) about outputs computed eagerly.
+    """Warn (once per call site; returns whether it did) about outputs, or values entering a
+    later graph, computed eagerly (``call_inputs``: ids of the call's tensors).
 
     The message says what was transformed (the captured graphs), what was not (the
     parameters no captured graph received: their ops ran as written) and which of those
     ``reinitialised`` names (weights ``unit_scale`` re-initialised) are among them.
     """
     missing = uncaptured_outputs(capture, output)
-    if not missing:
+    known: set[int] = set()
+
+    def known_ids() -> set[int]:
+        if not known:
+            inner = capture.owner_module
+            known.update(call_inputs, (id(p) for p in inner.parameters()))
+            known.update(id(b) for b in inner.buffers())
+            for other in module.passes:  # track_scales hands the forward aliases of inputs
+                known.update(getattr(other, "_call_inputs", ()))
+        return known
+
+    outside = outside_inputs(capture, known_ids)
+    if not missing and not outside:
         return False
     graphs = len({id(invocation.piece) for invocation in capture.trace})
+    computed = []
+    if missing:
+        computed.append(
+            f"{missing} floating-point output(s) of {type(module.module).__name__} were"
+        )
+    if outside:
+        computed.append(
+            f"{len(outside)} value(s) entering captured graphs ({_listed(outside, 4)}) were"
+        )
     message = (
-        f"{op}: {missing} floating-point output(s) of {type(module.module).__name__} were "
-        "computed outside the graphs TorchDynamo captured (code it ran eagerly around a graph "
-        f"break, or a skipped function); {consequence}. "
+        f"{op}: {' and '.join(computed)} computed outside the graphs TorchDynamo captured "
+        "(code it ran eagerly around a graph break, a data-dependent shape, or a skipped "
+        f"function); {consequence}. "
     )
     if graphs:
         message += f"Transformed: the ops of the {graphs} captured graph(s)"
@@ -192,6 +216,9 @@ class RewritePass(GraphPass):
     #: What it means for the outputs computed outside the graphs, for the warning.
     uncaptured_consequence: ClassVar[str]
 
+    def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        self._call_inputs = [id(t) for t in iter_tensors((args, kwargs))]
+
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         if not getattr(self, "_warned", False):
             self._warned = warn_uncaptured(
@@ -201,4 +228,5 @@ class RewritePass(GraphPass):
                 self.transform_name,
                 self.uncaptured_consequence,
                 reinitialised=getattr(self, "reinitialised", ()),
+                call_inputs=getattr(self, "_call_inputs", ()),
             )

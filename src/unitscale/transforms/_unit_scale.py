@@ -85,6 +85,7 @@ from ._rewrite import (
     parameter_nodes,
     placeholder_names,
 )
+from ._unit_scale_summary import classify, log_left_as_is
 from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
@@ -383,8 +384,14 @@ class UnitScalePass(RewritePass):
             "replaced": [n.name for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
+            # the other float ops: left as they are, or scale-neutral (see unit_scale_summary)
+            **classify(graph, rewritten, in_scope),
         }
         return gm
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        super().after_call(module, capture, output)
+        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
 
     def _rewrite_residual_adds(
         self,
@@ -779,7 +786,10 @@ def unit_scale(
     tagged ``"weight"`` (its true role). The attention's logit scale is the model's own
     (``1/sqrt(d_head)`` in transformers models): a constant when, as usual, the head size
     stays fixed as the width grows. ``mup=False``: plain unit scaling (the head a
-    unit-scaled linear tagged ``"weight"``, tied weights kept tied).
+    unit-scaled linear tagged ``"weight"``), its head untied from the input embedding too:
+    where the residual stream still holds a token's own embedding row (gemma multiplies its
+    embedding by ``sqrt(width)``), a tied head gives that row a logit of up to
+    ``sqrt(width)`` against unit-scale others, so the initial loss is not ``ln(vocab)``.
 
     Args:
         module: any ``torch.nn.Module`` TorchDynamo can capture (plain, not yet tracked,
@@ -823,10 +833,13 @@ def unit_scale(
     checked = _check_replace(replace)
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
-    readout = _readout_name(result.module) if mup else None
-    if readout is not None:
-        _untie_readout(result.module, readout)
-        graph_pass.readout_weight = readout
+    head = _readout_name(result.module)
+    if head is not None:
+        # Untied with or without u-muP: a tied head gives each token's own embedding row a
+        # logit of up to sqrt(width), which dominates the unit-scale others (see unit_scale).
+        _untie_readout(result.module, head)
+    readout = head if mup else None
+    graph_pass.readout_weight = readout
     graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
     # Parameters not owned by a module re-initialised above may turn out, at capture, to be
     # matmul weights (x @ self.W): remember their versions to re-initialise them then.
