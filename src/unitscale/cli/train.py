@@ -296,7 +296,8 @@ def _train(
         results = {}
         for name in config.runs:
             results[name] = training.train_run(name, seed_config, progress=not args.no_progress)
-            progress(f"{name} (seed {seed}): done in {results[name].seconds:.0f}s")
+            which = f"{name} (seed {seed})" if len(seeds) > 1 else name
+            progress(f"{which}: done in {results[name].seconds:.0f}s")
         by_seed[seed] = results
         if is_rank_zero() and len(seeds) > 1:
             folder = out / f"seed{seed}"
