@@ -37,8 +37,9 @@ class FP8Summary:
 
     Attributes:
         transform: the transform (``"simulate_fp8"``, ``"simulate_format"``, ``"to_fp8"``).
-        converted: the ops in FP8, as ``<module path>: <graph node>`` (the node alone for
-            an op of the top-level module), in graph order.
+        converted: the ops in FP8, as ``<module path>: <op> (<graph node>)`` (no path for
+            an op of the top-level module, no node name where it is the op's), in graph
+            order.
         not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
             precision (outside the ``ops`` scope, no floating-point operand, or not
             recognised).
@@ -107,8 +108,8 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
         >>> from unitscale.transforms import simulate_fp8
         >>> model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), ops="linear")
         >>> _ = model(torch.ones(3, 4))
-        >>> fp8_summary(model).converted
-        ('0: linear', '1: linear_1')
+        >>> fp8_summary(model).converted  # module path: op (graph node)
+        ('0: linear (input_1)', '1: linear (input_2)')
     """
     if not isinstance(module, TransformedModule):
         raise UnitScaleError(

@@ -55,7 +55,14 @@ from ..capture import (
 )
 from ..errors import UnitScaleError
 from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
-from ._fp8_ops import OPS_SCOPES, OpsScope, grouped_operands, is_linear, looks_matmul_like
+from ._fp8_ops import (
+    OPS_SCOPES,
+    OpsScope,
+    grouped_operands,
+    is_linear,
+    looks_matmul_like,
+    target_name,
+)
 from ._fp8_summary import record
 from ._rewrite import (
     RewritePass,
@@ -484,6 +491,7 @@ class SimulateFormatPass(RewritePass):
         quantised: list[tuple[str, str]],
     ) -> None:
         """Round each floating-point operand in ``slots`` of ``node``, then its output gradient."""
+        operand: Any
         for position, keyword in slots:
             if position < len(node.args):
                 operand = node.args[position]
@@ -621,9 +629,12 @@ _UNRECOGNISED = "not recognised as a matmul-like op: runs unrounded"
 
 
 def _op_label(node: fx.Node, module_names: dict[int, str]) -> str:
-    """``<module path>: <node>`` (the node alone at the top level), as summaries name ops."""
+    """``<module path>: <op> (<node>)`` as summaries name ops: the module path left out at
+    the top level, the graph node's name where it is not the op's (``0: linear (input_1)``)."""
     path = module_path_of(node, module_names)
-    return f"{path}: {node.name}" if path else node.name
+    op = target_name(node.target).rsplit("::", 1)[-1]
+    label = op if node.name.startswith(op) else f"{op} ({node.name})"
+    return f"{path}: {label}" if path else label
 
 
 def _check_format(argument: str, value: Any) -> FPFormat:
