@@ -5,6 +5,7 @@ matmuls), the summary of what it rounded, and torchao's recipe on the built-in G
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from collections import Counter
 from typing import Any
@@ -231,3 +232,12 @@ def test_moe_grouped_matmuls_are_rounded(name: str) -> None:
 def _ids() -> dict[str, Tensor]:
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids}
+
+
+def test_summary_is_logged_once_at_capture(caplog: pytest.LogCaptureFixture) -> None:
+    fp8 = simulate_fp8(nn.Linear(2, 2), ops="linear")
+    with caplog.at_level(logging.INFO, logger="unitscale"):
+        fp8(torch.ones(1, 2))
+        fp8(torch.ones(1, 2))  # the same graph: not captured again, not logged again
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("simulate_fp8")]
+    assert lines == ["simulate_fp8: 1 op(s) in FP8, every matmul-like op (graph 0)"]

@@ -931,12 +931,13 @@ def _fp16_lines(results: dict[str, RunResult], config: TrainConfig) -> list[str]
 
 
 def scaled_fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
-    """Per FP8 run with per-tensor scales and its FP32 run: ``(train, held-out)`` gap."""
+    """Per FP8 run with per-tensor scales (or in real FP8) and its FP32 run: ``(train,
+    held-out)`` gap."""
     gaps = {}
     for name, r in results.items():
         kind = _kind(name)
         fp32 = results.get(kind.baseline) if kind.baseline is not None else None
-        if kind.scaling not in ("", "none") and fp32 is not None:
+        if (kind.scaling not in ("", "none") or kind.real) and fp32 is not None:
             gaps[name] = (
                 _relative(r.final_train_loss, fp32.final_train_loss),
                 _relative(r.final_heldout_loss, fp32.final_heldout_loss),
@@ -979,8 +980,10 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
         )
     for name, (train_gap, heldout_gap) in scaled_fp8_gaps(results).items():
         kind = _kind(name)
+        how = "real FP8 (to_fp8)" if kind.real else "simulated FP8"
+        scaled = "no" if kind.scaling == "none" else kind.scaling
         lines.append(
-            f"{kind.family} in simulated FP8 with {kind.scaling} scaling ({name}) vs FP32: "
+            f"{kind.family} in {how} with {scaled} scaling ({name}) vs FP32: "
             f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
     lines += _fp16_lines(results, config)

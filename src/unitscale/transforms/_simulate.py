@@ -16,10 +16,14 @@ every operand (weights included) to E5M2 instead: an earlier, harsher simulation
 Matmul-like ops (:data:`MATMUL_OPERANDS`): ``F.linear`` (input and weight, not bias),
 ``matmul``/``mm``/``bmm``/``@``, ``addmm``/``baddbmm``/``addbmm`` (the two matrices),
 ``einsum`` (every tensor operand), ``conv1d/2d/3d`` and their transposes (input and weight),
-``F.scaled_dot_product_attention`` (query, key and value, not the mask), and their
-unit-scaled equivalents in :mod:`unitscale.functional`, so that ``simulate_fp8(unit_scale(m))``
-quantises the same tensors as ``simulate_fp8(m)``. Every other op runs in the model's own
-precision.
+``F.scaled_dot_product_attention`` (query, key and value, not the mask), the grouped
+matmuls of mixture-of-experts layers (tokens and stacked expert weights, see
+:mod:`unitscale.transforms._fp8_ops`), and their unit-scaled equivalents in
+:mod:`unitscale.functional` (transformers' ``Conv1D`` ``addmm`` included), so that
+``simulate_fp8(unit_scale(m))`` quantises the same tensors as ``simulate_fp8(m)``. With
+``ops="linear"`` only the ops with a weight parameter are rounded. Every other op runs in the
+model's own precision; the matmul-like ones left out are recorded for
+:func:`~unitscale.transforms.fp8_summary` (and logged at capture).
 
 Design constraints: an inserted node carries the ``example_value`` of the operand it
 quantises, so that ``track_scales`` applied on top records it (as ``<operand>_quantised``);
