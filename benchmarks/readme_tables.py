@@ -438,7 +438,8 @@ def _train_folders() -> list[Path]:
     return folders
 
 
-#: ``unitscale train --seeds 0,1,2 --out benchmarks/results/train/hardware-recipe-seeds``.
+#: ``python benchmarks/train_wall_time.py --results benchmarks/results/train/hardware-recipe-seeds
+#: -- --seeds 0,1,2`` (``unitscale train --seeds 0,1,2`` with its time and load recorded).
 SEEDS_FOLDER = "hardware-recipe-seeds"
 
 #: The scope of a one-seed folder's FP8 runs: every matmul-like op, attention's included
@@ -674,7 +675,8 @@ def _one_seed_claims(folder: Path) -> list[str]:
         "too), as `unitscale train` did before its FP8 runs were restricted to the linear "
         "ops; its `plain-fp8-tensorwise` is therefore torchao's scaling on a wider scope than "
         "torchao's recipe. A multi-seed run in the linear scope "
-        f"(`unitscale train --seeds 0,1,2 --out benchmarks/results/train/{SEEDS_FOLDER}`) "
+        "(`python benchmarks/train_wall_time.py --results "
+        f"benchmarks/results/train/{SEEDS_FOLDER} -- --seeds 0,1,2`) "
         f"replaces it here once committed. Today's runs: {_BASELINE_NOTE[0].lower()}"
         f"{_BASELINE_NOTE[1:]}"
         + (
