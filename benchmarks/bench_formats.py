@@ -84,7 +84,7 @@ def compare(
 USERS_FORMATS = {
     "e4m3 nearest": dataclasses.replace(PRESETS["e4m3"], rounding="nearest"),
     "e5m2 nearest": dataclasses.replace(PRESETS["e5m2"], rounding="nearest"),
-    "e4m3 stochastic": PRESETS["e4m3"],
+    "e4m3 stochastic": dataclasses.replace(PRESETS["e4m3"], rounding="stochastic"),
 }
 
 

@@ -31,7 +31,7 @@ from _steps import timed, training_step
 from torch import nn
 
 from unitscale.experiments.data import batches
-from unitscale.experiments.training import TrainConfig
+from unitscale.experiments.training import FP8_OPS, TrainConfig
 from unitscale.models import plain_gpt
 from unitscale.transforms import compile as compile_module
 from unitscale.transforms import scaling_cost, simulate_fp8
@@ -52,7 +52,12 @@ def measure(
 ) -> dict[str, Any]:
     models = {}
     for scaling in SCALINGS:
-        model = simulate_fp8(plain_gpt(config.model_config, seed=config.seed), scaling=scaling)  # type: ignore[arg-type]
+        # The scope of unitscale train's FP8 runs and of torchao's recipe: the linear ops.
+        model = simulate_fp8(
+            plain_gpt(config.model_config, seed=config.seed),
+            scaling=scaling,  # type: ignore[arg-type]
+            ops=FP8_OPS,  # type: ignore[arg-type]
+        )
         model = model.to(device)
         models[scaling] = compile_module(model) if compiled else model
     steps = {scaling: stepper(model, config, device) for scaling, model in models.items()}
@@ -115,6 +120,7 @@ def main() -> None:
                 "batch_size": config.batch_size,
                 "seq_len": config.seq_len,
                 "fp8_recipe": "hardware",
+                "ops": FP8_OPS,
             },
             "rounds": args.rounds,
             "steps_per_round": args.steps_per_round,

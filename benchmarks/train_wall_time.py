@@ -10,6 +10,11 @@ after, the thread count and torch version. The outputs (``summary.txt``, ``losse
 reads them for the README's FP8 table. Run it on an idle machine: ``run.json`` says whether
 it was (a 1-minute load above the core count means the time is not an idle-machine time).
 
+With ``--seeds`` (several seeds), ``results.json`` and each seed's ``seed<N>/`` outputs are
+copied too; the README's FP8 claim is generated from the multi-seed run:
+``python benchmarks/train_wall_time.py --results
+benchmarks/results/train/hardware-recipe-seeds -- --seeds 0,1,2``.
+
 Run: ``python benchmarks/train_wall_time.py [--results DIR] [-- extra train options]``
 """
 
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results" / "train" / "hardware-recipe-seed0"
-OUTPUTS = ("summary.txt", "losses.csv", "loss_curves.png")
+OUTPUTS = ("summary.txt", "losses.csv", "loss_curves.png", "results.json")
 
 
 def _now() -> str:
@@ -64,8 +69,12 @@ def main() -> None:
         if process.returncode != 0:
             raise SystemExit(f"unitscale train exited with {process.returncode}")
         args.results.mkdir(parents=True, exist_ok=True)
-        for name in OUTPUTS:
-            shutil.copy(out / name, args.results / name)
+        for folder in [out, *sorted(out.glob("seed*"))]:  # seed<N>/: with several seeds
+            target = args.results / folder.relative_to(out)
+            target.mkdir(parents=True, exist_ok=True)
+            for name in OUTPUTS:
+                if (folder / name).exists():
+                    shutil.copy(folder / name, target / name)
     shown = ["python", "-m", "unitscale", "train", *args.train_options, "--no-progress"]
     record = {
         "command": " ".join(shown),

@@ -163,17 +163,73 @@ def test_fp8_table_and_claim_come_from_the_train_summary(
     }
     assert list(rows) == list(losses)
     assert rows["plain-fp8-tensorwise"][3] == "tensorwise"
-    assert rows["plain-fp8-tensorwise"][7] == "+2.00%"  # against plain-fp32, not unit-scaled
+    assert rows["plain-fp8-tensorwise"][9] == "+2.00%"  # against plain-fp32, not unit-scaled
     assert (
-        rows["plain-fp8-delayed"][3:4] == ["delayed"] and rows["plain-fp8-delayed"][7] == "+3.00%"
+        rows["plain-fp8-delayed"][3:4] == ["delayed"] and rows["plain-fp8-delayed"][9] == "+3.00%"
     )
-    assert rows["plain-fp8"][3] == "no scaling" and rows["unit-scaled-fp8"][7] == "+1.00%"
-    assert rows["plain-fp32"][3] == "" and rows["plain-fp32"][7] == ""
+    assert rows["plain-fp8"][3] == "no scaling" and rows["unit-scaled-fp8"][9] == "+1.00%"
+    assert rows["plain-fp32"][3] == "" and rows["plain-fp32"][9] == ""
+    # A one-seed summary says its seed and its scope (recorded with every matmul rounded).
+    assert rows["plain-fp8"][4:6] == ["all matmuls", "0"]
     claims = readme_tables.fp8_claims()
     assert "no per-tensor scales ends +1.00% from its FP32 held-out loss" in claims
-    assert "`plain-fp8-tensorwise` +2.00%; `plain-fp8-delayed` +3.00%" in claims
+    assert "`plain-fp8-tensorwise` +2.00% (train +2.00%); `plain-fp8-delayed` +3.00%" in claims
+    assert "one seed" in claims and "wider scope than torchao's recipe" in claims
     assert "1.00 points closer to its FP32 run than the plain model with tensorwise" in claims
     assert "2.00 points closer to its FP32 run than the plain model with delayed" in claims
     cost = readme_tables.latest_run(readme_tables.RESULTS / "fp8_scaling.json")["results"]
     amax = cost["per_step_counts"]["tensorwise"]["amax_reductions"]
     assert f"tensorwise scaling does {amax} amax reductions" in claims
+
+
+def test_fp8_table_and_claim_come_from_the_multi_seed_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a multi-seed result is committed, the FP8 table and claim come from it: each
+    run's seeds, mean and spread of both losses, each FP8 run against its own FP32 run of
+    the same seed; the one-seed hardware run it replaces is not shown."""
+    import json
+
+    from unitscale.experiments.training import RunResult, TrainConfig, seeds_document
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    # (held-out, train) per seed: unit-scaled FP8 +1% / +2% held-out, tensorwise +3% / +5%.
+    losses = {
+        "plain-fp32": [(2.0, 1.0), (2.0, 1.0)],
+        "plain-fp8": [(3.0, 3.0), (3.0, 3.0)],
+        "plain-fp8-tensorwise": [(2.06, 1.01), (2.1, 1.03)],
+        "unit-scaled-fp32": [(1.0, 1.0), (2.0, 2.0)],
+        "unit-scaled-fp8": [(1.01, 1.02), (2.04, 2.0)],
+    }
+    by_seed = {
+        seed: {n: RunResult(n, 0.5, [], {}, v[i][1], v[i][0]) for n, v in losses.items()}
+        for i, seed in enumerate((0, 7))
+    }
+    folder = tmp_path / "train" / readme_tables.SEEDS_FOLDER
+    folder.mkdir(parents=True)
+    document = seeds_document(by_seed, TrainConfig(steps=1, runs=tuple(losses)))
+    (folder / "results.json").write_text(json.dumps(document))
+    old = tmp_path / "train" / "hardware-recipe-seed0"
+    old.mkdir()
+    (old / "summary.txt").write_text("")
+    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    rows = {
+        cells[2]: cells
+        for line in readme_tables.fp8_table().splitlines()[2:]
+        for cells in [[c.strip() for c in line.split("|")]]
+    }
+    assert list(rows) == list(losses)  # the one-seed hardware folder is replaced
+    fp8 = rows["unit-scaled-fp8"]
+    assert fp8[4:6] == ["linear", "0, 7"]
+    assert fp8[9] == "+1.50% ± 0.71% [+1.00%, +2.00%]"  # held-out, each seed vs its own FP32
+    assert fp8[10] == "+1.00% ± 1.41% [+0.00%, +2.00%]"  # final training loss
+    assert fp8[8] == "1.5250 ± 0.7283"
+    claims = readme_tables.fp8_claims()
+    assert "held-out +1.50% ± 0.71% [+1.00%, +2.00%] (per seed +1.00%, +2.00%)" in claims
+    assert "`plain-fp8-tensorwise` held-out +4.00% ± 1.41% [+3.00%, +5.00%]" in claims
+    assert "over seeds 0, 7" in claims and "linear ops of both models" in claims

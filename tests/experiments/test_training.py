@@ -314,3 +314,106 @@ def test_zoomed_panel_spans_the_unit_scaled_fp8_fp32_gap() -> None:
     # The gap fills a visible part of the panel (it was 0.02 of 1-5.5, i.e. 0.5%).
     assert 0.02 / (high - low) > 0.2
     assert plot_losses(results).axes[1].get_xlim() == (150, 200)
+
+
+# -- FP8 scope, real FP8 runs and several seeds ------------------------------------------------
+def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
+    """Both models in the scope real FP8 and torchao's recipe run in (attention in FP32);
+    the FP16 runs keep every matmul, as when their results were recorded."""
+    from unitscale.experiments.training import FP8_OPS, RUN_KINDS
+
+    assert FP8_OPS == "linear"
+    for kind in RUN_KINDS:
+        expected = {"fp32": "", "fp8": "linear", "fp16": "matmuls"}[kind.precision]
+        assert kind.ops == expected, kind.name
+    config = TrainConfig(hidden_size=16, heads=2)
+    for run in ("plain-fp8", "plain-fp8-tensorwise", "unit-scaled-fp8"):
+        (graph_pass,) = build_run_model(run, config).passes  # type: ignore[union-attr]
+        assert graph_pass.ops == "linear", run
+    (fp16_pass,) = build_run_model("unit-scaled-fp16", config).passes  # type: ignore[union-attr]
+    assert fp16_pass.ops == "matmuls"
+
+
+def _has_to_fp8() -> bool:
+    import unitscale.transforms
+
+    return hasattr(unitscale.transforms, "to_fp8")
+
+
+def test_real_fp8_runs_are_not_default_and_name_their_scaling() -> None:
+    from unitscale.experiments.training import RUN_KINDS
+
+    real = {kind.name: kind for kind in RUN_KINDS if kind.real}
+    assert set(real) == {"plain-fp8-tensorwise-real", "unit-scaled-fp8-real"}
+    assert not set(real) & set(DEFAULT_RUNS)
+    assert real["plain-fp8-tensorwise-real"].scaling == "tensorwise"
+    assert real["unit-scaled-fp8-real"].scaling == "none"
+    assert all(kind.ops == "linear" for kind in real.values())
+
+
+@pytest.mark.skipif(_has_to_fp8(), reason="unitscale.transforms.to_fp8 is available")
+def test_real_fp8_runs_without_to_fp8_say_what_is_missing() -> None:
+    config = TrainConfig(hidden_size=16, heads=2)
+    with pytest.raises(TrainConfigError, match=r"need unitscale.transforms.to_fp8"):
+        build_run_model("unit-scaled-fp8-real", config)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_to_fp8(), reason="needs unitscale.transforms.to_fp8 (real FP8)")
+def test_real_fp8_runs_equal_the_simulated_runs_on_the_cpu() -> None:
+    config = TrainConfig(
+        steps=3, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_every=3,
+        eval_batches=1, runs=("plain-fp8-tensorwise", "plain-fp8-tensorwise-real",
+                              "unit-scaled-fp8", "unit-scaled-fp8-real"),
+    )  # fmt: skip
+    results = train_runs(config, progress=False)
+    for simulated in ("plain-fp8-tensorwise", "unit-scaled-fp8"):
+        real = results[f"{simulated}-real"]
+        assert real.train_losses == pytest.approx(results[simulated].train_losses, rel=1e-6)
+        assert real.final_heldout_loss == pytest.approx(
+            results[simulated].final_heldout_loss, rel=1e-6
+        )
+
+
+def test_seeds_option_runs_each_seed_and_summarises_mean_and_spread(tmp_path: Path) -> None:
+    import json
+
+    tiny = ["--steps", "2", "--batch-size", "2", "--width", "8", "--heads", "1", "--depth",
+            "1", "--seq-len", "8", "--eval-every", "2", "--eval-batches", "1",
+            "--no-progress"]  # fmt: skip
+    out = tmp_path / "out"
+    runs = ["--runs", "plain-fp32,plain-fp8"]
+    assert main(["train", *tiny, *runs, "--seeds", "0,3", "--out", str(out)]) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["seeds"] == [0, 3] and document["fp8_ops"] == "linear"
+    fp8 = document["runs"]["plain-fp8"]
+    assert set(fp8["per_seed"]) == {"0", "3"}
+    for seed in (0, 3):  # each seed's own run, as a one-seed run of that seed gives it
+        single = train_run("plain-fp8", TrainConfig(
+            steps=2, batch_size=2, hidden_size=8, heads=1, depth=1, seq_len=8, eval_every=2,
+            eval_batches=1, seed=seed, runs=("plain-fp8",)), progress=False)  # fmt: skip
+        assert fp8["per_seed"][str(seed)]["final_heldout_loss"] == single.final_heldout_loss
+        assert (out / f"seed{seed}" / "losses.csv").exists()
+    heldout = [fp8["per_seed"][s]["heldout_vs_fp32"] for s in ("0", "3")]
+    stats = fp8["stats"]["heldout_vs_fp32"]
+    assert stats["mean"] == pytest.approx(sum(heldout) / 2)
+    assert stats["min"] == min(heldout) and stats["max"] == max(heldout)
+    assert set(fp8["stats"]) == {"final_train_loss", "final_heldout_loss", "train_vs_fp32",
+                                 "heldout_vs_fp32"}  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert "seeds 0, 3" in summary and "±" in summary and "held-out vs FP32" in summary
+    # One seed (the default) says so, and writes results.json too.
+    one = tmp_path / "one"
+    assert main(["train", *tiny, *runs, "--out", str(one)]) == 0
+    assert json.loads((one / "results.json").read_text())["seeds"] == [0]
+
+
+def test_seeds_option_parsing() -> None:
+    import argparse
+
+    from unitscale.cli.train import _seed_list
+
+    assert _seed_list("3") == (0, 1, 2) and _seed_list("4,1") == (4, 1)
+    for bad in ("0", "x", "1,1", "1,a"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _seed_list(bad)

@@ -42,6 +42,8 @@ NATIVE = {
     "bf16": torch.bfloat16,
 }
 NEAREST = {key: dataclasses.replace(fmt, rounding="nearest") for key, fmt in PRESETS.items()}
+# The presets round to nearest; the stochastic-rounding tests use their stochastic twins.
+SR = {key: dataclasses.replace(fmt, rounding="stochastic") for key, fmt in PRESETS.items()}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -212,14 +214,15 @@ def test_presets_match_torch_dtypes_and_tracking(key: str) -> None:
     assert fmt.min_absolute_normal == finfo.smallest_normal
     assert fmt.bits == finfo.bits
     assert FORMAT_RANGES[key] == (fmt.min_absolute_subnormal, fmt.max_absolute_value)
-    assert fmt.rounding == "stochastic"  # the documented default
+    assert fmt.rounding == "nearest"  # the documented default, as hardware casts round
     assert get_format(key) is fmt and get_format(key.upper()) is fmt
     assert get_format(NATIVE[key]) is fmt
     assert get_format(key, rounding="nearest") == NEAREST[key]
 
 
 def test_repr_and_replace() -> None:
-    assert repr(E4M3) == "FPFormat(4, 3, rounding='stochastic', special_values='nan_only')"
+    assert repr(E4M3) == "FPFormat(4, 3, rounding='nearest', special_values='nan_only')"
+    assert E4M3 == NEAREST["e4m3"] and FPFormat(3, 2) == GENERIC[0]  # nearest by default
     assert repr(NEAREST["fp16"]) == "FPFormat(5, 10, rounding='nearest')"
     for fmt in [*PRESETS.values(), *GENERIC]:
         assert eval(repr(fmt), {"FPFormat": FPFormat}) == fmt
@@ -345,10 +348,10 @@ def test_the_c_kernel_is_built_where_a_compiler_is() -> None:
         # Stochastic: float32 and 16-bit inputs of any layout (in float32, contiguous).
         for y in (x, x.half(), x.bfloat16(), x.reshape(10, 10).t()):
             with pytest.raises(AssertionError, match="used"):
-                E4M3.quantise(y)
+                SR["e4m3"].quantise(y)
         # Not for float64, nor where float32 has no random bits to spare (23-bit mantissas).
-        E4M3.quantise(x.double())
-        FPFormat(5, 23).quantise(x)
+        SR["e4m3"].quantise(x.double())
+        FPFormat(5, 23, rounding="stochastic").quantise(x)
 
 
 @needs_c
@@ -530,7 +533,11 @@ def test_shapes_and_layouts(rounding: str) -> None:
 
 # -- stochastic rounding -------------------------------------------------------------------------
 
-STOCHASTIC = [*PRESETS.values(), FPFormat(3, 2), FPFormat(2, 1, special_values="none")]
+STOCHASTIC = [
+    *SR.values(),
+    FPFormat(3, 2, rounding="stochastic"),
+    FPFormat(2, 1, rounding="stochastic", special_values="none"),
+]
 
 
 def probe_points(fmt: FPFormat) -> np.ndarray:
@@ -585,7 +592,7 @@ def test_stochastic_below_smallest_subnormal_and_float16_inputs() -> None:
     # 0.3 of E4M3's smallest subnormal rounds up 30% of the time, from float16 too.
     torch.manual_seed(0)
     x = torch.full((100_000,), 0.3 * 2.0**-9, dtype=torch.float16)
-    q = E4M3.quantise(x)
+    q = SR["e4m3"].quantise(x)
     assert q.dtype == torch.float16 and set(q.unique().tolist()) == {0.0, 2.0**-9}
     p_up = (q != 0).double().mean().item()
     assert abs(p_up - x[0].item() / 2.0**-9) < 5 * math.sqrt(0.3 * 0.7 / 100_000)
@@ -593,7 +600,7 @@ def test_stochastic_below_smallest_subnormal_and_float16_inputs() -> None:
 
 def test_stochastic_23_bit_mantissa_has_random_bits() -> None:
     # E5M23 subnormals are finer than float32 can round stochastically: float64 is used.
-    fmt = FPFormat(5, 23)
+    fmt = FPFormat(5, 23, rounding="stochastic")
     x = torch.full((40_000,), 2.0**-20 + 2.0**-40)
     lo, hi = 2.0**-20, 2.0**-20 + 2.0**-37
     q = fmt.quantise(x).double()
@@ -604,19 +611,19 @@ def test_stochastic_23_bit_mantissa_has_random_bits() -> None:
 def test_stochastic_reproducible() -> None:
     x = torch.randn(4096) * 3
     torch.manual_seed(123)
-    a = E4M3.quantise(x)
+    a = SR["e4m3"].quantise(x)
     torch.manual_seed(123)
-    b = E4M3.quantise(x)
-    c = E4M3.quantise(x)
+    b = SR["e4m3"].quantise(x)
+    c = SR["e4m3"].quantise(x)
     assert torch.equal(a, b) and not torch.equal(b, c)
     # An explicit generator gives its own stream and leaves the global one alone.
     torch.manual_seed(5)
-    g1 = E4M3.quantise(x, generator=torch.Generator().manual_seed(7))
+    g1 = SR["e4m3"].quantise(x, generator=torch.Generator().manual_seed(7))
     after = torch.rand(3)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(3), after)
-    g2 = E4M3.quantise(x, generator=torch.Generator().manual_seed(7))
-    g3 = E4M3.quantise(x, generator=torch.Generator().manual_seed(8))
+    g2 = SR["e4m3"].quantise(x, generator=torch.Generator().manual_seed(7))
+    g3 = SR["e4m3"].quantise(x, generator=torch.Generator().manual_seed(8))
     assert torch.equal(g1, g2) and not torch.equal(g1, g3)
 
 
@@ -669,7 +676,7 @@ def test_compiled_matches_eager(native_op: bool, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_ops, "native_available", lambda: native_op)
     torch._dynamo.reset()
     nearest = [NEAREST[key] for key in PRESETS] + [GENERIC[0]]
-    stochastic = E4M3
+    stochastic = SR["e4m3"]
 
     @torch.compile(fullgraph=True)
     def run(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -741,7 +748,7 @@ def test_compiled_quantise_of_several_formats_runs_the_c_kernels_bit_for_bit() -
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     torch._dynamo.reset()
-    formats = [NEAREST["e4m3"], NEAREST["e5m2"], E4M3, NEAREST["e4m3"]]
+    formats = [NEAREST["e4m3"], NEAREST["e5m2"], SR["e4m3"], NEAREST["e4m3"]]
     x = torch.cat([all_16bit(torch.float16).float(), boundary_grid(E4M3, "cpu")])
     backend = EagerAndRecordGraphs()
     for fmt in formats:
@@ -796,7 +803,7 @@ def test_kernels_take_plain_numbers_and_never_import_the_format() -> None:
     assert "_format" not in imported and "unitscale.formats._format" not in imported
     assert "FPFormat" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert E4M3._kernel == _kernels.KernelFormat(
-        4, 3, "stochastic", "nan_only", 448.0, -6, torch.float8_e4m3fn, E4M3._bounds
+        4, 3, "nearest", "nan_only", 448.0, -6, torch.float8_e4m3fn, E4M3._bounds
     )
 
 

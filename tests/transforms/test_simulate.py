@@ -166,11 +166,12 @@ def test_simulate_format_with_any_format_and_preset_keys() -> None:
     assert x.grad is not None and torch.equal(bwd.quantise(x.grad), x.grad)
     assert not torch.equal(fwd.quantise(x.grad), x.grad)
 
-    # A preset given as an FPFormat keeps its own (stochastic) rounding: still representable.
-    stochastic = simulate_format(lin, E4M3, E5M2)
+    # Stochastic rounding when asked for: still representable.
+    stochastic_formats = [dataclasses.replace(f, rounding="stochastic") for f in (E4M3, E5M2)]
+    stochastic = simulate_format(lin, *stochastic_formats)
     graph_pass = stochastic.passes[-1]
     assert isinstance(graph_pass, SimulateFormatPass)
-    assert graph_pass.fwd_format == E4M3 and E4M3.rounding == "stochastic"
+    assert graph_pass.fwd_format.rounding == "stochastic"
     y = stochastic(x.detach())
     y.backward(torch.randn_like(y))
     assert representable(stochastic.weight.grad, torch.float8_e5m2)
@@ -189,6 +190,8 @@ def test_format_names_round_to_nearest_as_simulate_fp8_does() -> None:
     for model in (
         simulate_format(lin, "e4m3", "e5m2"),
         simulate_format(lin, torch.float8_e4m3fn, torch.float8_e5m2),  # type: ignore[arg-type]
+        # The presets mean the same as their names: one default (nearest) for both.
+        simulate_format(lin, E4M3, E5M2),
         simulate_fp8(lin, recipe="all-operands"),
     ):
         xg = x.clone().requires_grad_()

@@ -98,10 +98,12 @@ def test_hardware_recipe_rounds_the_gradient_at_each_matmul_output() -> None:
 def test_recipe_is_validated_data_with_a_compact_repr() -> None:
     hardware = FP8_RECIPES["hardware"]
     assert repr(hardware) == (
-        "FP8Recipe(operands=e4m3/nearest, output_grad=e5m2/nearest, operand_grads=None)"
+        "FP8Recipe(operands=e4m3/nearest, output_grad=e5m2/nearest, operand_grads=None, "
+        "ops='matmuls')"
     )
     assert repr(FP8_RECIPES["all-operands"]) == (
-        "FP8Recipe(operands=e4m3/nearest, output_grad=None, operand_grads=e5m2/nearest)"
+        "FP8Recipe(operands=e4m3/nearest, output_grad=None, operand_grads=e5m2/nearest, "
+        "ops='matmuls')"
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         hardware.output_grad = None  # type: ignore[misc]
@@ -111,8 +113,14 @@ def test_recipe_is_validated_data_with_a_compact_repr() -> None:
         FP8Recipe(operands="e4m3", output_grad=E5M2_NEAREST)  # type: ignore[arg-type]
     with pytest.raises(FormatError, match=r"recipe='e4m3' is not an FP8 recipe.*hardware"):
         simulate_fp8(nn.Linear(2, 2), recipe="e4m3")
-    stochastic = FP8Recipe(operands=E4M3, output_grad=E5M2)
-    assert "e4m3/stochastic" in repr(stochastic)
+    stochastic = FP8Recipe(
+        operands=dataclasses.replace(E4M3, rounding="stochastic"), output_grad=E5M2
+    )
+    assert "e4m3/stochastic" in repr(stochastic) and "e5m2/nearest" in repr(stochastic)
+    with pytest.raises(FormatError, match="ops='attention'"):
+        FP8Recipe(operands=E4M3, output_grad=E5M2, ops="attention")  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match="argument 'ops'='all'"):
+        simulate_fp8(nn.Linear(2, 2), ops="all")  # type: ignore[arg-type]
 
 
 def test_training_runs_choose_the_recipe() -> None:

@@ -250,3 +250,40 @@ def test_delayed_histories_travel_with_deepcopy_pickle_and_to() -> None:
         wide = copy.deepcopy(model).to(torch.float64)
         assert wide.state_dict()["fp8_amax_history_input_scale"].dtype == torch.float64
         assert torch.allclose(wide(x.double()).float(), model(x))
+
+
+@pytest.mark.slow
+def test_plain_fp8_tensorwise_run_is_torchaos_recipe_on_the_builtin_gpt() -> None:
+    """``unitscale train``'s baseline: the same ops rounded as torchao's
+    ``convert_to_float8_training`` (its Float8Linear modules, the linear ops only: attention
+    stays in FP32) and the same loss and gradients."""
+    float8 = _torchao("torchao.float8")
+    from unitscale.data import example_batch
+    from unitscale.experiments.training import TrainConfig, build_run_model
+    from unitscale.transforms import fp8_summary
+
+    config = TrainConfig(hidden_size=32, heads=2, depth=2, seq_len=16, seed=0)
+    ours = build_run_model("plain-fp8-tensorwise", config)
+    reference = float8.convert_to_float8_training(copy.deepcopy(ours.module))
+    torchao_linears = sorted(
+        name
+        for name, m in reference.named_modules()
+        if isinstance(m, float8.float8_linear.Float8Linear)
+    )
+    batch = example_batch(4, 16)
+    ids = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    loss = ours(**ids)
+    loss.backward()
+    reference_loss = reference(**ids)
+    reference_loss.backward()
+    summary = fp8_summary(ours)
+    assert sorted(op.split(":")[0] for op in summary.converted) == torchao_linears
+    assert len(torchao_linears) == 9  # 4 per block and the readout
+    assert {reason for _, reason in summary.not_converted} == {"outside ops='linear'"}
+    rounded = sum(len(i.piece.data["simulate_format"]) for i in ours.capture.last_trace)
+    assert rounded == 2 * len(torchao_linears)  # each linear's input and weight
+    _assert_close(loss.detach(), reference_loss.detach(), "loss")
+    expected = dict(reference.named_parameters())
+    for name, parameter in ours.module.named_parameters():
+        assert parameter.grad is not None, name
+        _assert_close(parameter.grad, expected[name].grad, name, rtol=1e-5)

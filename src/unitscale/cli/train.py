@@ -8,6 +8,7 @@ progress on stderr, prints the summary on stdout and writes the files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -66,6 +67,23 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    """``--seeds``: ``0,1,2`` (those seeds) or ``3`` (seeds 0, 1, 2)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a count nor a comma-separated list of seeds (e.g. 3 or 0,1,2)"
+        ) from None
+    if "," not in text and len(values) == 1:
+        if values[0] < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 seed")
+        return tuple(range(values[0]))
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} is empty or lists a seed twice")
+    return tuple(values)
+
+
 def _load_help_defaults(parser: argparse.ArgumentParser) -> None:
     """Name the runs and the default ones in ``unitscale train --help`` (imports torch)."""
     from ..experiments.training import DEFAULT_RUNS, RUN_NAMES
@@ -87,7 +105,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "gradients, no loss scaling) without per-tensor scales and with torchao's "
             "tensorwise scaling; the library's default u-μP decoder "
             "(unitscale.TransformerDecoder) in FP32 and in simulated FP8 without scales. "
-            "--runs adds plain-fp8-delayed (delayed scaling), plain-fp16-loss-scaling (the "
+            "Every FP8 run rounds the linear ops (simulate_fp8(ops='linear'), the scope of "
+            "real FP8 and of torchao's recipe). "
+            "--runs adds plain-fp8-delayed (delayed scaling), plain-fp8-tensorwise-real and "
+            "unit-scaled-fp8-real (real FP8 through unitscale.transforms.to_fp8), "
+            "plain-fp16-loss-scaling (the "
             "plain GPT in simulated IEEE FP16, overflowing to inf, with torch.amp.GradScaler's "
             "dynamic loss scaling at its defaults) and unit-scaled-fp16 (the u-μP decoder in "
             "simulated FP16 without loss scaling). "
@@ -189,6 +211,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULTS["seed"],
         help="initialisation, data order and evaluation seed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        metavar="LIST|N",
+        help="run every run once per seed: a comma-separated list (0,1,2) or a count N "
+        "(seeds 0..N-1); the summary gives each run's mean, spread and range over the seeds, "
+        "each seed's outputs go to DIR/seed<N>/ (default: one seed, --seed)",
     )
     parser.add_argument(
         "--runs",
@@ -296,10 +327,10 @@ def run(args: argparse.Namespace) -> int:
 def _train(
     args: argparse.Namespace, config: Any, progress: Callable[[str], None], several: bool
 ) -> int:
-    """The runs, and rank 0's outputs (``several``: this process is one of several ranks)."""
-    from ..analysis import scale_heatmap, tensorboard_available, write_tensorboard
-    from ..experiments import report, training
-    from ..tracking import MonitorError
+    """The runs of each seed, and rank 0's outputs (``several``: this process is one of
+    several ranks). One seed: its files in ``out``; several: each seed's in ``out/seed<N>``,
+    and the summary over the seeds in ``out``; ``results.json`` either way."""
+    from ..experiments import training
     from ._launch import is_rank_zero
 
     if several and not is_rank_zero():
@@ -311,16 +342,48 @@ def _train(
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
     progress(f"torch threads: {set_threads(None)} per process (--threads)")
+    seeds = getattr(args, "seeds", None) or (config.seed,)
     progress(
         f"training {len(config.runs)} run(s) of {config.steps} steps "
-        f"({', '.join(config.runs)}) on the bundled CPython documentation text",
-    )
-    results = {}
-    for name in config.runs:
-        results[name] = training.train_run(name, config, progress=not args.no_progress)
-        progress(f"{name}: done in {results[name].seconds:.0f}s")
+        f"({', '.join(config.runs)}) on the bundled CPython documentation text"
+        + (f", for each of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
+           f", seed {seeds[0]} (one seed: --seeds runs several)"),
+    )  # fmt: skip
+    by_seed: dict[int, dict[str, Any]] = {}
+    written: list[Path] = []
+    for seed in seeds:
+        seed_config = dataclasses.replace(config, seed=seed)
+        results = {}
+        for name in config.runs:
+            results[name] = training.train_run(name, seed_config, progress=not args.no_progress)
+            which = f"{name} (seed {seed})" if len(seeds) > 1 else name
+            progress(f"{which}: done in {results[name].seconds:.0f}s")
+        by_seed[seed] = results
+        if is_rank_zero() and len(seeds) > 1:
+            folder = out / f"seed{seed}"
+            folder.mkdir(exist_ok=True)
+            _write_outputs(results, seed_config, folder, progress)
+            summary = training.summary_text(results, seed_config)
+            (folder / "summary.txt").write_text(summary, encoding="utf-8")
+            written.append(folder)
     if not is_rank_zero():
         return 0
+    if len(seeds) > 1:
+        written.append(training.write_seeds_json(by_seed, config, out / "results.json"))
+        text = training.seeds_summary_text(by_seed, config)
+        return finish_summary(text, out, written, progress)
+    written = _write_outputs(results, seed_config, out, progress)
+    written.append(training.write_seeds_json(by_seed, seed_config, out / "results.json"))
+    return finish_summary(training.summary_text(results, seed_config), out, written, progress)
+
+
+def _write_outputs(
+    results: dict[str, Any], config: Any, out: Path, progress: Callable[[str], None]
+) -> list[Path]:
+    """One seed's files in ``out``: losses, curves, scales of monitored runs, the report."""
+    from ..analysis import scale_heatmap, tensorboard_available, write_tensorboard
+    from ..experiments import report, training
+    from ..tracking import MonitorError
 
     written: list[Path] = [training.write_losses_csv(results, out / "losses.csv")]
     written.append(report.save_png(training.plot_losses(results), out / "loss_curves.png"))
@@ -358,7 +421,7 @@ def _train(
             progress("note: tensorboard is not installed; no TensorBoard scalars written")
 
     written.append(training.write_train_report(results, config, out / "report.html", heatmaps))
-    return finish_summary(training.summary_text(results, config), out, written, progress)
+    return written
 
 
 def _config(args: argparse.Namespace, training: Any) -> Any:

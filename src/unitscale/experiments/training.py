@@ -6,12 +6,19 @@ same initialisation, data order and seed:
 
 - ``plain-fp32``: the plain-PyTorch model;
 - ``plain-fp8``: the same model under :func:`unitscale.transforms.simulate_fp8` (by default
-  the ``"hardware"`` recipe: matmul operands in E4M3, the gradient of each matmul's output in
-  E5M2, round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling and no
-  per-tensor scales ("no scaling" in the table);
-- ``plain-fp8-tensorwise``: the same with ``scaling="tensorwise"``, torchao's default float8
-  training recipe (in the default run set), and ``plain-fp8-delayed`` with
+  the ``"hardware"`` recipe: operands in E4M3, the gradient of each op's output in E5M2,
+  round to nearest; ``TrainConfig.fp8_recipe``), with no loss scaling and no per-tensor
+  scales ("no scaling" in the table). Every FP8 run rounds the linear ops
+  (``ops="linear"``, :data:`FP8_OPS`): the scope of real FP8 training and of torchao's
+  recipe, attention's matmuls staying in FP32, so that both models are measured in the
+  same scope as the baseline;
+- ``plain-fp8-tensorwise``: the same with ``scaling="tensorwise"``, exactly torchao's default
+  float8 training recipe (in the default run set; tested against
+  ``torchao.float8.convert_to_float8_training``), and ``plain-fp8-delayed`` with
   ``scaling="delayed"`` (``--runs`` adds it): the baselines practitioners would run;
+- ``plain-fp8-tensorwise-real`` and ``unit-scaled-fp8-real`` (``--runs`` adds them): the
+  tensorwise baseline and the unit-scaled FP8 run in real FP8 (``unitscale.transforms.to_fp8``:
+  float8 GEMMs), for an accelerator; on a CPU their losses equal the simulated runs';
 - ``unit-scaled-fp32``: the library's default u-μP decoder,
   ``unitscale.TransformerDecoder(width, depth, heads, 256)`` (Blake et al., ICLR 2025, arXiv
   2407.17465: unit scaling, the paper's residual rule, ``1/d_head`` attention logits, the
@@ -20,8 +27,9 @@ same initialisation, data order and seed:
   (``unitscale.experiments.transfer.DEFAULT_MUP_LR``);
 - ``unit-scaled-fp8``: that decoder under ``simulate_fp8``, again with no loss scaling;
 - ``plain-fp16-loss-scaling`` and ``unit-scaled-fp16`` (``--runs`` adds them): the same two
-  models in simulated IEEE FP16 on the tensors the FP8 runs round (the ``"hardware"``
-  recipe: matmul operands, and the gradient of each matmul's output), rounded to nearest and
+  models in simulated IEEE FP16 on the tensors of the ``"hardware"`` recipe (every matmul-like
+  op's operands, ``ops="matmuls"`` as when their committed results were recorded, and the
+  gradient of each matmul's output), rounded to nearest and
   overflowing to ``±inf`` as a real float16 cast does (``FPFormat(5, 10,
   overflow="inf")``). The plain model is trained with dynamic loss scaling,
   ``torch.amp.GradScaler`` at its defaults (initial scale ``2**16``, doubled after 2000
@@ -101,6 +109,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "RunKind",
     "RUN_KINDS",
     "RUN_NAMES",
+    "FP8_OPS",
     "DEFAULT_RUNS",
     "MONITOR_METRICS",
     "TrainConfig",
@@ -114,6 +123,10 @@ __all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
     "train_runs",
     # presentation
     "losses_frame",
+    "seed_stats",
+    "seeds_document",
+    "seeds_summary_text",
+    "write_seeds_json",
     "plot_losses",
     "zoom_limits",
     "summary_text",
@@ -190,10 +203,23 @@ class RunKind:
             return ""
         return str(getattr(self.transform, "options", {}).get("scaling", "none"))
 
+    @property
+    def ops(self) -> str:
+        """Which ops the run's transform covers (``simulate_fp8``'s ``ops``), "" for FP32."""
+        if self.transform is None:
+            return ""
+        return str(getattr(self.transform, "options", {}).get("ops", "matmuls"))
+
+    @property
+    def real(self) -> bool:
+        """Whether the run is real FP8 (float8 GEMMs through ``to_fp8``), not simulated."""
+        return isinstance(self.transform, _RealFP8)
+
 
 class _SimulateFP8:
     """A run's transform: ``simulate_fp8`` with the config's recipe and ``options`` (e.g.
-    ``scaling=``), compiled with Inductor when ``config.compile_fp8`` (and no monitor)."""
+    ``scaling=``, ``ops=``), compiled with Inductor when ``config.compile_fp8`` (and no
+    monitor)."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -212,6 +238,36 @@ class _SimulateFP8:
         return f"simulate_fp8(recipe=config.fp8_recipe{options})"
 
 
+class _RealFP8:
+    """A run's transform: real FP8 (``unitscale.transforms.to_fp8``, float8 GEMMs of the linear
+    ops) with ``options`` (``scaling=``), compiled as the simulated runs are. On a CPU it is
+    slow (``torch._scaled_mm`` there is a reference, not a speed-up) and its losses equal the
+    simulated run's (``simulate_fp8(ops="linear")``)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = {**options, "ops": "linear"}
+
+    def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
+        from .. import transforms
+        from ..transforms import compile as compile_module
+
+        to_fp8 = getattr(transforms, "to_fp8", None)
+        if to_fp8 is None:
+            raise TrainConfigError(
+                "real-FP8 runs need unitscale.transforms.to_fp8, which this installation "
+                "does not have; run the simulated FP8 runs instead (e.g. unit-scaled-fp8)"
+            )
+        options = {k: v for k, v in self.options.items() if k != "ops"}
+        model = to_fp8(model, recipe=config.fp8_recipe, **options)
+        if config.compile_fp8 and config.monitor_every is None:
+            model = compile_module(model)
+        return model
+
+    def __repr__(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items() if k != "ops")
+        return f"to_fp8(recipe=config.fp8_recipe{options})"
+
+
 #: IEEE half precision as a real cast makes it: round to nearest, overflow to ``±inf``.
 FP16_CAST = FPFormat(5, 10, rounding="nearest", overflow="inf")
 
@@ -223,6 +279,9 @@ class _SimulateFP16:
 
     precision = "fp16"
 
+    def __init__(self, ops: str = "matmuls") -> None:
+        self.options = {"ops": ops}
+
     def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
         from ..transforms import FP8_RECIPES, FP8Recipe, simulate_fp8
         from ..transforms import compile as compile_module
@@ -232,6 +291,7 @@ class _SimulateFP16:
             operands=FP16_CAST,
             output_grad=None if recipe.output_grad is None else FP16_CAST,
             operand_grads=None if recipe.operand_grads is None else FP16_CAST,
+            ops=self.options["ops"],  # type: ignore[arg-type]
         )
         model = simulate_fp8(model, recipe=fp16)
         if config.compile_fp8 and config.monitor_every is None:
@@ -239,34 +299,73 @@ class _SimulateFP16:
         return model
 
     def __repr__(self) -> str:
-        return "simulate_fp8(recipe=config.fp8_recipe's tensors in FP16_CAST)"
+        return (
+            f"simulate_fp8(recipe=config.fp8_recipe's tensors in FP16_CAST, "
+            f"ops={self.options['ops']!r})"
+        )
 
+
+#: The ops every FP8 run rounds: the linear ops (``simulate_fp8(ops="linear")``), the scope
+#: of real FP8 training and of torchao's recipe, so that both models are measured in the
+#: scope in which real FP8 runs.
+FP8_OPS = "linear"
 
 #: Every run ``unitscale train`` can do, in the order it does them.
 RUN_KINDS: tuple[RunKind, ...] = (
     RunKind("plain-fp32", "plain"),
-    RunKind("plain-fp8", "plain", _SimulateFP8(), baseline="plain-fp32"),
+    RunKind("plain-fp8", "plain", _SimulateFP8(ops=FP8_OPS), baseline="plain-fp32"),
     # The recipes practitioners run on plain models, as baselines: torchao's default
-    # (tensorwise dynamic scaling) and delayed scaling (Transformer Engine's).
-    RunKind("plain-fp8-tensorwise", "plain", _SimulateFP8(scaling="tensorwise"), "plain-fp32"),
+    # (tensorwise dynamic scaling, linear ops only: exactly torchao's recipe) and delayed
+    # scaling (Transformer Engine's).
+    RunKind(
+        "plain-fp8-tensorwise",
+        "plain",
+        _SimulateFP8(scaling="tensorwise", ops=FP8_OPS),
+        "plain-fp32",
+    ),
     # Not in the default run set (``--runs`` adds it), to keep the default run short on 2
     # cores (benchmarks/bench_train_kinds.py estimates its time).
     RunKind(
-        "plain-fp8-delayed", "plain", _SimulateFP8(scaling="delayed"), "plain-fp32", default=False
+        "plain-fp8-delayed",
+        "plain",
+        _SimulateFP8(scaling="delayed", ops=FP8_OPS),
+        "plain-fp32",
+        default=False,
+    ),
+    # torchao's tensorwise recipe in real FP8 (float8 GEMMs): not in the default run set
+    # (on a CPU, torch._scaled_mm is slower than an FP32 matmul; its losses equal the
+    # simulated run's).
+    RunKind(
+        "plain-fp8-tensorwise-real",
+        "plain",
+        _RealFP8(scaling="tensorwise"),
+        "plain-fp32",
+        default=False,
     ),
     # FP16 as practitioners run it (dynamic loss scaling), against the unit-scaled model in
-    # FP16 with none (below): only with --runs.
+    # FP16 with none (below): only with --runs. Every matmul-like op, as when these runs
+    # were recorded (benchmarks/results/train/fp16-recipe-seed0).
     RunKind(
         "plain-fp16-loss-scaling",
         "plain",
-        _SimulateFP16(),
+        _SimulateFP16(ops="matmuls"),
         "plain-fp32",
         default=False,
         loss_scaling=True,
     ),
     RunKind("unit-scaled-fp32", "unit-scaled"),
-    RunKind("unit-scaled-fp8", "unit-scaled", _SimulateFP8(), baseline="unit-scaled-fp32"),
-    RunKind("unit-scaled-fp16", "unit-scaled", _SimulateFP16(), "unit-scaled-fp32", default=False),
+    RunKind(
+        "unit-scaled-fp8", "unit-scaled", _SimulateFP8(ops=FP8_OPS), baseline="unit-scaled-fp32"
+    ),
+    # The unit-scaled model in real FP8 with no scales (to_fp8): only with --runs.
+    RunKind("unit-scaled-fp8-real", "unit-scaled", _RealFP8(), "unit-scaled-fp32", default=False),
+    RunKind(
+        "unit-scaled-fp16",
+        "unit-scaled",
+        _SimulateFP16(ops="matmuls"),
+        "unit-scaled-fp32",
+        default=False,
+    ),
 )
 
 #: The names of :data:`RUN_KINDS`, in the order ``unitscale train`` does them.
@@ -789,7 +888,8 @@ def _scales_label(kind: RunKind) -> str:
     """The table's scales cell: the FP8 scaling, or for FP16 runs whether the loss is scaled."""
     if kind.precision == "fp16":
         return "FP16, loss scaling" if kind.loss_scaling else "FP16, no scaling"
-    return _SCALING_LABELS.get(kind.scaling, kind.scaling)
+    label = _SCALING_LABELS.get(kind.scaling, kind.scaling)
+    return f"{label}, real FP8" if kind.real else label
 
 
 def fp16_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
@@ -836,12 +936,13 @@ def _fp16_lines(results: dict[str, RunResult], config: TrainConfig) -> list[str]
 
 
 def scaled_fp8_gaps(results: dict[str, RunResult]) -> dict[str, tuple[float, float]]:
-    """Per FP8 run with per-tensor scales and its FP32 run: ``(train, held-out)`` gap."""
+    """Per FP8 run with per-tensor scales (or in real FP8) and its FP32 run: ``(train,
+    held-out)`` gap."""
     gaps = {}
     for name, r in results.items():
         kind = _kind(name)
         fp32 = results.get(kind.baseline) if kind.baseline is not None else None
-        if kind.scaling not in ("", "none") and fp32 is not None:
+        if (kind.scaling not in ("", "none") or kind.real) and fp32 is not None:
             gaps[name] = (
                 _relative(r.final_train_loss, fp32.final_train_loss),
                 _relative(r.final_heldout_loss, fp32.final_heldout_loss),
@@ -856,7 +957,7 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
     lines = [
         f"unitscale train: {config.steps} steps, batch {config.batch_size} x {config.seq_len} "
         f"bytes, width {config.hidden_size}, depth {config.depth}, seed {config.seed}, "
-        f"FP8 recipe {config.fp8_recipe!r}",
+        f"FP8 recipe {config.fp8_recipe!r}{_ops_note(results)}",
         "",
     ]
     for i, row in enumerate(rows):
@@ -884,14 +985,180 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
         )
     for name, (train_gap, heldout_gap) in scaled_fp8_gaps(results).items():
         kind = _kind(name)
+        how = "real FP8 (to_fp8)" if kind.real else "simulated FP8"
+        scaled = "no" if kind.scaling == "none" else kind.scaling
         lines.append(
-            f"{kind.family} in simulated FP8 with {kind.scaling} scaling ({name}) vs FP32: "
+            f"{kind.family} in {how} with {scaled} scaling ({name}) vs FP32: "
             f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
     lines += _fp16_lines(results, config)
     for name, r in results.items():
         if r.non_finite is not None:
             lines.append(f"{name}: {r.non_finite.message}")
+    return "\n".join(lines) + "\n"
+
+
+def _ops_note(results: dict[str, RunResult]) -> str:
+    """``, FP8 ops 'linear'``: the ops the low-precision runs round (one scope per family
+    of runs: FP8 and FP16 may differ), or "" without such runs."""
+    scopes: dict[str, list[str]] = {}
+    for name in results:
+        kind = _kind(name)
+        if kind.fp8:
+            scopes.setdefault(kind.precision.upper(), [])
+            if kind.ops not in scopes[kind.precision.upper()]:
+                scopes[kind.precision.upper()].append(kind.ops)
+    return "".join(f", {p} ops {'/'.join(map(repr, o))}" for p, o in scopes.items())
+
+
+# -- several seeds ----------------------------------------------------------------------------
+def seed_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """``mean``, ``std`` (sample, n - 1; None for one value), ``min`` and ``max`` of the
+    finite ``values`` (all None when none is finite: a run that diverged at every seed).
+
+    Example:
+        >>> seed_stats([1.0, 2.0, 3.0])
+        {'mean': 2.0, 'std': 1.0, 'min': 1.0, 'max': 3.0, 'n': 3}
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    mean = sum(finite) / len(finite)
+    std = None
+    if len(finite) > 1:
+        std = math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
+    return {"mean": mean, "std": std, "min": min(finite), "max": max(finite), "n": len(finite)}
+
+
+def _json_number(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def seeds_document(
+    results_by_seed: dict[int, dict[str, RunResult]], config: TrainConfig
+) -> dict[str, Any]:
+    """The results of every seed as JSON-ready data: per run, each seed's final training and
+    held-out loss and, for an FP8/FP16 run, each relative to its own FP32 run of the same
+    seed (``train_vs_fp32``, ``heldout_vs_fp32``, fractions), then :func:`seed_stats` of each
+    over the seeds. Non-finite values (a diverged run) are None.
+
+    Example:
+        >>> r = {0: {"plain-fp32": RunResult("plain-fp32", 0.003, final_train_loss=1.0,
+        ...                                  final_heldout_loss=2.0),
+        ...          "plain-fp8": RunResult("plain-fp8", 0.003, final_train_loss=1.1,
+        ...                                 final_heldout_loss=2.2)}}
+        >>> doc = seeds_document(r, TrainConfig(runs=("plain-fp32", "plain-fp8")))
+        >>> round(doc["runs"]["plain-fp8"]["stats"]["heldout_vs_fp32"]["mean"], 3)
+        0.1
+    """
+    seeds = list(results_by_seed)
+    runs: dict[str, Any] = {}
+    names = [n for n in RUN_NAMES if any(n in r for r in results_by_seed.values())]
+    for name in names:
+        kind = _kind(name)
+        per_seed: dict[str, dict[str, Any]] = {}
+        columns: dict[str, list[float]] = {}
+        for seed, results in results_by_seed.items():
+            r = results.get(name)
+            if r is None:
+                continue
+            values = {"final_train_loss": r.final_train_loss,
+                      "final_heldout_loss": r.final_heldout_loss}  # fmt: skip
+            fp32 = results.get(kind.baseline) if kind.baseline is not None else None
+            if fp32 is not None:
+                values["train_vs_fp32"] = _relative(r.final_train_loss, fp32.final_train_loss)
+                values["heldout_vs_fp32"] = _relative(r.final_heldout_loss, fp32.final_heldout_loss)
+            for key, value in values.items():
+                columns.setdefault(key, []).append(value)
+            per_seed[str(seed)] = {k: _json_number(v) for k, v in values.items()}
+            per_seed[str(seed)]["stopped_at"] = r.stopped_at
+            per_seed[str(seed)]["seconds"] = round(r.seconds, 1)
+        runs[name] = {
+            "family": kind.family,
+            "precision": kind.precision,
+            "scaling": _scales_label(kind) if kind.fp8 else "",
+            "ops": kind.ops,
+            "real": kind.real,
+            "baseline": kind.baseline,
+            "lr": config.lr_for(name),
+            "per_seed": per_seed,
+            "stats": {key: seed_stats(values) for key, values in columns.items()},
+        }
+    settings = {k: v for k, v in report.settings_rows(config, {})}
+    settings.pop("seed", None)
+    return {
+        "seeds": seeds,
+        "fp8_recipe": config.fp8_recipe,
+        "fp8_ops": FP8_OPS,
+        "settings": settings,
+        "runs": runs,
+    }
+
+
+def write_seeds_json(
+    results_by_seed: dict[int, dict[str, RunResult]],
+    config: TrainConfig,
+    path: str | os.PathLike[str],
+) -> Path:
+    """Write :func:`seeds_document` to ``path`` (indented JSON); return it."""
+    import json
+
+    path = Path(path)
+    path.write_text(json.dumps(seeds_document(results_by_seed, config), indent=1) + "\n")
+    return path
+
+
+def _mean_spread(stats: dict[str, float | None], percent: bool = False) -> str:
+    """``1.2345 ± 0.0123 [1.2200, 1.2500]`` (percentages with ``percent``); n/a if none."""
+    if stats["mean"] is None:
+        return "diverged"
+
+    def show(value: float | None) -> str:
+        if value is None:
+            return "n/a"
+        return f"{100 * value:+.2f}%" if percent else f"{value:.4f}"
+
+    spread = "" if stats["std"] is None else f" ± {show(stats['std']).lstrip('+')}"
+    return f"{show(stats['mean'])}{spread} [{show(stats['min'])}, {show(stats['max'])}]"
+
+
+def seeds_summary_text(
+    results_by_seed: dict[int, dict[str, RunResult]], config: TrainConfig
+) -> str:
+    """The table ``unitscale train --seeds`` prints: per run, the mean ± sample standard
+    deviation [min, max] over the seeds of the final training and held-out losses and of
+    each relative to the run's own FP32 run of the same seed."""
+    doc = seeds_document(results_by_seed, config)
+    seeds = ", ".join(str(s) for s in doc["seeds"])
+    header = ("run", "final train loss", "final held-out loss", "train vs FP32",
+              "held-out vs FP32", "scaling")  # fmt: skip
+    rows = [header]
+    for name, run in doc["runs"].items():
+        stats = run["stats"]
+        gaps = [_mean_spread(stats[k], percent=True) if k in stats else ""
+                for k in ("train_vs_fp32", "heldout_vs_fp32")]  # fmt: skip
+        rows.append((name, _mean_spread(stats["final_train_loss"]),
+                     _mean_spread(stats["final_heldout_loss"]), *gaps, run["scaling"]))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    any_results = next(iter(results_by_seed.values()))
+    lines = [
+        f"unitscale train: {config.steps} steps, batch {config.batch_size} x {config.seq_len} "
+        f"bytes, width {config.hidden_size}, depth {config.depth}, seeds {seeds}, "
+        f"FP8 recipe {config.fp8_recipe!r}{_ops_note(any_results)}",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        f"each cell: mean ± sample standard deviation [min, max] over {len(doc['seeds'])} "
+        "seed(s) (initialisation, data order and held-out sample); losses: mean next-byte "
+        f"cross-entropy (nats) over {config.eval_batches} fixed batches after the last step; "
+        "'vs FP32': each seed's loss relative to the same model's FP32 run of that seed. "
+        "Each seed's own table is in seed<N>/summary.txt; every number in results.json.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -1030,9 +1297,10 @@ def write_train_report(
         "the default u-μP unitscale.TransformerDecoder with unitscale.optim.AdamW (per-parameter "
         "learning rates from the u-μP rules). Betas 0.9, 0.95, no weight decay, linear warm-up "
         "then cosine decay to 10% of the peak learning rate; the FP8 runs use simulate_fp8 "
-        f"with the {html.escape(repr(config.fp8_recipe))} recipe (matmul operands in E4M3, "
-        "gradients in E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) with no loss "
-        "scaling.</p>",
+        f"with the {html.escape(repr(config.fp8_recipe))} recipe (operands in E4M3, "
+        "gradients in E5M2, round to nearest; see unitscale.transforms.FP8_RECIPES) on the "
+        "linear ops (ops='linear', attention in FP32, as real FP8 training and torchao's "
+        "recipe) with no loss scaling.</p>",
         "<h2>Figures</h2>",
     ]
     all_figures = [("Loss curves", plot_losses(results)), *figures]

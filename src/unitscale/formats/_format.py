@@ -7,10 +7,10 @@ stochastic rounding), still in ``x``'s dtype, so that low-precision arithmetic c
 simulated with ordinary tensors.
 
 Presets: :data:`E4M3` (OCP FP8 E4M3, ``torch.float8_e4m3fn``), :data:`E5M2` (OCP FP8 E5M2,
-``torch.float8_e5m2``), :data:`FP16` and :data:`BF16`. They round stochastically by default,
-like every :class:`FPFormat`: the formats mostly serve to simulate low-precision training,
-where stochastic rounding keeps small updates unbiased. For hardware-cast semantics use
-``dataclasses.replace(E4M3, rounding="nearest")`` (what ``simulate_fp8`` does).
+``torch.float8_e5m2``), :data:`FP16` and :data:`BF16`. They round to nearest by default,
+like every :class:`FPFormat` and a format named by its key (``"e4m3"``), as hardware casts
+do: one default everywhere. Stochastic rounding (which keeps small updates unbiased) only
+when asked for: ``dataclasses.replace(E4M3, rounding="stochastic")``.
 
 Semantics, for every format and both roundings:
 
@@ -166,7 +166,8 @@ class FPFormat:
     Args:
         exponent_bits: width of the exponent field, 1..8.
         mantissa_bits: width of the mantissa (fraction) field, 0..23.
-        rounding: ``"stochastic"`` (the default) or ``"nearest"`` (ties to even).
+        rounding: ``"nearest"`` (the default: ties to even, as hardware casts) or
+            ``"stochastic"``.
         special_values: ``"ieee"`` (default), ``"nan_only"`` or ``"none"``.
         overflow: ``"saturate"`` (default: beyond the largest finite value is that value)
             or ``"inf"`` (beyond it is ``±inf``, as an IEEE cast makes it: what dynamic loss
@@ -191,7 +192,7 @@ class FPFormat:
 
     exponent_bits: int
     mantissa_bits: int
-    rounding: Rounding = "stochastic"
+    rounding: Rounding = "nearest"
     special_values: SpecialValues = "ieee"
     overflow: Overflow = "saturate"
     # Derived in __post_init__ and kept out of the dataclass's fields (read through the
@@ -410,18 +411,18 @@ class FPFormat:
 
 E4M3 = FPFormat(4, 3, special_values="nan_only")
 """OCP FP8 E4M3 (``torch.float8_e4m3fn``): max 448, min normal 2**-6, min subnormal 2**-9,
-no infinities. Stochastic rounding by default."""
+no infinities. Rounds to nearest (ties to even), as ``x.to(torch.float8_e4m3fn)`` does."""
 
 E5M2 = FPFormat(5, 2)
 """OCP FP8 E5M2 (``torch.float8_e5m2``), IEEE-like: max 57344, min normal 2**-14, min
-subnormal 2**-16. Stochastic rounding by default."""
+subnormal 2**-16. Rounds to nearest (ties to even)."""
 
 FP16 = FPFormat(5, 10)
-"""IEEE-754 half precision (``torch.float16``): max 65504. Stochastic rounding by default."""
+"""IEEE-754 half precision (``torch.float16``): max 65504. Rounds to nearest (ties to even)."""
 
 BF16 = FPFormat(8, 7)
-"""bfloat16 (``torch.bfloat16``): float32's range, 8 bits of precision. Stochastic rounding
-by default."""
+"""bfloat16 (``torch.bfloat16``): float32's range, 8 bits of precision. Rounds to nearest
+(ties to even)."""
 
 PRESETS: MappingProxyType[str, FPFormat] = MappingProxyType(
     {"e4m3": E4M3, "e5m2": E5M2, "fp16": FP16, "bf16": BF16}

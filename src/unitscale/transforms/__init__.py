@@ -9,6 +9,7 @@ from ..tracking import (
     tracking_coverage,
 )
 from ._compile import compile
+from ._fp8_summary import FP8Summary, fp8_summary
 from ._simulate import (
     FP8_RECIPES,
     FP8Recipe,
@@ -43,6 +44,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "simulate_fp8",
     "ScalingCost",
     "scaling_cost",
+    "FP8Summary",
+    "fp8_summary",
     # compilation
     "compile",
 ]

@@ -16,10 +16,14 @@ every operand (weights included) to E5M2 instead: an earlier, harsher simulation
 Matmul-like ops (:data:`MATMUL_OPERANDS`): ``F.linear`` (input and weight, not bias),
 ``matmul``/``mm``/``bmm``/``@``, ``addmm``/``baddbmm``/``addbmm`` (the two matrices),
 ``einsum`` (every tensor operand), ``conv1d/2d/3d`` and their transposes (input and weight),
-``F.scaled_dot_product_attention`` (query, key and value, not the mask), and their
-unit-scaled equivalents in :mod:`unitscale.functional`, so that ``simulate_fp8(unit_scale(m))``
-quantises the same tensors as ``simulate_fp8(m)``. Every other op runs in the model's own
-precision.
+``F.scaled_dot_product_attention`` (query, key and value, not the mask), the grouped
+matmuls of mixture-of-experts layers (tokens and stacked expert weights, see
+:mod:`unitscale.transforms._fp8_ops`), and their unit-scaled equivalents in
+:mod:`unitscale.functional` (transformers' ``Conv1D`` ``addmm`` included), so that
+``simulate_fp8(unit_scale(m))`` quantises the same tensors as ``simulate_fp8(m)``. With
+``ops="linear"`` only the ops with a weight parameter are rounded. Every other op runs in the
+model's own precision; the matmul-like ones left out are recorded for
+:func:`~unitscale.transforms.fp8_summary` (and logged at capture).
 
 Design constraints: an inserted node carries the ``example_value`` of the operand it
 quantises, so that ``track_scales`` applied on top records it (as ``<operand>_quantised``);
@@ -50,13 +54,24 @@ from ..capture import (
     example_value,
     identifier,
     is_float_node,
+    module_path_of,
     transformed,
 )
 from ..errors import UnitScaleError
 from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
+from ._fp8_ops import (
+    OPS_SCOPES,
+    OpsScope,
+    grouped_operands,
+    is_linear,
+    looks_matmul_like,
+    target_name,
+)
+from ._fp8_summary import record
 from ._rewrite import (
     RewritePass,
     insert_call,
+    parameter_nodes,
     placeholder_names,
 )
 from ._scaling import (
@@ -152,9 +167,11 @@ def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
                 continue
             params = list(inspect.signature(fn).parameters)[:count]
             table[fn] = tuple((i, p) for i, p in enumerate(params))
-        from ..functional import masked_scaled_dot_product_attention
+        from ..functional import masked_scaled_dot_product_attention, torch_map
 
         table[masked_scaled_dot_product_attention] = _ATTENTION
+        # transformers' Conv1D (``addmm(bias, x, weight)``) once unit_scale replaced it.
+        table[torch_map[torch.addmm]] = _ADDMM
         _unit_scaled_cache = table
     return _unit_scaled_cache
 
@@ -174,7 +191,7 @@ def matmul_operands(node: fx.Node) -> list[tuple[int, str]]:
         operands = MATMUL_OPERANDS.get(target) or _unit_scaled_operands().get(target)  # type: ignore[arg-type]
     except TypeError:  # unhashable target
         return []
-    return list(operands or ())
+    return list(operands or ()) or grouped_operands(node)
 
 
 FormatSpec = tuple[int, int, str, str] | tuple[int, int, str, str, str]
@@ -378,6 +395,12 @@ class SimulateFormatPass(RewritePass):
         bwd_format: format of the gradients with respect to the operands (None: not rounded).
         output_grad_format: format of the gradient with respect to each op's output (None:
             not rounded).
+        scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
+        history_len: amax-history length for ``"delayed"``.
+        ops: ``"matmuls"`` (every matmul-like op) or ``"linear"`` (only the ops with a
+            weight parameter, see :mod:`unitscale.transforms._fp8_ops`); the matmul-like
+            ops left out are recorded for :func:`~unitscale.transforms.fp8_summary`.
+        transform: the transform's name in that summary and its log line.
     """
 
     stage = Stage.SIMULATE
@@ -398,17 +421,22 @@ class SimulateFormatPass(RewritePass):
         output_grad_format: FPFormat | None = None,
         scaling: Scaling = "none",
         history_len: int = DEFAULT_HISTORY_LEN,
+        ops: OpsScope = "matmuls",
+        transform: str = "simulate_format",
     ) -> None:
         self.fwd_format = fwd_format
         self.bwd_format = bwd_format
         self.output_grad_format = output_grad_format
         self.scaling = scaling
         self.history_len = history_len
+        self.ops = ops
+        self.label = transform
 
     def __repr__(self) -> str:
         return (
             f"SimulateFormatPass(fwd_format={self.fwd_format}, bwd_format={self.bwd_format}, "
-            f"output_grad_format={self.output_grad_format}, scaling={self.scaling!r})"
+            f"output_grad_format={self.output_grad_format}, scaling={self.scaling!r}, "
+            f"ops={self.ops!r})"
         )
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
@@ -429,36 +457,67 @@ class SimulateFormatPass(RewritePass):
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
         in_scope = self.scope_filter(capture, piece)
+        parameters = parameter_nodes(gm, piece)
+        module_names = {id(m): name for name, m in capture.owner_module.named_modules()}
+        converted: list[str] = []
+        left: list[tuple[str, str]] = []
         for node in list(graph.nodes):
             if not in_scope(node):
                 continue
-            if node.op == "call_function" and node.target is torch.einsum:
+            einsum = node.op == "call_function" and node.target is torch.einsum
+            slots = matmul_operands(node)
+            if not (einsum or slots):
+                if looks_matmul_like(node):
+                    left.append((_op_label(node, module_names), _UNRECOGNISED))
+                continue
+            label = _op_label(node, module_names)
+            if self.ops == "linear" and not is_linear(node, parameters):
+                left.append((label, "outside ops='linear'"))
+                continue
+            before = len(quantised)
+            if einsum:
                 self._quantise_einsum(graph, node, names, quantised)
                 self._quantise_output_grad(graph, node)
-                continue
-            slots = matmul_operands(node)
-            for position, keyword in slots:
-                if position < len(node.args):
-                    operand = node.args[position]
-                elif keyword:
-                    operand = node.kwargs.get(keyword)
-                else:
-                    operand = None
-                if not is_float_node(operand):
-                    continue
-                # One node per operand slot, even for x @ x: each slot's gradient is a
-                # separate output of the matmul's backward, rounded on its own.
-                new = self._insert(graph, node, operand, names)
-                quantised.append((node.name, operand.name))
-                if position < len(node.args):
-                    args = list(node.args)
-                    args[position] = new
-                    node.args = tuple(args)
-                else:
-                    node.kwargs = {**node.kwargs, keyword: new}
-            if slots:
-                self._quantise_output_grad(graph, node)
+            else:
+                self._quantise_slots(graph, node, slots, names, quantised)
+            if len(quantised) > before:
+                converted.append(label)
+            else:
+                left.append((label, "no floating-point operand"))
+        record(piece, self.label, converted, left, warn_reasons=(_UNRECOGNISED,))
         return quantised
+
+    def _quantise_slots(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        slots: list[tuple[int, str]],
+        names: dict[fx.Node, str],
+        quantised: list[tuple[str, str]],
+    ) -> None:
+        """Round each floating-point operand in ``slots`` of ``node``, then its output gradient."""
+        operand: Any
+        for position, keyword in slots:
+            if position < len(node.args):
+                operand = node.args[position]
+            elif keyword:
+                operand = node.kwargs.get(keyword)
+            else:
+                operand = None
+            if not is_float_node(operand):
+                continue
+            # One node per operand slot, even for x @ x: each slot's gradient is a
+            # separate output of the matmul's backward, rounded on its own.
+            new = self._insert(graph, node, operand, names)
+            quantised.append((node.name, operand.name))
+            if position < len(node.args):
+                args = list(node.args)
+                args[position] = new
+                node.args = tuple(args)
+            else:
+                node.kwargs = {**node.kwargs, keyword: new}
+        if slots:
+            self._quantise_output_grad(graph, node)
 
     def _quantise_output_grad(self, graph: fx.Graph, node: fx.Node) -> None:
         """Round the gradient arriving at ``node``'s output (what the matmul's backward reads)."""
@@ -571,19 +630,39 @@ class SimulateFormatPass(RewritePass):
         return new
 
 
+_UNRECOGNISED = "not recognised as a matmul-like op: runs unrounded"
+
+
+def _op_label(node: fx.Node, module_names: dict[int, str]) -> str:
+    """``<module path>: <op> (<node>)`` as summaries name ops: the module path left out at
+    the top level, the graph node's name where it is not the op's (``0: linear (input_1)``)."""
+    path = module_path_of(node, module_names)
+    op = target_name(node.target).rsplit("::", 1)[-1]
+    label = op if node.name.startswith(op) else f"{op} ({node.name})"
+    return f"{path}: {label}" if path else label
+
+
 def _check_format(argument: str, value: Any) -> FPFormat:
     if isinstance(value, FPFormat):
         return value
     try:
-        # A name means the same format as in simulate_fp8: rounded to nearest, as hardware
-        # casts do (the presets themselves round stochastically).
-        return get_format(value, rounding="nearest")
+        # A name means its preset, which rounds to nearest as hardware casts do.
+        return get_format(value)
     except FormatError as error:
         raise FormatError(
             f"unitscale.transforms.simulate_format: argument {argument!r}={value!r} is not a "
             "format; pass a unitscale.formats.FPFormat (e.g. unitscale.formats.E4M3, or "
             "FPFormat(exponent_bits, mantissa_bits)) or a preset key such as 'e4m3'"
         ) from error
+
+
+def _check_ops(op: str, ops: Any) -> None:
+    if not isinstance(ops, str) or ops not in OPS_SCOPES:
+        raise FormatError(
+            f"unitscale.transforms.{op}: argument 'ops'={ops!r} is not supported; use "
+            "'linear' (ops with a weight parameter: the scope of real FP8 training) or "
+            "'matmuls' (every matmul-like op, attention's included)"
+        )
 
 
 def _check_scaling(op: str, scaling: Any, history_len: Any) -> None:
@@ -613,6 +692,7 @@ def simulate_format(
     bwd_format: FPFormat | str,
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    ops: OpsScope = "matmuls",
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops see operands in low precision.
 
@@ -623,10 +703,10 @@ def simulate_format(
     respect to it is rounded to ``bwd_format`` in the backward pass. Nothing else changes:
     the arithmetic inside each op, and every other op, runs in the model's own dtype.
 
-    A format given by name (``"e4m3"``) rounds to nearest, as in :func:`simulate_fp8` and
-    as PyTorch's casts do (bit-identical to them); pass an
-    :class:`~unitscale.formats.FPFormat` with ``rounding="stochastic"`` (the presets'
-    default, e.g. ``unitscale.formats.E4M3``) for stochastic rounding.
+    A format rounds to nearest, as PyTorch's casts do (bit-identical to them), whether it is
+    given by name (``"e4m3"``) or as a preset (``unitscale.formats.E4M3``): that is every
+    :class:`~unitscale.formats.FPFormat`'s default. Pass one with
+    ``rounding="stochastic"`` for stochastic rounding.
 
     Args:
         module: any ``torch.nn.Module`` (or an already transformed one, e.g.
@@ -638,13 +718,15 @@ def simulate_format(
         scaling: ``"none"`` (default), ``"tensorwise"`` or ``"delayed"``: how each rounded
             tensor is scaled (see :func:`simulate_fp8`).
         history_len: amax-history length for ``scaling="delayed"``.
+        ops: which ops are rounded: ``"matmuls"`` (default: every matmul-like op) or
+            ``"linear"`` (ops with a weight parameter), as for :func:`simulate_fp8`.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
         FormatError: a format argument is neither an ``FPFormat`` nor a preset key, or
-            ``scaling``/``history_len`` is not supported.
+            ``scaling``/``history_len``/``ops`` is not supported.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
             last), or holds a submodule that is (the error names it); or TorchDynamo
@@ -662,7 +744,10 @@ def simulate_format(
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
-    graph_pass = SimulateFormatPass(fwd, bwd, scaling=scaling, history_len=history_len)
+    _check_ops("simulate_format", ops)
+    graph_pass = SimulateFormatPass(
+        fwd, bwd, scaling=scaling, history_len=history_len, ops=ops, transform="simulate_format"
+    )
     return _transformed("simulate_format", module, graph_pass)
 
 
@@ -685,25 +770,33 @@ class FP8Recipe:
     op's output (what an FP8 matmul's backward reads), and ``operand_grads`` rounds the
     gradients the op produces for its operands (the weight gradient included). Named presets
     are in :data:`FP8_RECIPES`: ``"hardware"`` (the default of :func:`simulate_fp8`) and
-    ``"all-operands"``.
+    ``"all-operands"``. ``ops`` says which ops the recipe covers.
 
     Attributes:
         operands: format of the operands in the forward pass.
         output_grad: format of the gradient with respect to the op's output, or None.
         operand_grads: format of the gradients with respect to the operands, or None.
+        ops: ``"matmuls"`` (default: every matmul-like op, attention's batched matmuls,
+            convolutions and mixture-of-experts grouped matmuls included) or ``"linear"``
+            (only ops with a weight parameter: ``nn.Linear``/``F.linear``, the unit-scaled
+            linears and readout, transformers' ``Conv1D``; the scope of real FP8 training).
 
     Raises:
         FormatError: a field is not an :class:`~unitscale.formats.FPFormat` (or None where
-            allowed), or neither gradient is rounded.
+            allowed), neither gradient is rounded, or ``ops`` is unknown.
 
     Example:
-        >>> FP8_RECIPES["hardware"]
-        FP8Recipe(operands=e4m3/nearest, output_grad=e5m2/nearest, operand_grads=None)
+        >>> FP8_RECIPES["hardware"]  # doctest: +NORMALIZE_WHITESPACE
+        FP8Recipe(operands=e4m3/nearest, output_grad=e5m2/nearest, operand_grads=None,
+                  ops='matmuls')
+        >>> dataclasses.replace(FP8_RECIPES["hardware"], ops="linear").ops
+        'linear'
     """
 
     operands: FPFormat
     output_grad: FPFormat | None
     operand_grads: FPFormat | None = None
+    ops: OpsScope = "matmuls"
 
     def __post_init__(self) -> None:
         if not isinstance(self.operands, FPFormat):
@@ -720,12 +813,17 @@ class FP8Recipe:
                 "FP8Recipe: neither output_grad nor operand_grads is set, so no gradient "
                 "would be rounded; set one (FP8 recipes round the output gradient to E5M2)"
             )
+        if not isinstance(self.ops, str) or self.ops not in OPS_SCOPES:
+            raise FormatError(
+                f"FP8Recipe: ops={self.ops!r}; use 'linear' (ops with a weight parameter) or "
+                "'matmuls' (every matmul-like op)"
+            )
 
     def __repr__(self) -> str:
         return (
             f"FP8Recipe(operands={_short(self.operands)}, "
             f"output_grad={_short(self.output_grad)}, "
-            f"operand_grads={_short(self.operand_grads)})"
+            f"operand_grads={_short(self.operand_grads)}, ops={self.ops!r})"
         )
 
 
@@ -766,6 +864,7 @@ def simulate_fp8(
     recipe: FP8Recipe | str = "hardware",
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    ops: OpsScope | None = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
 
@@ -794,6 +893,26 @@ def simulate_fp8(
       histories are buffers of the returned module (``fp8_amax_history_<site>`` in
       ``state_dict()``, created at the first call).
 
+    ``ops`` says which ops are rounded:
+
+    - ``"matmuls"`` (the default): every matmul-like op: linear layers, attention's
+      ``scaled_dot_product_attention`` and batched matmuls, ``einsum``, convolutions and the
+      grouped matmuls of mixture-of-experts layers (``torch.nn.functional.grouped_mm``,
+      ``torch._grouped_mm``, transformers' ``grouped_mm_fallback``);
+    - ``"linear"``: only the ops with a weight parameter (``nn.Linear``/``F.linear``, the
+      unit-scaled linears and readout, transformers' ``Conv1D``): the scope of real FP8
+      training (torchao's ``convert_to_float8_training``, Transformer Engine's FP8 linears),
+      where attention runs in the input's precision. ``simulate_fp8(model, ops="linear",
+      scaling="tensorwise")`` is torchao's recipe (tested against it on the built-in GPT).
+
+    The default is ``"matmuls"``, the stricter test: a model that trains with every matmul
+    in FP8 trains with its linear layers alone in FP8, and FP8 attention kernels exist; it is
+    also what this function did before ``ops`` existed, so results recorded without it keep
+    their meaning. To predict a real FP8 run of linear layers, pass ``ops="linear"``.
+    :func:`fp8_summary` lists the ops rounded and the matmul-like ops that were not (and
+    why), also logged once per captured graph at INFO on the ``"unitscale"`` logger; an op
+    named like a matmul that no table recognises is warned about.
+
     :func:`scaling_cost` counts the amax reductions and scale computations of a step.
 
     Args:
@@ -802,13 +921,15 @@ def simulate_fp8(
         scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
         history_len: amax-history length for ``scaling="delayed"`` (default 16, torchao's
             former delayed-scaling default).
+        ops: ``"matmuls"`` or ``"linear"``; None (default) takes the recipe's
+            (:attr:`FP8Recipe.ops`, ``"matmuls"`` for the presets).
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
         FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key, or
-            ``scaling``/``history_len`` is not supported.
+            ``scaling``/``history_len``/``ops`` is not supported.
         CaptureError: as for :func:`simulate_format`.
 
     Example:
@@ -823,12 +944,16 @@ def simulate_fp8(
     """
     chosen = _check_recipe(recipe)
     _check_scaling("simulate_fp8", scaling, history_len)
+    scope = chosen.ops if ops is None else ops
+    _check_ops("simulate_fp8", scope)
     graph_pass = SimulateFormatPass(
         chosen.operands,
         chosen.operand_grads,
         chosen.output_grad,
         scaling=scaling,
         history_len=history_len,
+        ops=scope,
+        transform="simulate_fp8",
     )
     return _transformed("simulate_fp8", module, graph_pass)
 

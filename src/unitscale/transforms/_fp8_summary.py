@@ -1,0 +1,152 @@
+"""What an FP8 transform did to each matmul-like op: :class:`FP8Summary` and
+:func:`fp8_summary`.
+
+A pass that runs ops in FP8 (simulated or real) records, per captured graph, the ops it
+converted and the matmul-like ops it left as they were, each with the reason
+(:func:`record`); :func:`fp8_summary` joins them over the graphs of the model's last call.
+The record is logged once per captured graph, at INFO on the ``"unitscale"`` logger, and an
+op left out for a reason the user did not choose (one no table recognises) is also warned
+about, so that nothing is skipped silently.
+
+Design constraints: records are plain strings in ``piece.data["fp8_summary"]`` keyed by the
+transform's name, so that they pickle with the model and several FP8 passes do not mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..capture import Piece, TransformedModule, warn_user
+from ..errors import UnitScaleError
+
+__all__ = ["FP8Summary", "fp8_summary", "record"]
+
+logger = logging.getLogger("unitscale")
+
+#: ``piece.data`` key of the records.
+_KEY = "fp8_summary"
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Summary:
+    """Which matmul-like ops an FP8 transform converted, and which it did not and why.
+
+    Attributes:
+        transform: the transform (``"simulate_fp8"``, ``"simulate_format"``, ``"to_fp8"``).
+        converted: the ops in FP8, as ``<module path>: <op> (<graph node>)`` (no path for
+            an op of the top-level module, no node name where it is the op's), in graph
+            order.
+        not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
+            precision (outside the ``ops`` scope, no floating-point operand, or not
+            recognised).
+
+    Example:
+        >>> s = FP8Summary("simulate_fp8", ("fc: linear",), (("bmm", "outside ops='linear'"),))
+        >>> print(s)
+        simulate_fp8: 1 op(s) in FP8, 1 matmul-like op(s) not: bmm (outside ops='linear')
+    """
+
+    transform: str
+    converted: tuple[str, ...]
+    not_converted: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        text = f"{self.transform}: {len(self.converted)} op(s) in FP8"
+        if not self.not_converted:
+            return text + ", every matmul-like op"
+        left = ", ".join(f"{op} ({reason})" for op, reason in self.not_converted)
+        return f"{text}, {len(self.not_converted)} matmul-like op(s) not: {left}"
+
+
+def record(
+    piece: Piece,
+    transform: str,
+    converted: Sequence[str],
+    not_converted: Sequence[tuple[str, str]],
+    warn_reasons: Sequence[str] = (),
+) -> None:
+    """Store one graph's summary in ``piece`` and log it once (INFO); warn about the ops left
+    out for a reason among ``warn_reasons`` (those the user did not choose)."""
+    converted_list, left_list = piece.data.setdefault(_KEY, {}).setdefault(transform, ([], []))
+    converted_list.extend(converted)
+    left_list.extend(not_converted)
+    summary = FP8Summary(transform, tuple(converted), tuple(not_converted))
+    logger.info("%s (graph %d)", summary, piece.index)
+    surprising = [(op, reason) for op, reason in not_converted if reason in warn_reasons]
+    if surprising:
+        ops = ", ".join(f"{op} ({reason})" for op, reason in surprising)
+        warn_user(
+            f"{transform}: {len(surprising)} matmul-like op(s) run in the model's own "
+            f"precision, not in FP8: {ops}. unitscale.transforms.fp8_summary(model) lists "
+            "every op and why."
+        )
+
+
+def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
+    """Which matmul-like ops ``module``'s FP8 transform converted in its last call, and which not.
+
+    Args:
+        module: a model returned by :func:`~unitscale.transforms.simulate_fp8` or
+            :func:`~unitscale.transforms.simulate_format` (or a chain holding one), called
+            at least once.
+        transform: which FP8 transform's summary, where a chain holds several (default:
+            the only one).
+
+    Returns:
+        The :class:`FP8Summary`, over the graphs that ran in the last call.
+
+    Raises:
+        UnitScaleError: ``module`` has no FP8 transform, has not been called, or holds
+            several and ``transform`` does not say which.
+
+    Example:
+        >>> import torch
+        >>> from unitscale.transforms import simulate_fp8
+        >>> model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), ops="linear")
+        >>> _ = model(torch.ones(3, 4))
+        >>> fp8_summary(model).converted  # module path: op (graph node)
+        ('0: linear (input_1)', '1: linear (input_2)')
+    """
+    if not isinstance(module, TransformedModule):
+        raise UnitScaleError(
+            f"fp8_summary: {type(module).__name__} is not a transformed model; pass a model "
+            "returned by unitscale.transforms.simulate_fp8 or simulate_format"
+        )
+    capture = module.capture
+    if capture is None or not capture.last_trace:
+        raise UnitScaleError(
+            "fp8_summary: the model has not been called yet; call it once, since the summary "
+            "comes from the graphs that ran"
+        )
+    pieces: list[Piece] = []
+    for invocation in capture.last_trace:
+        if invocation.piece not in pieces:
+            pieces.append(invocation.piece)
+    found: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
+    for piece in pieces:
+        for name, (converted, left) in piece.data.get(_KEY, {}).items():
+            into = found.setdefault(name, ([], []))
+            into[0].extend(converted)
+            into[1].extend(left)
+    if not found:
+        raise UnitScaleError(
+            f"fp8_summary: {type(module.module).__name__} runs no FP8 transform; pass a model "
+            "returned by unitscale.transforms.simulate_fp8 or simulate_format"
+        )
+    if transform is None:
+        if len(found) > 1:
+            raise UnitScaleError(
+                f"fp8_summary: the model holds several FP8 transforms ({', '.join(found)}); "
+                "say which with transform="
+            )
+        transform = next(iter(found))
+    if transform not in found:
+        raise UnitScaleError(
+            f"fp8_summary: transform={transform!r} did not run; choose from {', '.join(found)}"
+        )
+    converted, left = found[transform]
+    return FP8Summary(transform, tuple(converted), tuple(left))
