@@ -551,7 +551,7 @@ def probe_points(fmt: FPFormat) -> np.ndarray:
 @pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
 def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype, impl: str) -> None:
     # "public" takes the C kernel (hashed bits) for float32 where it is built; "bits" the
-    # PyTorch ops with torch.randint's bits, what runs without a C compiler.
+    # PyTorch ops with torch.randint's bits, what runs without the native extension.
     torch.manual_seed(0)
     points = probe_points(fmt)
     draws = 20_000
@@ -663,7 +663,7 @@ def test_compiled_matches_eager(native_op: bool, monkeypatch: pytest.MonkeyPatch
     # On a CPU compiled code calls the C kernels as custom ops where they are built; without
     # them (and on other devices) Inductor fuses the PyTorch path: both are checked.
     if native_op and not _native.rounding.available():
-        pytest.skip("no C compiler: the rounding kernel is not built")
+        pytest.skip("the native extension was not built at install")
     monkeypatch.setattr(_ops, "native_available", lambda: native_op)
     torch._dynamo.reset()
     nearest = [NEAREST[key] for key in PRESETS] + [GENERIC[0]]

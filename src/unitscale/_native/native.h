@@ -21,6 +21,18 @@
 #define US_OMP(...)
 #endif
 
+/* The hot loops are compiled for several instruction sets and the best one the running CPU
+   has is picked when the extension is loaded (GCC's target_clones, an ifunc resolved from
+   the CPU's features): the build itself uses the architecture's baseline only, so it runs
+   on every CPU of that architecture. Elsewhere (other compilers, architectures or systems)
+   the baseline build runs alone. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    __GNUC__ >= 12
+#define US_DISPATCH __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define US_DISPATCH
+#endif
+
 static inline uint32_t us_bits_of(float v) {
     uint32_t b;
     memcpy(&b, &v, 4);

@@ -16,7 +16,7 @@
    float32's, saturating at +-bound. From `smallest_normal` (the format's) down, the step is
    the format's subnormal step: one addition of `magic` (2**(emin + drop)) rounds there.
    NaN stays NaN (clamping and the subnormal branch both keep it). */
-static void us_nearest_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
+US_DISPATCH static void us_nearest_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
                     float smallest_normal, float magic) {
     const uint32_t odd = drop > 0 ? 1u : 0u;
     const uint32_t half = drop > 0 ? (1u << (drop - 1)) - 1u : 0u;
@@ -39,7 +39,7 @@ static void us_nearest_f32(const float* x, float* y, int64_t n, int32_t drop, fl
    shifted into its first binade (whose step is the subnormal step) and back. The random
    bits are the hash of _kernels._hashed_random_bits, of the element's index and two seeds:
    the same bits as the compiled path for the same seeds. NaN stays NaN. */
-static void us_stochastic_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
+US_DISPATCH static void us_stochastic_f32(const float* x, float* y, int64_t n, int32_t drop, float bound,
                        float smallest_normal, int32_t shift_small, uint32_t seed0,
                        uint32_t seed1) {
     const uint32_t keep = ~((1u << drop) - 1u);

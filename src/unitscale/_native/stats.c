@@ -35,7 +35,7 @@ static inline uint32_t us_bits(const void* p, int64_t i, int bf16) {
     return b;
 }
 
-static inline void us_stats(const void* x, int64_t n, double shift, const int32_t* under_in,
+US_DISPATCH static void us_stats(const void* x, int64_t n, double shift, const int32_t* under_in,
                             double* out, int bf16) {
     int32_t under[US_NT];
     for (int k = 0; k < US_NT; ++k) under[k] = under_in[k];
@@ -87,7 +87,7 @@ static inline void us_stats(const void* x, int64_t n, double shift, const int32_
     for (int k = 0; k < US_NT; ++k) out[6 + k] = (double)cu[k];
 }
 
-static inline void us_over(const void* x, int64_t n, const int32_t* over_in, int64_t* counts,
+US_DISPATCH static void us_over(const void* x, int64_t n, const int32_t* over_in, int64_t* counts,
                            int bf16) {
     int32_t over[US_NT];
     for (int k = 0; k < US_NT; ++k) over[k] = over_in[k];
@@ -109,7 +109,7 @@ static inline void us_over(const void* x, int64_t n, const int32_t* over_in, int
 
 /* sum(x - mean) and sum((x - mean)^2) in float64: the variance where the shift was far from
    the mean. */
-static inline void us_centred(const void* x, int64_t n, double mean, double* out, int bf16) {
+US_DISPATCH static void us_centred(const void* x, int64_t n, double mean, double* out, int bf16) {
     double s = 0.0, s2 = 0.0;
     US_OMP(omp parallel for if (n >= US_PARALLEL) schedule(static) reduction(+ : s, s2))
     for (int64_t i = 0; i < n; ++i) {
