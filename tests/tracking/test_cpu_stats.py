@@ -515,3 +515,50 @@ def test_the_extension_is_looked_for_only_once_cpu_statistics_are_needed(
     if kernel.available():  # the first CPU statistics look for it...
         module = metrics.fast_stats()  # ...and the next call finds the extension
         assert module is not None and not kernel.failure
+
+
+# -- the two implementations on the same tensors: native and PyTorch -------------------------
+_EDGE = {
+    "empty": torch.zeros(0),
+    "empty bfloat16": torch.zeros(0, 3).bfloat16(),
+    "all zeros": torch.zeros(4097),
+    "negative zeros": -torch.zeros(300),
+    "NaN": torch.tensor([1.0, math.nan, -2.0]),
+    "Inf": torch.tensor([1.0, math.inf, -2.0, -math.inf]),
+    "NaN and Inf, bfloat16": torch.tensor([math.nan, math.inf, 3.0]).bfloat16(),
+    "float32 subnormals": torch.tensor([2.0**-149, -(2.0**-130), 2.0**-126, 0.0, 1e-40]),
+    "float16 subnormals": torch.tensor([2.0**-24, -(2.0**-20), 2.0**-14, 6e-5]).half(),
+    "bfloat16 subnormals": torch.tensor([2.0**-133, -(2.0**-127), 2.0**-126]).bfloat16(),
+    "float16": (torch.randn(5000) * 300).half(),
+    "bfloat16": (torch.randn(5000) * 1e4).bfloat16(),
+    "bfloat16 largest": torch.tensor([3.3895e38, -1.0]).bfloat16(),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(_EDGE))
+def test_native_and_pytorch_paths_agree_on_edge_cases(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = _EDGE[name]
+    monkeypatch.setenv("UNITSCALE_STATS", "auto")
+    native_values = metrics.tensor_stats(x).tolist()
+    monkeypatch.setenv("UNITSCALE_STATS", "eager")
+    pytorch_values = metrics.tensor_stats(x).tolist()
+    if x.numel():
+        assert_agrees(native_values, truth(x))
+        assert_agrees(pytorch_values, truth(x))
+        # The native kernel declines what holds NaN or Inf (the PyTorch path keeps IEEE).
+        finite = bool(torch.isfinite(x).all())
+        assert (native_stats(x, UNDER, OVER) is None) == (not finite)
+    assert_agrees(native_values, pytorch_values)
+    fast = metrics.fast_stats(load=True)
+    if (
+        fast is not None
+        and x.numel()
+        and bool(torch.isfinite(x).all())
+        and x.dtype != torch.float16
+    ):
+        numel, values = fast.summary(x)
+        assert numel == x.numel()
+        assert_agrees(values, pytorch_values)
