@@ -4,8 +4,8 @@ Each run is a new process (``python -m unitscale analyse`` in a fresh working di
 timed from its start to its exit, interpreter start-up, imports and teardown included:
 
 - ``cold``: every cache the command can use is new and empty: ``HOME`` (matplotlib's font
-  cache, ``~/.cache``), ``MPLCONFIGDIR``, ``UNITSCALE_CACHE_DIR`` (the native kernels, built
-  again) and ``TORCHINDUCTOR_CACHE_DIR``; the operating system's file cache is not dropped;
+  cache, ``~/.cache``), ``MPLCONFIGDIR`` and ``TORCHINDUCTOR_CACHE_DIR`` (the native kernels
+  are built at install: no cache); the operating system's file cache is not dropped;
 - ``warm``: the caches of the previous cold run kept.
 
 Cold and warm runs alternate; the medians are reported, with each phase's start as the
@@ -37,7 +37,7 @@ _PHASE = re.compile(r"^\[\s*([0-9.]+)s\] (.+)$")
 
 def _environment(root: Path) -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("HOME", "MPLCONFIGDIR", "UNITSCALE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    for name in ("HOME", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR"):
         path = root / name.lower()
         path.mkdir(parents=True, exist_ok=True)
         env[name] = str(path)

@@ -1,10 +1,10 @@
 """Shared test fixtures: every test starts from a fixed random seed.
 
-Scale tracking computes CPU statistics with a small native kernel (built once per machine,
-in about a second) or, with ``UNITSCALE_STATS=eager`` or without a C compiler, with PyTorch
-ops; the suite runs on the default and ``tests/tracking/test_metrics*.py`` and
-``test_cpu_stats.py`` check every path, the compiled device kernel included, against float64
-arithmetic and against each other.
+Scale tracking computes CPU statistics with a small native kernel (built by ``pip install``)
+or, with ``UNITSCALE_STATS=eager`` or where the install built none, with PyTorch ops; the
+suite runs on the default and ``tests/tracking/test_metrics*.py`` and ``test_cpu_stats.py``
+check every path, the compiled device kernel included, against float64 arithmetic and
+against each other.
 """
 
 from __future__ import annotations

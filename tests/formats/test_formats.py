@@ -11,14 +11,13 @@ import copy
 import dataclasses
 import math
 import pickle
-import sys
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from unitscale import _cbuild
+from unitscale import _native as native_build
 from unitscale.errors import UnitScaleError
 from unitscale.formats import (
     BF16,
@@ -327,15 +326,14 @@ def test_nearest_generic_formats_match_reference(fmt: FPFormat) -> None:
 
 
 needs_c = pytest.mark.skipif(
-    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+    not _native.rounding.available(), reason="the native extension was not built at install"
 )
 
 
-def test_the_c_kernel_is_built_where_a_compiler_is() -> None:
-    # Otherwise every test of the public path would quietly test the PyTorch fallback only.
-    if _cbuild.compiler() is None or sys.platform == "win32":
-        pytest.skip("no C compiler")
-    assert _native.rounding.available()
+@needs_c
+def test_the_c_kernel_is_used_where_it_was_built() -> None:
+    # Otherwise every test of the public path would quietly test the PyTorch fallback only
+    # (tests/test_native.py checks that CI's install builds it).
     x = torch.randn(100)
     with mock.patch.object(_native.rounding, "nearest", side_effect=AssertionError("used")):
         with pytest.raises(AssertionError, match="used"):
@@ -428,17 +426,17 @@ def test_an_error_inside_the_c_kernel_surfaces(rounding: str) -> None:
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_a_kernel_that_cannot_be_built_falls_back_to_the_same_results(rounding: str) -> None:
+def test_a_kernel_that_was_not_built_falls_back_to_the_same_results(rounding: str) -> None:
     fmt = dataclasses.replace(E4M3, rounding=rounding)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 100
     expected = _kernels._quantise(fmt._kernel, x, torch.Generator().manual_seed(5), allow_c=False)
     unbuilt = _native.NativeRounding()
     with (
-        mock.patch.object(_cbuild, "compiler", return_value=None),
+        mock.patch.object(native_build, "_loaded", {"_rounding": None}),
         mock.patch.object(_kernels, "rounding", unbuilt),
     ):
         out = fmt.quantise(x, generator=torch.Generator().manual_seed(5))
-    assert not unbuilt.available() and "no C compiler" in unbuilt._library.failure
+        assert not unbuilt.available()
     assert_same_bits(out, expected)
 
 
@@ -560,7 +558,7 @@ def probe_points(fmt: FPFormat) -> np.ndarray:
 @pytest.mark.parametrize("fmt", STOCHASTIC, ids=repr)
 def test_stochastic_is_unbiased_neighbour(fmt: FPFormat, dtype: torch.dtype, impl: str) -> None:
     # "public" takes the C kernel (hashed bits) for float32 where it is built; "bits" the
-    # PyTorch ops with torch.randint's bits, what runs without a C compiler.
+    # PyTorch ops with torch.randint's bits, what runs without the native extension.
     torch.manual_seed(0)
     points = probe_points(fmt)
     draws = 20_000
@@ -672,7 +670,7 @@ def test_compiled_matches_eager(native_op: bool, monkeypatch: pytest.MonkeyPatch
     # On a CPU compiled code calls the C kernels as custom ops where they are built; without
     # them (and on other devices) Inductor fuses the PyTorch path: both are checked.
     if native_op and not _native.rounding.available():
-        pytest.skip("no C compiler: the rounding kernel is not built")
+        pytest.skip("the native extension was not built at install")
     monkeypatch.setattr(_ops, "native_available", lambda: native_op)
     torch._dynamo.reset()
     nearest = [NEAREST[key] for key in PRESETS] + [GENERIC[0]]
@@ -738,7 +736,7 @@ def test_compiled_random_bits_are_uniform_and_uncorrelated() -> None:
 
 
 @pytest.mark.skipif(
-    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+    not _native.rounding.available(), reason="the native extension was not built at install"
 )
 def test_compiled_quantise_of_several_formats_runs_the_c_kernels_bit_for_bit() -> None:
     # torch.compile(fmt.quantise) with default options for formats that share one code object
@@ -773,7 +771,7 @@ def test_compiled_quantise_of_several_formats_runs_the_c_kernels_bit_for_bit() -
 
 
 @pytest.mark.skipif(
-    not _native.rounding.available(), reason="no C compiler: the rounding kernel is not built"
+    not _native.rounding.available(), reason="the native extension was not built at install"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rounding_custom_ops_pass_opcheck(dtype: torch.dtype) -> None:

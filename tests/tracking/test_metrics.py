@@ -28,7 +28,7 @@ CASTS = {
 @pytest.fixture(autouse=True, params=["auto", "eager"])
 def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs on both CPU paths: the native kernel (the default) and PyTorch
-    ops (``UNITSCALE_STATS=eager``, also what runs without a C compiler)."""
+    ops (``UNITSCALE_STATS=eager``, also what runs without the native extension)."""
     monkeypatch.setenv("UNITSCALE_STATS", request.param)
     return str(request.param)
 

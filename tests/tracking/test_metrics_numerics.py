@@ -17,7 +17,7 @@ from unitscale.tracking.metrics import Metrics, _stats_kernel, stats_to_data, te
 @pytest.fixture(autouse=True, params=["auto", "eager"])
 def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs on both CPU paths: the native kernel (the default) and PyTorch
-    ops (``UNITSCALE_STATS=eager``, also what runs without a C compiler)."""
+    ops (``UNITSCALE_STATS=eager``, also what runs without the native extension)."""
     monkeypatch.setenv("UNITSCALE_STATS", request.param)
     return str(request.param)
 

@@ -7,7 +7,8 @@ value for value:
 - :func:`native_stats`, the default: one pass of a small C kernel (:mod:`._native`) over
   each contiguous float32/bfloat16 tensor (float16 and strided tensors are copied piece by
   piece), a few microseconds of fixed cost;
-- the PyTorch path, where no C compiler is found (or ``UNITSCALE_STATS=eager``): small
+- the PyTorch path, where the install built no native extension (or
+  ``UNITSCALE_STATS=eager``): small
   tensors are copied and read many at a time (:class:`SmallBatch`, one set of row-wise
   reductions per size), others by :func:`cpu_stats`, which uses the host's cheap reads of
   partial results to skip most of the work a device-side kernel does for every tensor:

@@ -10,8 +10,8 @@ Design constraints (this is the hot path of tracking):
     sums so that they stay finite) and allocates nothing of its size; counts are int64;
     nothing is copied to the host until the whole graph is read, so tracking costs no
     host-device synchronisation per op;
-  - on the CPU, where a host read costs nothing, by a native one-pass kernel or, without
-    a C compiler, by PyTorch ops that batch small tensors (:mod:`._cpu_stats`); nothing
+  - on the CPU, where a host read costs nothing, by a native one-pass kernel or, where
+    the install built none, by PyTorch ops that batch small tensors (:mod:`._cpu_stats`); nothing
     waits for a compiler;
 
 - the input is never modified, so tracking cannot change the numerics (the CPU batch reads
@@ -413,16 +413,16 @@ _fast_module: list[Any] = []  # [the configured extension, or None] once looked 
 
 
 def fast_stats(load: bool = False) -> Any:
-    """The native kernel's CPython extension (:meth:`._native.NativeStats.extension`),
+    """The native statistics extension (:meth:`._native.NativeStats.extension`),
     configured for tracking's thresholds and records, or None where it is unavailable. Its
     ``summary(x)`` is ``(x.numel(), deferred_stats(x))`` for a non-empty CPU float32/bfloat16
     tensor without NaN or Inf, strided ones included (None for any other: the caller takes
     :func:`deferred_stats`), its ``to_data`` is :func:`stats_to_data`; the tests check both
     value for value. Only for ``UNITSCALE_STATS=auto`` (the callers check).
 
-    The extension is built only once the ctypes kernel is loaded, i.e. once statistics of a
-    CPU tensor were needed (or with ``load``): a model tracked on an accelerator alone
-    compiles nothing, and without a C compiler warns of nothing."""
+    The extension is looked for only once statistics of a CPU tensor were needed (or with
+    ``load``): a model tracked on an accelerator alone, where the install built no
+    extension, is not warned about it."""
     if _fast_module:
         return _fast_module[0]
     from ._cpu_stats import _NATIVE_CANCELLATION, _bits_of
