@@ -5,8 +5,8 @@ experiments) has no trainable norm affine: a norm's scale and bias are not in th
 stream's width-independent update analysis, and trained at u-μP's learning rates (``lr`` and
 ``lr / sqrt(depth)``, far above a standard model's) they move too fast. So ``unit_scale``
 fixes them: each normalisation module's parameters stop requiring gradients, torch's norms
-(``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, batch norms) with scale 1 and bias 0, other norm
-classes (transformers' ``LlamaRMSNorm``...) with the values they hold (their own
+(``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, batch norms) with scale 1 and bias 0,
+other norm classes (transformers' ``LlamaRMSNorm``...) with the values they hold (their own
 initialisation is the identity).
 
 Design constraints: works on the copy ``unit_scale`` made, never on the user's module; which
@@ -27,9 +27,7 @@ _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._No
 def _is_norm(module: nn.Module) -> bool:
     """A normalisation module with parameters of its own (the modules whose scales
     :func:`unitscale.parameter.infer_mup_type` tags ``"norm"``)."""
-    is_norm = isinstance(module, _TORCH_NORMS) or type(
-        module
-    ).__name__.endswith("Norm")
+    is_norm = isinstance(module, _TORCH_NORMS) or type(module).__name__.endswith("Norm")
     return is_norm and any(True for _ in module.parameters(recurse=False))
 
 

@@ -6,8 +6,9 @@ stream's variance. Two rules give the taus of a whole model:
 
 * ``"paper"`` (default): u-μP's residual rule (Blake et al., "u-μP: The Unit-Scaled Maximal
   Update Parametrization", ICLR 2025, Appendix G), derived in
-  :mod:`unitscale.functional._residual_rule` (:func:`~unitscale.functional.transformer_residual_scaling_rule`):
-  with ``n`` the number of residual branches, every attention branch has the weight
+  ``functional/_residual_rule.py``
+  (:func:`~unitscale.functional.transformer_residual_scaling_rule`): with ``n`` the number
+  of residual branches, every attention branch has the weight
   ``β_attn² = α_res² · 2 α_ratio² / (1 + α_ratio²) / (n / 2)``, every MLP branch
   ``β_mlp² = α_res² · 2 / (1 + α_ratio²) / (n / 2)``, and the ``k``-th add has
   ``tau_k = β_k² / (1 + Σ_{j<=k} β_j²)``. Here the kind of each branch is the one the

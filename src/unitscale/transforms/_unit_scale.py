@@ -362,8 +362,7 @@ class UnitScalePass(RewritePass):
                 residual.kind,
                 adds_before + len(found) + 1,
                 layers=max(layers, adds_before + len(found) + 1),
-                attention_before=attention_before
-                + sum(1 for r in found if r.kind == "attention"),
+                attention_before=attention_before + sum(1 for r in found if r.kind == "attention"),
             )
             skip, branch = residual.skip, residual.branch
             branch_side = ancestors(branch) | {branch}
