@@ -791,11 +791,13 @@ def unit_scale(
     """
     checked = _check_replace(replace)
     residual_tau = residual_tau if residual_tau is not None else ResidualTau()
-    mults = {"residual_mult": residual_mult, "residual_attn_ratio": residual_attn_ratio}
-    if any(value is not None for value in mults.values()):
-        residual_tau = dataclasses.replace(
-            residual_tau, **{k: v for k, v in mults.items() if v is not None}
-        )
+    residual_tau = dataclasses.replace(
+        residual_tau,
+        residual_mult=residual_tau.residual_mult if residual_mult is None else residual_mult,
+        residual_attn_ratio=(
+            residual_tau.residual_attn_ratio if residual_attn_ratio is None else residual_attn_ratio
+        ),
+    )
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     readout = _readout_name(result.module) if mup else None
