@@ -459,7 +459,7 @@ def gpt_scales(model: nn.Module, ids: Tensor) -> tuple[list[tuple[float, str]], 
 def test_unit_scaled_gpt_has_scales_near_one_where_the_plain_one_does_not() -> None:
     plain = plain_gpt(GPTConfig(hidden_size=64, depth=2, seq_len=64), seed=0)
     ids = torch.randint(0, 256, (4, 64))
-    fwd, bwd, param_bwd = gpt_scales(unit_scale(plain), ids)
+    fwd, bwd, param_bwd = gpt_scales(unit_scale(plain, trainable_norms=True), ids)
     assert len(fwd) > 50 and len(bwd) > 40 and len(param_bwd) == len(list(plain.parameters()))
     low, high = ACTIVATION_BAND
     for rms, name in fwd + bwd:
