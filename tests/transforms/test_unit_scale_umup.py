@@ -257,3 +257,13 @@ def test_a_unit_scaled_llama_learns_at_the_default_learning_rate() -> None:
     # trainable norms)
     initial, final = heldout_losses_of_a_trained_llama(trainable_norms=False)
     assert final < 0.95 * initial, (initial, final)
+
+
+def test_plain_unit_scaling_keeps_equal_shares_unless_a_mult_is_given() -> None:
+    # as TransformerDecoder(mup=False): the running mean, tau = 1 / (k + 1)
+    model = unit_scale(_llama(2), mup=False)
+    model(input_ids=_ids())
+    assert [tau for _, tau in _adds(model)] == pytest.approx([1 / 2, 1 / 3, 1 / 4, 1 / 5])
+    model = unit_scale(_llama(2), mup=False, residual_mult=1.0)
+    model(input_ids=_ids())
+    assert [tau for _, tau in _adds(model)] == pytest.approx([1 / 3, 1 / 4, 1 / 5, 1 / 6])

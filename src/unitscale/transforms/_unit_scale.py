@@ -11,8 +11,8 @@
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
    *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`: by default u-μP's rule,
    Appendix G of the paper, over ``n`` branches, ``n`` twice the length of the model's
-   residual stack, :func:`residual_stack_length`, or else the number of residual adds
-   captured). Adds are counted in
+   residual stack, found as ``transforms/_residual_tau.py`` says, or else the number of
+   residual adds captured; with ``mup=False``, equal shares). Adds are counted in
    execution order over the whole call, across graph breaks; where Dynamo runs one captured
    graph at several depths (a layer with a graph break inside: the code before the break and
    its resume function are compiled once and reused for every layer), each depth runs a
@@ -754,8 +754,9 @@ def unit_scale(
             Use module-level functions if the result is to be pickled.
         mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: u-μP's rule, Appendix
-            G of the paper, see :class:`ResidualTau`; ``ResidualTau(rule="equal_shares")``
-            for equal shares of every branch).
+            G of the paper, see :class:`ResidualTau`; with ``mup=False`` and no mult given,
+            ``ResidualTau(rule="equal_shares")``, equal shares of every branch, as
+            ``TransformerDecoder(mup=False)``).
         residual_mult: α_res of u-μP's residual rule (None: ``residual_tau``'s, 1.0).
         residual_attn_ratio: α_ratio of u-μP's residual rule (None: ``residual_tau``'s, 1.0).
         trainable_norms: with ``mup=True``, keep the norms' scales and biases trainable.
@@ -790,7 +791,11 @@ def unit_scale(
         1.0
     """
     checked = _check_replace(replace)
-    residual_tau = residual_tau if residual_tau is not None else ResidualTau()
+    if residual_tau is None:
+        # plain unit scaling keeps equal shares, as TransformerDecoder(mup=False) does,
+        # unless a mult of u-muP's rule is given
+        plain = not mup and residual_mult is None and residual_attn_ratio is None
+        residual_tau = ResidualTau(rule="equal_shares" if plain else "paper")
     residual_tau = dataclasses.replace(
         residual_tau,
         residual_mult=residual_tau.residual_mult if residual_mult is None else residual_mult,
