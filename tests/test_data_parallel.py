@@ -88,7 +88,7 @@ def test_accumulated_gradients_equal_the_whole_batch(build: str) -> None:
     model = (
         unit_scaled_gpt(CONFIG, seed=0)
         if build == "modules"
-        else unit_scale(plain_gpt(CONFIG, seed=0))
+        else unit_scale(plain_gpt(CONFIG, seed=0), trainable_norms=True)
     )
     ids = torch.randint(
         0, CONFIG.vocab_size, (8, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1)

@@ -20,12 +20,21 @@ the *base* learning rate, its ``"lr_scale"`` the factor, and ``step()`` runs tor
 sets the base rate and every parameter keeps its ratio to it. The optimiser state and
 ``state_dict`` are torch's (``foreach``/``fused`` included).
 
-Weight decay is *independent of the u-μP factor* by default: every parameter shrinks by
-``lr * weight_decay`` per step (``lr`` the base rate, as scheduled), whatever its factor, as
-torch's decoupled decay shrinks a parameter trained at the base rate; so the decay does not
-change with width or depth when the factors do. ``step()`` passes torch
-``weight_decay / lr_scale`` for that (``group["weight_decay"]`` shows the value given).
-``independent_weight_decay=False``: torch's coefficient on the parameter's own rate.
+Weight decay, ``independent_weight_decay=True`` (default), is the reference's *independent*
+decay (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training
+instabilities", section 3.2.2): each group's ``weight_decay`` is divided by that group's
+learning rate at construction, ``lr_0 * lr_scale``, so a decoupled step
+(``p -= lr_t * lr_scale * (weight_decay / (lr_0 * lr_scale)) * p``) shrinks every parameter by
+
+    ``weight_decay * lr_t / lr_0`` per step,
+
+``weight_decay`` times the schedule's factor, whatever ``lr`` and the parameter's u-μP factor:
+changing the learning rate, the width or the depth does not change the decay. ``lr_0`` is
+kept in each group as ``"decay_lr"`` (the base rate when the group was made, times
+``lr_scale``); ``group["weight_decay"]`` shows the value given, ``step()`` passes torch
+``weight_decay / decay_lr``. ``independent_weight_decay=False``: torch's coefficient on the
+parameter's own rate (a shrink of ``lr_t * lr_scale * weight_decay``). ``weight_decay``
+defaults to 0 in every class (the reference's default; torch's AdamW has 0.01).
 
 Design constraints: drop-in for ``torch.optim``'s classes (same positional arguments and
 defaults, ``state_dict`` and schedulers work); a parameter without tags is an error naming
@@ -226,9 +235,10 @@ def scaled_parameters(
             rate gives tensor rates (``lr * factor``, new tensors), as torch optimisers
             accept them.
         weight_decay: decay per step (independent) or torch's coefficient (not).
-        independent_weight_decay: divide each group's ``weight_decay`` by its factor, so
-            that a decoupled optimiser (AdamW, SGD without momentum) shrinks every
-            parameter by ``lr * weight_decay`` per step whatever its u-μP factor.
+        independent_weight_decay: divide each group's ``weight_decay`` by its learning
+            rate ``lr * lr_scale_func(p)``, so that a decoupled optimiser (AdamW, SGD
+            without momentum) shrinks every parameter by ``weight_decay * lr_t / lr`` per
+            step (``lr_t`` the scheduled rate), whatever ``lr`` and its u-μP factor.
         allow_untagged: give untagged parameters the base ``lr`` instead of raising.
 
     Returns:
@@ -261,7 +271,8 @@ def scaled_parameters(
             group_lr = _scaled_rate(base_lr, scale)
             decay = float(base_decay)
             if independent_weight_decay and decay:
-                decay = decay / scale if scale else 0.0
+                rate = float(base_lr) * scale
+                decay = decay / rate if rate else 0.0
             rate_key = (id(base_lr), float(scale)) if isinstance(base_lr, Tensor) else group_lr
             key = (rate_key, decay, *sorted((k, repr(v)) for k, v in options.items()))
             if key not in out:
@@ -328,6 +339,7 @@ class _ScaledOptimizer:
         **kwargs: Any,
     ) -> None:
         bound = inspect.signature(self._torch_class.__init__).bind(self, params, *args, **kwargs)
+        bound.arguments.setdefault("weight_decay", 0.0)  # the reference's default, not torch's
         bound.apply_defaults()
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "params")}
         lr, weight_decay = options.pop("lr"), options.pop("weight_decay")
@@ -343,15 +355,24 @@ class _ScaledOptimizer:
         )
         self._torch_class.__init__(self, groups, lr=lr, weight_decay=weight_decay, **options)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's ``"decay_lr"``: its learning rate now (``lr * lr_scale``),
+        which independent weight decay divides by (see the module docstring)."""
+        self._torch_class.add_param_group(self, param_group)
+        group = self.param_groups[-1]
+        group.setdefault("lr_scale", 1.0)
+        group.setdefault("decay_lr", float(group["lr"]) * group["lr_scale"])
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """torch's step with each group's ``lr * lr_scale`` (and its weight decay, see the
-        module docstring); the groups' own values are restored afterwards."""
+        """torch's step with each group's ``lr * lr_scale`` and, with independent weight decay,
+        ``weight_decay / decay_lr`` (see the module docstring); the groups' own values are
+        restored afterwards."""
         saved = [(group["lr"], group["weight_decay"]) for group in self.param_groups]
         for group in self.param_groups:
-            scale = group.get("lr_scale", 1.0)
-            group["lr"] = group["lr"] * scale
-            if group.get("independent_weight_decay", False) and scale:
-                group["weight_decay"] = group["weight_decay"] / scale
+            group["lr"] = group["lr"] * group.get("lr_scale", 1.0)
+            if group.get("independent_weight_decay", False) and group["weight_decay"]:
+                decay_lr = group.get("decay_lr", 0.0)
+                group["weight_decay"] = group["weight_decay"] / decay_lr if decay_lr else 0.0
         try:
             return _unhooked(self._torch_class.step)(self, closure)
         finally:
@@ -368,8 +389,10 @@ _COMMON_ARGS = """
         args, kwargs: torch's arguments (``lr``, ``weight_decay``...). ``lr`` is the base
             rate: each parameter's group has ``"lr"`` (the base, what schedulers and you
             set) and ``"lr_scale"`` (its factor), and steps at ``lr * lr_scale``.
-        independent_weight_decay: every parameter shrinks by ``lr * weight_decay`` per step
-            whatever its factor (default); False: torch's coefficient on its own rate.
+        independent_weight_decay: every parameter shrinks by ``weight_decay * lr_t / lr_0``
+            per step (``lr_t`` the scheduled base rate, ``lr_0`` the base rate at
+            construction), whatever ``lr`` and its u-μP factor (default); False: torch's
+            coefficient on the parameter's own rate. ``weight_decay`` defaults to 0.
         allow_untagged: give untagged parameters ``lr`` instead of raising.
 
     Raises:
@@ -385,8 +408,8 @@ class AdamW(_ScaledOptimizer, torch.optim.AdamW):
         >>> import unitscale as us
         >>> opt = AdamW(us.Linear(64, 8, bias=False).parameters(), 0.8, (0.9, 0.95))
         >>> group = opt.param_groups[0]
-        >>> group["lr"], group["lr_scale"], group["weight_decay"]  # 1 / sqrt(64); torch's
-        (0.8, 0.125, 0.01)
+        >>> group["lr"], group["lr_scale"], group["weight_decay"]  # 1 / sqrt(64); no decay
+        (0.8, 0.125, 0.0)
     """
 
     _torch_class = torch.optim.AdamW
@@ -416,18 +439,21 @@ class Adam(_ScaledOptimizer, torch.optim.Adam):
 class SGD(_ScaledOptimizer, torch.optim.SGD):
     """``torch.optim.SGD`` with u-μP learning rates (:func:`lr_scale_func_sgd`).
 
+    Learning rates: the reference's default rule for SGD (the Adam rates,
+    :func:`lr_scale_func_sgd` says why they hold for a unit-scaled model).
+
     Weight decay: torch's SGD adds ``weight_decay * p`` to the gradient, so without momentum
-    a step shrinks ``p`` by ``lr * lr_scale * weight_decay``; with
-    ``independent_weight_decay`` (default) the coefficient is divided by the factor, so
-    every parameter shrinks by ``lr * weight_decay`` per step (with momentum, the decay is
-    also accumulated).
+    a step shrinks ``p`` by ``lr_t * lr_scale * weight_decay``; with
+    ``independent_weight_decay`` (default) the coefficient is divided by the group's rate at
+    construction, ``lr_0 * lr_scale``, so every parameter shrinks by
+    ``weight_decay * lr_t / lr_0`` per step (with momentum, the decay is also accumulated).
     {args}
     Example:
         >>> import unitscale as us
         >>> opt = SGD(us.Linear(16, 8, bias=False).parameters(), 1.0, 0.9)  # momentum 0.9
         >>> group = opt.param_groups[0]
         >>> group["lr"] * group["lr_scale"], group["momentum"], group["weight_decay"]
-        (0.25, 0.9, 0)
+        (0.25, 0.9, 0.0)
     """
 
     _torch_class = torch.optim.SGD

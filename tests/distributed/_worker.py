@@ -38,12 +38,17 @@ def _decoder() -> nn.Module:
     return us.TransformerDecoder(hidden_size=32, depth=2, heads=2, vocab_size=64, mup=True)
 
 
+def _unit_scaled_gpt() -> nn.Module:
+    return unit_scale(plain_gpt(CONFIG, seed=0), trainable_norms=True)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "modules-decoder": _decoder,
     "modules-gpt": lambda: unit_scaled_gpt(CONFIG, seed=0),
-    "unit_scale": lambda: unit_scale(plain_gpt(CONFIG, seed=0)),
-    "simulate_fp8": lambda: simulate_fp8(unit_scale(plain_gpt(CONFIG, seed=0))),
-    "track_scales": lambda: track_scales(unit_scale(plain_gpt(CONFIG, seed=0))),
+    # norms kept trainable: every parameter's gradient is compared
+    "unit_scale": lambda: _unit_scaled_gpt(),
+    "simulate_fp8": lambda: simulate_fp8(_unit_scaled_gpt()),
+    "track_scales": lambda: track_scales(_unit_scaled_gpt()),
 }
 
 

@@ -310,7 +310,7 @@ def _unit_scaled_gpt2() -> nn.Module:
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    model = unit_scale(GPT2LMHeadModel(config))
+    model = unit_scale(GPT2LMHeadModel(config), trainable_norms=True)
     with torch.no_grad():  # capture now: unit_scale initialises matmul weights at capture
         model(input_ids=torch.zeros(1, SEQ, dtype=torch.long))
     return model

@@ -488,3 +488,53 @@ def test_per_sample_gradients_with_torch_func_match_a_loop() -> None:
         for name, p in model.named_parameters():
             assert p.grad is not None
             torch.testing.assert_close(per_sample[name][i], p.grad, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# the Llama-style block of the u-muP paper's experiments (block="llama")
+# --------------------------------------------------------------------------------------------
+
+
+def test_llama_block_is_rmsnorm_swiglu_without_biases_or_norm_parameters() -> None:
+    model = us.TransformerDecoder(48, depth=2, heads=4, vocab_size=64, block="llama")
+    layer = model.layers[0]
+    assert isinstance(layer.attn_norm, us.RMSNorm) and isinstance(model.final_norm, us.RMSNorm)
+    assert layer.mlp.gated
+    inner = 2 * 4 * 48 // 3  # Llama's rule: 2/3 of the GELU MLP's 4 x width
+    assert layer.mlp.up.weight.shape == (2 * inner, 48)
+    assert layer.mlp.down.weight.shape == (48, inner)
+    assert layer.attn.rope
+    assert sorted({p.mup_type for p in model.parameters()}) == ["output", "weight"]  # type: ignore[attr-defined]
+    trainable = us.TransformerDecoder(48, 2, 4, 64, block="llama", trainable_norms=True)
+    assert trainable.final_norm.weight.mup_type == "norm"  # type: ignore[union-attr]
+    with pytest.raises(UnsupportedArgumentError, match="'block'"):
+        us.TransformerDecoder(48, 2, 4, 64, block="bert")
+
+
+@pytest.mark.parametrize("mup", [True, False])
+def test_llama_decoder_scales(mup: bool) -> None:
+    hidden, vocab, seq = 64, 256, 32
+    model = us.TransformerDecoder(
+        hidden, depth=2, heads=4, vocab_size=vocab, constraint=None, mup=mup, block="llama"
+    )
+    stats = module_stats(model, lambda: torch.randint(0, vocab, (8, seq)), trials=2)
+    logits_std = 1 / math.sqrt(hidden) if mup else math.sqrt(hidden / vocab)
+    assert stats.pop("output") == pytest.approx(logits_std, rel=TOL)
+    assert stats.pop("readout.weight") == pytest.approx(1.0, rel=TOL)
+    assert stats.pop("embedding.weight") == pytest.approx(1.0, rel=0.2)
+    weights = {k: v for k, v in stats.items() if "norm" not in k}
+    assert sorted(weights.values())[len(weights) // 2] == pytest.approx(1.0, rel=TOL)
+    for name, value in weights.items():
+        assert 1 / 1.75 < value < 1.75, (name, value)
+
+
+def test_llama_decoder_compiles_to_one_graph() -> None:
+    model = us.TransformerDecoder(16, 2, 4, 32, block="llama")
+    ids = torch.randint(0, 32, (2, 8))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    eager = model(ids, ids.roll(-1, 1))
+    torch.testing.assert_close(compiled(ids, ids.roll(-1, 1)), eager, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

@@ -24,6 +24,12 @@ E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
 
 
+# unit_scale's residual rule (u-muP's, Appendix G) for a model of one residual branch:
+# beta^2 = 2 (the branches together weigh 2 residual_mult^2 against the embedding's 1),
+# tau = beta^2 / (1 + beta^2)
+ONE_BRANCH_TAU = 2 / 3
+
+
 class ResidualMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -43,11 +49,11 @@ def by_hand(model: ResidualMLP, x: Tensor) -> Tensor:
     def q(t: Tensor) -> Tensor:
         return quantise_operand(t, E4M3_NEAREST, E5M2_NEAREST)
 
-    residual, skip = U.residual_split(x, 0.5)
+    residual, skip = U.residual_split(x, ONE_BRANCH_TAU)
     h = U.layer_norm(residual, (32,), model.norm.weight, model.norm.bias)
     h = U.gelu(U.linear(q(h), q(model.up.weight), model.up.bias))
     h = U.linear(q(h), q(model.down.weight), model.down.bias)
-    x = U.residual_add(h, skip, 0.5)
+    x = U.residual_add(h, skip, ONE_BRANCH_TAU)
     return U.linear(q(x), q(model.head.weight), model.head.bias, constraint=None)
 
 
@@ -56,11 +62,11 @@ def outputs_and_grads(model: nn.Module, x: Tensor) -> list[Tensor]:
     out = model(x)
     out.backward(torch.linspace(-2, 2, out.numel()).view_as(out))
     inner = model.module if isinstance(model, TransformedModule) else model
-    return [out.detach(), x.grad, *(p.grad for p in inner.parameters())]
+    return [out.detach(), x.grad, *(p.grad for p in inner.parameters() if p.requires_grad)]
 
 
 def test_chain_equals_the_steps_applied_by_hand() -> None:
-    chained = simulate_fp8(unit_scale(ResidualMLP()), recipe="all-operands")
+    chained = simulate_fp8(unit_scale(ResidualMLP(), trainable_norms=True), recipe="all-operands")
     reference = ResidualMLP()
     reference.load_state_dict(chained.state_dict())
     x = torch.randn(16, 32)
@@ -102,7 +108,8 @@ def test_compiled_chain_matches_eager_chain() -> None:
         loss = model(ids, labels=ids.roll(-1, dims=1))
         loss.backward()
         losses.append(loss.detach())
-        grads.append(torch.cat([p.grad.flatten() for p in model.module.parameters()]))  # type: ignore[union-attr]
+        trained = [p for p in model.module.parameters() if p.requires_grad]  # type: ignore[union-attr]
+        grads.append(torch.cat([p.grad.flatten() for p in trained]))  # type: ignore[union-attr]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-4)
     # Reassociation inside fused kernels can move a value across an FP8 rounding boundary.
     assert (grads[0] - grads[1]).norm() / grads[0].norm() < 1e-2
@@ -306,9 +313,9 @@ class UnitBlock(Block):
     """What ``unit_scale(Block())`` computes, written with unitscale.functional."""
 
     def forward(self, x: Tensor) -> Tensor:
-        residual, skip = U.residual_split(x, 0.5)
+        residual, skip = U.residual_split(x, ONE_BRANCH_TAU)
         h = U.gelu(U.layer_norm(residual, (16,), self.norm.weight, self.norm.bias))
-        return U.residual_add(U.linear(h, self.up.weight, self.up.bias), skip, 0.5)
+        return U.residual_add(U.linear(h, self.up.weight, self.up.bias), skip, ONE_BRANCH_TAU)
 
 
 class Outer(nn.Module):
@@ -401,7 +408,7 @@ def test_a_unit_scaled_child_is_unit_scaled_then_rounded_like_by_hand() -> None:
     # simulate_fp8 of a model holding unit_scale(block): the block's ops are unit-scaled
     # (alone, as unit_scale(block) does) and every matmul's operands, the block's included,
     # are rounded: bit for bit what simulate_fp8 of the model written by hand computes.
-    model = Outer(unit_scale(Block()))
+    model = Outer(unit_scale(Block(), trainable_norms=True))
     reference = Outer(UnitBlock())
     reference.load_state_dict(model.state_dict())
     x = torch.randn(8, 16)
@@ -416,7 +423,7 @@ def test_a_unit_scaled_child_is_unit_scaled_then_rounded_like_by_hand() -> None:
 
 @pytest.mark.slow
 def test_compile_of_a_model_holding_a_unit_scaled_child_matches_by_hand() -> None:
-    model = Outer(unit_scale(Block()))
+    model = Outer(unit_scale(Block(), trainable_norms=True))
     reference = Outer(UnitBlock())
     reference.load_state_dict(model.state_dict())
     x = torch.randn(8, 16)
@@ -427,7 +434,7 @@ def test_compile_of_a_model_holding_a_unit_scaled_child_matches_by_hand() -> Non
 
 
 def test_a_model_holding_a_transformed_child_copies_pickles_and_keeps_its_keys() -> None:
-    model = Outer(unit_scale(Block()))
+    model = Outer(unit_scale(Block(), trainable_norms=True))
     keys = list(Outer(Block()).state_dict())
     result = simulate_fp8(model)
     assert list(result.state_dict()) == keys

@@ -121,10 +121,10 @@ def test_log_lines_name_every_replacement_and_residual_add(
         model(ids, ids)
     lines = unitscale_messages(caplog)
     block = [
-        "layer_norm", "linear", "a", "linear_1", "x_1 (residual-add, tau=0.5)",
-        "layer_norm_1", "linear_2", "gelu", "linear_3", "x_2 (residual-add, tau=0.3333)",
-        "layer_norm_2", "linear_4", "a_1", "linear_5", "x_3 (residual-add, tau=0.25)",
-        "layer_norm_3", "linear_6", "gelu_1", "linear_7", "x_4 (residual-add, tau=0.2)",
+        "layer_norm", "linear", "a", "linear_1", "x_1 (residual-add, tau=0.3333)",
+        "layer_norm_1", "linear_2", "gelu", "linear_3", "x_2 (residual-add, tau=0.25)",
+        "layer_norm_2", "linear_4", "a_1", "linear_5", "x_3 (residual-add, tau=0.2)",
+        "layer_norm_3", "linear_6", "gelu_1", "linear_7", "x_4 (residual-add, tau=0.1667)",
     ]  # fmt: skip
     expected = ["embedding", "embedding_1", "x", *block, "layer_norm_4", "logits", "cross_entropy"]
     assert lines == [f"unit scaling function: {name}" for name in expected]
@@ -136,12 +136,13 @@ def test_log_lines_name_every_replacement_and_residual_add(
 
 
 def test_result_equals_the_model_written_with_unit_scaled_ops(ids: Tensor) -> None:
-    model = unit_scale(Net())
+    # u-muP's residual rule at 2 layers (4 branches, beta^2 = 1/2 each): 1/3, 1/4, 1/5, 1/6
+    model = unit_scale(Net(), trainable_norms=True)
     loss = model(ids, ids)
     loss.backward()
     by_hand = Net()
     by_hand.load_state_dict(model.state_dict())
-    expected = unit_scaled_by_hand(by_hand, ids, ids, [1 / 2, 1 / 3, 1 / 4, 1 / 5])
+    expected = unit_scaled_by_hand(by_hand, ids, ids, [1 / 3, 1 / 4, 1 / 5, 1 / 6])
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     for (name, param), (_, reference) in zip(
@@ -185,7 +186,7 @@ def test_residual_adds_are_found_by_dependency_not_by_syntax(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="unitscale"):
-        unit_scale(Variants())(torch.randn(4, 8))
+        unit_scale(Variants(), residual_tau=ResidualTau(rule="equal_shares"))(torch.randn(4, 8))
     assert unitscale_messages(caplog) == [
         "unit scaling function: linear",
         "unit scaling function: x (residual-add, tau=0.5)",
@@ -228,7 +229,7 @@ def test_graph_breaks_continue_the_depth_rule_or_warn(
     with caplog.at_level(logging.INFO, logger="unitscale"):
         unit_scale(TwoStages())(ids, ids)
     taus = [line.split("tau=")[1] for line in residual_lines(caplog)]
-    assert taus == ["0.5)", "0.3333)", "0.25)", "0.2)"]
+    assert taus == ["0.3333)", "0.25)", "0.2)", "0.1667)"]  # u-muP's rule over 4 branches
     model = unit_scale(BreakInLoop())
     with pytest.warns(
         UserWarning, match=r"unit_scale: 1 floating-point output\(s\) of BreakInLoop"
@@ -273,8 +274,8 @@ def taus_that_ran(model: nn.Module) -> list[float]:
 def test_a_graph_break_inside_repeated_layers_gives_each_layer_its_own_tau(then: str) -> None:
     # Each layer's residual adds must get the depth rule's tau for their place in the call,
     # exactly as without the break: same taus, same outputs and gradients.
-    whole = unit_scale(repeated_layers(graph_break=False))
-    broken = unit_scale(repeated_layers(graph_break=True))
+    whole = unit_scale(repeated_layers(graph_break=False), trainable_norms=True)
+    broken = unit_scale(repeated_layers(graph_break=True), trainable_norms=True)
     broken.load_state_dict(whole.state_dict())
     if then == "compile":
         whole, broken = transforms.compile(whole), transforms.compile(broken)
@@ -286,7 +287,9 @@ def test_a_graph_break_inside_repeated_layers_gives_each_layer_its_own_tau(then:
             model(x_in).square().sum().backward()
             results.append((x_in.grad, *[p.grad.clone() for p in model.parameters()]))
             model.zero_grad()
-    expected = [ResidualTau().tau("attention" if k % 2 else "mlp", k) for k in range(1, 9)]
+    expected = [
+        ResidualTau().tau("attention" if k % 2 else "mlp", k, layers=8) for k in range(1, 9)
+    ]
     assert len(set(expected)) == 8  # the rule differs per layer: the test can tell them apart
     assert taus_that_ran(whole) == pytest.approx(expected)
     assert taus_that_ran(broken) == pytest.approx(expected)
@@ -492,7 +495,7 @@ def gpt_scales(model: nn.Module, ids: Tensor) -> tuple[list[tuple[float, str]], 
 def test_unit_scaled_gpt_has_scales_near_one_where_the_plain_one_does_not() -> None:
     plain = plain_gpt(GPTConfig(hidden_size=64, depth=2, seq_len=64, aligned_labels=True), seed=0)
     ids = torch.randint(0, 256, (4, 64))
-    fwd, bwd, param_bwd = gpt_scales(unit_scale(plain), ids)
+    fwd, bwd, param_bwd = gpt_scales(unit_scale(plain, trainable_norms=True), ids)
     assert len(fwd) > 50 and len(bwd) > 40 and len(param_bwd) == len(list(plain.parameters()))
     low, high = ACTIVATION_BAND
     for rms, name in fwd + bwd:

@@ -35,7 +35,7 @@ def test_hf_position_ids_are_shared_at_any_local_batch(local_batch: int) -> None
         vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    model = unit_scale(transformers.GPT2LMHeadModel(config))
+    model = unit_scale(transformers.GPT2LMHeadModel(config), trainable_norms=True)
     ids = torch.randint(0, 64, (local_batch, 16), generator=torch.Generator().manual_seed(1))
     grads = {}
     for size in (1, 4):

@@ -107,7 +107,9 @@ def check(
 def test_unit_scaled_gpt_medians_and_named_outliers() -> None:
     plain = plain_gpt(GPTConfig(hidden_size=64, depth=2, seq_len=64, aligned_labels=True), seed=0)
     ids = torch.randint(0, 256, (4, 64))
-    groups = scales(unit_scale(plain), lambda m: m(ids, labels=ids.roll(-1, dims=1)))
+    groups = scales(
+        unit_scale(plain, trainable_norms=True), lambda m: m(ids, labels=ids.roll(-1, dims=1))
+    )
     check(groups, GPT_OUTLIERS, minimum=25)
 
 
@@ -119,7 +121,9 @@ def test_unit_scaled_hf_gpt2_medians_and_named_outliers_forward_and_backward() -
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (4, 32))
-    groups = scales(unit_scale(model), lambda m: m(input_ids=ids, labels=ids).loss)
+    groups = scales(
+        unit_scale(model, trainable_norms=True), lambda m: m(input_ids=ids, labels=ids).loss
+    )
     # Known: GPT-2's parameter gradients run high (median 1.23 at seed 0; 1.20 counting the
     # outliers): its biases, tied token embedding and position embedding sum per-token
     # gradients that are correlated, which the 1/sqrt(tokens) weight-gradient scale assumes

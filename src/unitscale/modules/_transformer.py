@@ -19,6 +19,7 @@ from ._layers import (
     LayerNorm,
     Linear,
     LinearReadout,
+    RMSNorm,
     _check_constraint,
     _mult_repr,
 )
@@ -44,12 +45,17 @@ class MLP(nn.Module):
         constraint: passed to every op (``None``: every tensor unit-scaled, gradients
             scaled; default ``to_output_scale``: true gradients within the block).
         device, dtype: for the parameters.
-        activation_mult: u-μP multiplier of the GELU's input.
+        activation_mult: u-μP multiplier of the GELU's (or the SiLU gate's) input.
+        gated: SwiGLU instead (Llama's MLP): ``up`` makes a value and a gate of the inner
+            width each, combined by :func:`~unitscale.functional.silu_glu` (unit-scaled:
+            the block's output std is 1 for a unit input).
 
     Example:
         >>> _ = torch.manual_seed(0)
         >>> round(MLP(128)(torch.randn(64, 32, 128)).std().item(), 2)
         1.11
+        >>> round(MLP(128, gated=True)(torch.randn(64, 32, 128)).std().item(), 1)
+        1.0
     """
 
     def __init__(
@@ -61,15 +67,25 @@ class MLP(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
         activation_mult: float = 1.0,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         inner = expansion_factor * hidden_size
-        self.up = Linear(hidden_size, inner, bias, device, dtype, constraint)
+        self.gated = gated
+        self.constraint = constraint
+        self.activation_mult = activation_mult
+        self.up = Linear(hidden_size, (2 if gated else 1) * inner, bias, device, dtype, constraint)
         self.act = GELU(constraint=constraint, mult=activation_mult)
         self.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
 
     def forward(self, input: Tensor) -> Tensor:
-        return self.down(self.act(self.up(input)))
+        hidden = self.up(input)
+        if self.gated:
+            value, gate = hidden.chunk(2, dim=-1)
+            return self.down(
+                U.silu_glu(value, gate, constraint=self.constraint, mult=self.activation_mult)
+            )
+        return self.down(self.act(hidden))
 
 
 class MHSA(nn.Module):
@@ -175,6 +191,31 @@ class MHSA(nn.Module):
         )
 
 
+_BLOCKS = ("gpt", "llama")
+
+
+def _check_block(where: str, block: str) -> None:
+    if block not in _BLOCKS:
+        raise UnsupportedArgumentError(where, "block", block, f"use one of {_BLOCKS}")
+
+
+def _swiglu(
+    hidden_size: int,
+    expansion_factor: int,
+    bias: bool,
+    constraint: Constraint,
+    device: Any,
+    dtype: torch.dtype | None,
+    activation_mult: float,
+) -> MLP:
+    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's (the same parameter count)."""
+    mlp = MLP(hidden_size, 1, bias, constraint, device, dtype, activation_mult, gated=True)
+    inner = max(1, 2 * expansion_factor * hidden_size // 3)
+    mlp.up = Linear(hidden_size, 2 * inner, bias, device, dtype, constraint)
+    mlp.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
+    return mlp
+
+
 class TransformerLayer(nn.Module):
     """Unit-scaled pre-norm transformer layer: attention then MLP, each in a residual block.
 
@@ -202,9 +243,14 @@ class TransformerLayer(nn.Module):
             ``"norm"`` and ``"bias"``). Default False: norms without trainable parameters,
             u-μP's recommended scheme (see :class:`TransformerDecoder`).
         rope: rotary position embedding of queries and keys (see :class:`MHSA`).
+        block: ``"gpt"`` (default): :class:`LayerNorm` and the GELU :class:`MLP`;
+            ``"llama"``: the Llama-style block of the u-μP paper's experiments,
+            :class:`RMSNorm` and the SwiGLU MLP (``MLP(gated=True)``) of inner width
+            ``2/3 * mlp_expansion_factor * hidden_size`` (Llama's rule: as many parameters
+            as the GELU MLP), rounded down to a whole number.
 
     Raises:
-        UnsupportedArgumentError: a ``tau`` outside (0, 1), or bad ``heads``.
+        UnsupportedArgumentError: a ``tau`` outside (0, 1), bad ``heads`` or ``block``.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -231,8 +277,10 @@ class TransformerLayer(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = False,
+        block: str = "gpt",
     ) -> None:
         super().__init__()
+        _check_block("TransformerLayer", block)
         for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
             if not 0.0 < tau < 1.0:
                 raise UnsupportedArgumentError(
@@ -241,7 +289,8 @@ class TransformerLayer(nn.Module):
         self.attn_tau = attn_tau
         self.mlp_tau = mlp_tau
         norm = {"elementwise_affine": trainable_norms, "device": device, "dtype": dtype}
-        self.attn_norm = LayerNorm(hidden_size, **norm)
+        norm_class = RMSNorm if block == "llama" else LayerNorm
+        self.attn_norm = norm_class(hidden_size, **norm)
         self.attn = MHSA(
             hidden_size,
             heads,
@@ -256,10 +305,15 @@ class TransformerLayer(nn.Module):
             rope,
         )
         self.attn_dropout = Dropout(dropout_p)
-        self.mlp_norm = LayerNorm(hidden_size, **norm)
-        self.mlp = MLP(
-            hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
-        )
+        self.mlp_norm = norm_class(hidden_size, **norm)
+        if block == "llama":
+            self.mlp = _swiglu(
+                hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
+            )
+        else:
+            self.mlp = MLP(
+                hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
+            )
         self.mlp_dropout = Dropout(dropout_p)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -336,8 +390,14 @@ class TransformerDecoder(nn.Module):
         activation_mult: multiplier of the MLP activation's input.
         loss_mult: multiplier of the logits inside the loss.
         mup: u-μP (default); False for plain unit scaling (see above).
-        trainable_norms: give every norm a trainable weight and bias.
+        trainable_norms: give every norm a trainable weight (and a LayerNorm a bias).
         rope: rotary position embedding in every layer (default; see above).
+        block: ``"gpt"`` (default): LayerNorm and the GELU MLP; ``"llama"``: the
+            Llama-style block of the paper's experiments, RMSNorm and a SwiGLU MLP
+            (:class:`TransformerLayer`), the final norm an RMSNorm too. Learning rates of its
+            options as above: a trainable RMSNorm's weight is tagged ``"norm"``
+            (``lr / sqrt(depth)`` in the layers, ``lr`` for the final norm), biases
+            ``"bias"`` (``lr / sqrt(depth)``).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -374,8 +434,10 @@ class TransformerDecoder(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = True,
+        block: str = "gpt",
     ) -> None:
         super().__init__()
+        _check_block("TransformerDecoder", block)
         self.mup = mup
         self.loss_mult = check_mult("TransformerDecoder", loss_mult)
         if mup or residual_mult is not None or residual_attn_ratio is not None:
@@ -405,10 +467,11 @@ class TransformerDecoder(nn.Module):
                 mup,
                 trainable_norms,
                 rope,
+                block,
             )
             for i in range(depth)
         )
-        self.final_norm = LayerNorm(
+        self.final_norm = (RMSNorm if block == "llama" else LayerNorm)(
             hidden_size, elementwise_affine=trainable_norms, device=device, dtype=dtype
         )
         self.readout = LinearReadout(hidden_size, vocab_size, False, device, dtype, mup=mup)

@@ -9,7 +9,10 @@
    :func:`~unitscale.functional.residual_split`, and the add becomes
    :func:`~unitscale.functional.residual_add`. A branch that contains an attention op
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
-   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`). Adds are counted in
+   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`: by default u-μP's rule,
+   Appendix G of the paper, over ``n`` branches, ``n`` twice the length of the model's
+   residual stack, found as ``transforms/_residual_tau.py`` says, or else the number of
+   residual adds captured; with ``mup=False``, equal shares). Adds are counted in
    execution order over the whole call, across graph breaks; where Dynamo runs one captured
    graph at several depths (a layer with a graph break inside: the code before the break and
    its resume function are compiled once and reused for every layer), each depth runs a
@@ -51,6 +54,7 @@ weights (never the user's module) so that they have unit scale.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 import operator
@@ -77,6 +81,8 @@ from ..errors import UnitScaleError
 from ..functional import masked_scaled_dot_product_attention
 from ..parameter import tag_model
 from ._inplace import functionalize_inplace
+from ._norms import freeze_norms
+from ._residual_tau import ResidualTau, residual_stack_length
 from ._rewrite import (
     RewritePass,
     ancestors,
@@ -100,55 +106,6 @@ logger = logging.getLogger("unitscale")
 
 class UnknownOpError(UnitScaleError, ValueError):
     """A ``replace`` entry of ``unit_scale`` names an op it does not replace, or is not callable."""
-
-
-@dataclass(frozen=True)
-class ResidualTau:
-    """How :func:`unit_scale` weights residual branches: ``tau`` per kind of branch.
-
-    A residual add becomes ``sqrt(tau) * branch + sqrt(1 - tau) * skip`` (and its split the
-    matching gradient weights), so ``tau`` is the branch's share of the stream's variance.
-    ``None`` (the default for both kinds) means the *depth rule*: the ``k``-th residual add
-    of the forward pass (``k = 1, 2, ...``, in execution order) uses ``tau = 1 / (k + 1)``.
-    Then the stream entering the first block and every branch end up with equal shares
-    (``1 / (K + 1)`` each, for ``K`` adds) of the final stream, as in an ordinary pre-norm
-    transformer at initialisation, however deep the model.
-
-    Attributes:
-        attention: ``tau`` of attention branches (those containing attention or a
-            softmax), in (0, 1), or None for the depth rule.
-        mlp: ``tau`` of every other branch, in (0, 1), or None for the depth rule.
-
-    Example:
-        >>> ResidualTau().tau("attention", 3)  # the third add: 1 / (3 + 1)
-        0.25
-        >>> ResidualTau(attention=0.2).tau("attention", 3)
-        0.2
-    """
-
-    attention: float | None = None
-    mlp: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("attention", "mlp"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UnitScaleError(
-                    f"unitscale.unit_scale: ResidualTau({name}={value!r}) must be a number "
-                    "in (0, 1) or None"
-                )
-            if not 0.0 < value < 1.0:
-                raise UnitScaleError(
-                    f"unitscale.unit_scale: ResidualTau({name}={value!r}) is outside (0, 1); "
-                    "tau is the branch's share of the variance"
-                )
-
-    def tau(self, kind: str, index: int) -> float:
-        """The ``tau`` of the ``index``-th residual add (from 1), a ``kind`` branch."""
-        fixed = self.attention if kind == "attention" else self.mlp
-        return float(fixed) if fixed is not None else 1.0 / (index + 1)
 
 
 # Additions a residual add can be written with (x + f(x), x += f(x), torch.add(x, f(x))).
@@ -288,8 +245,11 @@ class UnitScalePass(RewritePass):
         # Parameter name -> version when unit_scale returned, for parameters that may turn
         # out to be matmul weights (re-initialised at their first capture if unchanged).
         self._versions: dict[str, int] | None = None
-        # (the running call's trace, invocations counted, residual adds among them).
-        self._counted: tuple[list[Invocation], int, int] | None = None
+        #: The number of residual branches the paper's rule divides by (None: counted).
+        self.residual_layers: int | None = None
+        # (the running call's trace, invocations counted, residual adds and attention
+        # branches among them).
+        self._counted: tuple[list[Invocation], int, int, int] | None = None
 
     def without_state(self) -> UnitScalePass:
         clone = copy.copy(self)
@@ -303,6 +263,7 @@ class UnitScalePass(RewritePass):
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         self._kept.exit()
         super().after_call(module, capture, output)
+        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
 
     def scoped(self, prefix: str) -> UnitScalePass:
         """This pass for the submodule ``prefix`` only: its parameter names gain the prefix."""
@@ -331,22 +292,26 @@ class UnitScalePass(RewritePass):
         return mapping
 
     # -- the place of a piece in the call ----------------------------------------------------
-    def _residual_adds_before(self, capture: Capture) -> int:
-        """How many residual adds the running call has run so far (in the pieces of
-        ``capture.trace``), counted incrementally: O(1) per piece over a call."""
+    def _residual_adds_before(self, capture: Capture) -> tuple[int, int]:
+        """How many residual adds, and attention branches among them, the running call has
+        run so far (in the pieces of ``capture.trace``), counted incrementally: O(1) per
+        piece over a call."""
         trace = capture.trace
         counted = self._counted
         if counted is None or counted[0] is not trace or counted[1] > len(trace):
-            counted = (trace, 0, 0)
-        _, done, total = counted
+            counted = (trace, 0, 0, 0)
+        _, done, total, attention = counted
         for invocation in trace[done:]:
-            total += len(invocation.piece.data.get(self.data_key, {}).get("residual_adds", ()))
-        self._counted = (trace, len(trace), total)
-        return total
+            adds = invocation.piece.data.get(self.data_key, {}).get("residual_adds", ())
+            total += len(adds)
+            attention += sum(1 for _, kind, _ in adds if kind == "attention")
+        self._counted = (trace, len(trace), total, attention)
+        return total, attention
 
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
-        """The number of residual adds that ran before ``piece`` in this call, where
-        ``piece`` has residual adds: their taus follow the depth rule from there, so a
+        """The number of residual adds (and attention branches among them) that ran before
+        ``piece`` in this call, where ``piece`` has residual adds: their taus follow the
+        rule from there, so a
         piece Dynamo reuses at another depth (a layer with a graph break inside, run for
         every layer) is rewritten again with that depth's taus."""
         if not piece.data.get(self.data_key, {}).get("residual_adds"):
@@ -360,9 +325,9 @@ class UnitScalePass(RewritePass):
         params = parameter_nodes(gm, piece)
         # Residual adds are counted in execution order across graph breaks: the pieces that
         # already ran in this call come first.
-        first_index = 1 + self._residual_adds_before(capture)
+        before = self._residual_adds_before(capture)
         in_scope = self.scope_filter(capture, piece)
-        residual_adds = self._rewrite_residual_adds(graph, params, first_index, in_scope)
+        residual_adds = self._rewrite_residual_adds(graph, params, before, in_scope)
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
         replaced.extend(self._mup_readout(graph, gm, piece, replaced))
@@ -389,19 +354,21 @@ class UnitScalePass(RewritePass):
         }
         return gm
 
-    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
-        super().after_call(module, capture, output)
-        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
-
     def _rewrite_residual_adds(
         self,
         graph: fx.Graph,
         params: set[fx.Node],
-        first_index: int,
+        before: tuple[int, int],
         in_scope: Callable[[fx.Node], bool],
     ) -> list[_ResidualAdd]:
         from .. import functional as U
 
+        adds_before, attention_before = before
+        layers = self.residual_layers
+        if layers is None:  # no residual stack known: the adds of the call so far and here
+            layers = adds_before + sum(
+                1 for n in graph.nodes if in_scope(n) and _as_residual_add(n, params)
+            )
         found: list[_ResidualAdd] = []
         for node in list(graph.nodes):
             if not in_scope(node):
@@ -409,7 +376,12 @@ class UnitScalePass(RewritePass):
             residual = _as_residual_add(node, params)
             if residual is None:
                 continue
-            tau = self.residual_tau.tau(residual.kind, first_index + len(found))
+            tau = self.residual_tau.tau(
+                residual.kind,
+                adds_before + len(found) + 1,
+                layers=max(layers, adds_before + len(found) + 1),
+                attention_before=attention_before + sum(1 for r in found if r.kind == "attention"),
+            )
             skip, branch = residual.skip, residual.branch
             branch_side = ancestors(branch) | {branch}
             value = example_value(skip)
@@ -760,6 +732,9 @@ def unit_scale(
     mup: bool = True,
     *,
     residual_tau: ResidualTau | None = None,
+    residual_mult: float | None = None,
+    residual_attn_ratio: float | None = None,
+    trainable_norms: bool = False,
 ) -> TransformedModule:
     """Return a unit-scaled, u-μP copy of ``module``: same code, unit-scaled ops and weights.
 
@@ -802,8 +777,19 @@ def unit_scale(
             function to itself to leave it as it is). Use module-level functions if the
             result is to be pickled.
         mup: u-μP (default, above); False for plain unit scaling.
-        residual_tau: residual weights per kind of branch (default: the depth rule of
-            :class:`ResidualTau`).
+        residual_tau: residual weights per kind of branch (default: u-μP's rule, Appendix
+            G of the paper, see :class:`ResidualTau`; with ``mup=False`` and no mult given,
+            ``ResidualTau(rule="equal_shares")``, equal shares of every branch, as
+            ``TransformerDecoder(mup=False)``).
+        residual_mult: α_res of u-μP's residual rule (None: ``residual_tau``'s, 1.0).
+        residual_attn_ratio: α_ratio of u-μP's residual rule (None: ``residual_tau``'s, 1.0).
+        trainable_norms: with ``mup=True``, keep the norms' scales and biases trainable.
+            Default False, the paper's recommended scheme: every normalisation module's
+            parameters are fixed (``requires_grad=False``; torch's norms at scale 1 and
+            bias 0, others at the values they hold, their identity initialisation), because
+            at u-μP's learning rates (a norm scale steps at ``lr / sqrt(depth)``) they move
+            too fast. Linear biases keep training (``lr / sqrt(depth)``, the reference's
+            bias rule). With ``mup=False`` norms are left trainable.
 
     Returns:
         The unit-scaled copy (``module`` is not touched; a checkpoint of ``module`` loads
@@ -831,6 +817,18 @@ def unit_scale(
         1.0
     """
     checked = _check_replace(replace)
+    if residual_tau is None:
+        # plain unit scaling keeps equal shares, as TransformerDecoder(mup=False) does,
+        # unless a mult of u-muP's rule is given
+        plain = not mup and residual_mult is None and residual_attn_ratio is None
+        residual_tau = ResidualTau(rule="equal_shares" if plain else "paper")
+    residual_tau = dataclasses.replace(
+        residual_tau,
+        residual_mult=residual_tau.residual_mult if residual_mult is None else residual_mult,
+        residual_attn_ratio=(
+            residual_tau.residual_attn_ratio if residual_attn_ratio is None else residual_attn_ratio
+        ),
+    )
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
     head = _readout_name(result.module)
@@ -858,4 +856,10 @@ def unit_scale(
         weight = getattr(sub, "weight", None)
         if _is_hf_conv1d(sub) and isinstance(weight, nn.Parameter):
             weight.fan_in_dim = 0  # type: ignore[attr-defined]  # stored (in, out): addmm
+    # the paper's rule divides by the number of residual branches: two per layer of the
+    # residual stack (else counted from the captured adds)
+    stack = residual_stack_length(result.module)
+    graph_pass.residual_layers = 2 * stack if stack else None
+    if mup and not trainable_norms:
+        freeze_norms(result.module)
     return result

@@ -90,9 +90,16 @@ def _llama(width: int, depth: int, config: TransferConfig) -> nn.Module:
 
 
 def _llama_mup(width: int, depth: int, config: TransferConfig) -> nn.Module:
-    from ...transforms import unit_scale
+    from ...transforms import ResidualTau, unit_scale
 
-    return unit_scale(_llama(width, depth, config))
+    # Pinned to unit_scale's scheme of the committed results (benchmarks/results/
+    # transfer-llama): equal residual shares and trainable norms, since then unit_scale's
+    # defaults became u-muP's residual rule and fixed norms (docs/guide/experiments.rst).
+    return unit_scale(
+        _llama(width, depth, config),
+        residual_tau=ResidualTau(rule="equal_shares"),
+        trainable_norms=True,
+    )
 
 
 def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
