@@ -1,4 +1,4 @@
-"""Layers: each folder imports only the layers before it (issue 30).
+"""Layers: each folder imports only the layers before it.
 
 The layer order is the list in ``docs/design.rst``, read by these tests. ``tracking/`` collects;
 the heatmap and the TensorBoard export in ``analysis/`` present the monitor's table. They share

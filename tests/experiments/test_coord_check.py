@@ -111,13 +111,13 @@ def test_umup_is_flat_across_depth(single_thread: None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the logits' change after 10 AdamW steps at lr 2^-6, width 256 over width 64 (issue 26)
+# the logits' change after 10 AdamW steps at lr 2^-6, width 256 over width 64
 # --------------------------------------------------------------------------------------------
 
 LOGIT_STEPS, LOGIT_LR, LOGIT_WIDTHS = 10, 2.0**-6, (64, 256)
-# u-muP: the logits move the same at every width (the issue's band). Measured here (256 over
+# u-muP: the logits move the same at every width (the band below). Measured here (256 over
 # 64): 0.97 default decoder (RoPE; 0.97 without), 0.75 unit_scale(Llama), 0.80
-# unit_scale(GPT-2); before issue 26's changes unit_scale gave 1.44 and 1.36. Controls with
+# unit_scale(GPT-2); an earlier unit_scale gave 1.44 and 1.36. Controls with
 # torch's AdamW: plain unit scaling 2.51 (2.55 without RoPE), standard Llama 2.81.
 TRANSFER_BAND = (0.5, 1.3)
 

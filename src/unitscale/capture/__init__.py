@@ -28,7 +28,7 @@ from ._eager import trace_eagerly
 from ._naming import function_name, readable_name
 from ._outside import outside_inputs, received_parameters
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # transformed modules and their passes
     "GraphPass",
     "NOT_INTERCEPTED",

@@ -1,4 +1,4 @@
-"""Readable names for the ops of inlined functions (DESIGN.md section 3).
+"""Readable names for the ops of inlined functions (docs/design.rst, "Contracts", Tracking).
 
 Dynamo names a node after the variable it is assigned to in the frame being traced
 (``q_embed``) or, for a sub-expression, after its op (``mul_5``); it does not say which
