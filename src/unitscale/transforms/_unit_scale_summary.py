@@ -198,9 +198,9 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
     # The unit_scale passes: the rewrite passes that say where they write in ``piece.data``
     # (read by attribute, so that this module does not import ``_unit_scale``, which imports it).
     keys = [
-        p.data_key
+        key
         for p in passes
-        if p.stage is Stage.REWRITE and isinstance(getattr(p, "data_key", None), str)
+        if p.stage is Stage.REWRITE and isinstance(key := getattr(p, "data_key", None), str)
     ]
     if not keys:
         raise UnitScaleError(
