@@ -1,4 +1,4 @@
-"""Cost of scale tracking over 35 tiny ``transformers`` architectures (issue 29).
+"""Cost of scale tracking over 35 tiny ``transformers`` architectures.
 
 Each architecture is built from its ``transformers`` config with random weights (nothing is
 downloaded) at 2 layers, hidden 64, 4 attention heads (2 key-value heads where the family has

@@ -46,7 +46,7 @@ def _grads(
 
 @pytest.mark.parametrize("local_batch", [1, 2])
 def test_every_shared_gradient_takes_the_same_factor(local_batch: int) -> None:
-    """Issue 28 item 4: with ids (1, 8), the embedding's factor was 1.0 where a linear's was
+    """With ids (1, 8), the embedding's factor was 1.0 where a linear's was
     2.0 under ``set_data_parallel(size=4)``. Now every count-scaled parameter gradient (token
     embedding, linears, norms) takes ``size / sqrt(size)`` = 2 and the position embedding,
     whose gradient is summed over the batch by the add's true (to_output_scale) gradient,
@@ -81,7 +81,7 @@ def test_broadcast_add_at_local_batch_one_is_shared() -> None:
 
 @pytest.mark.parametrize("build", ["modules", "unit_scale"])
 def test_accumulated_gradients_equal_the_whole_batch(build: str) -> None:
-    """Issue 28 item 5: 4 micro-batches under ``set_gradient_accumulation(4)``, loss not
+    """4 micro-batches under ``set_gradient_accumulation(4)``, loss not
     divided, give the whole batch's gradients (within float32 tolerance, so also its scale);
     without the setting they come out sqrt(4) = 2 times too large."""
     torch.manual_seed(0)

@@ -287,8 +287,8 @@ def test_positional_arguments_are_torchs() -> None:
     layer = us.Linear(16, 16, bias=False)
     sgd = SGD(layer.parameters(), 0.1, 0.9)
     assert sgd.param_groups[0]["momentum"] == 0.9 and sgd.param_groups[0]["weight_decay"] == 0
-    # a zero gradient and no weight decay: the weight does not move (issue 26: 0.9 was
-    # taken as weight decay and the norm fell from 12.0 to 1.2)
+    # a zero gradient and no weight decay: the weight does not move (a positional 0.9
+    # was once taken as weight decay and the norm fell from 12.0 to 1.2)
     before = layer.weight.detach().clone()
     layer.weight.grad = torch.zeros_like(layer.weight)
     sgd.step()

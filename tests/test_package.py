@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,32 @@ def test_lazy_names_are_the_submodules_objects() -> None:
     assert set(unitscale.__all__) <= set(dir(unitscale))
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         unitscale.Nope  # noqa: B018
+
+
+# -- comments and docstrings cite only what a clone has ----------------------------------------
+ROOT = SRC.parents[1]
+#: Files the repository does not have (they lived outside it), and tracker issue numbers.
+#: Built from pieces so that this file does not match itself.
+UNCITABLE = re.compile("|".join([r"STYLE\.md", r"DESIGN\.md", r"\b[Ii]ssue #?[0-9]+"]))
+#: Citations left in files that other branches were editing when this test was written; each
+#: entry must still be there (a stale entry fails), so the list only shrinks. Rewrite them to
+#: cite docs/ and delete the entry.
+_STYLE = "see " + "STYLE" + ".md"
+UNCITABLE_LEFT = {
+    ("src/unitscale/modules/_transformer.py", "issue" + " 26"),
+}
+
+
+def test_sources_cite_no_file_or_issue_the_repository_lacks() -> None:
+    found = set()
+    for folder in ("src", "tests", "benchmarks", "docs"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in {".py", ".rst", ".md", ".c", ".h"}:
+                continue
+            relative = path.relative_to(ROOT).as_posix()
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                for match in UNCITABLE.finditer(line):
+                    left = next((s for f, s in UNCITABLE_LEFT if f == relative and s in line), None)
+                    found.add((relative, left) if left else (f"{relative}:{lineno}", match[0]))
+    assert found - UNCITABLE_LEFT == set(), "cite docs/, a source file or a paper instead"
+    assert UNCITABLE_LEFT - found == set(), "fixed: delete these from UNCITABLE_LEFT"

@@ -132,7 +132,7 @@ def test_the_readme_stands_on_its_own() -> None:
 def test_fp8_table_and_claim_come_from_the_train_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 27: the README's FP8 table has the tensorwise (and delayed) baselines with their
+    """The README's FP8 table has the tensorwise (and delayed) baselines with their
     scales, every FP8 gap against its own family's FP32 run of the same summary, and the
     claim sets the unit-scaled model with no scales against the scaled plain runs."""
     from unitscale.experiments.training import RunResult, TrainConfig, summary_text

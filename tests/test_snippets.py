@@ -1,4 +1,4 @@
-"""Every Python snippet of README.md and docs/ runs as written (issue 28 item 12).
+"""Every Python snippet of README.md and docs/ runs as written.
 
 Which blocks run, per page, in order, in one namespace per page, in a fresh temporary folder:
 

@@ -73,7 +73,7 @@ import torch
 from .errors import UnitScaleError
 from .parameter import has_mup_tags
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # the data-parallel size
     "data_parallel_group",
     "data_parallel_size",

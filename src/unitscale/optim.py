@@ -54,7 +54,7 @@ from torch import Tensor
 from .errors import UnitScaleError
 from .parameter import has_mup_tags
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # optimisers
     "Adam",
     "AdamW",

@@ -1,4 +1,4 @@
-"""``unitscale.training``: the name DESIGN.md and the README use for
+"""``unitscale.training``: the name the README and docs/api/training.rst use for
 ``unitscale.experiments.training`` (where the code lives)."""
 
 from .experiments.training import (

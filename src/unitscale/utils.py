@@ -1,4 +1,4 @@
-"""``unitscale.utils``: the name DESIGN.md and the README use for
+"""``unitscale.utils``: the name the README and docs/api/utils.rst use for
 ``unitscale.analysis.annotated`` (where the code lives)."""
 
 from .analysis.annotated import (

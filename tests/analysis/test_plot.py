@@ -198,7 +198,7 @@ def test_weights_biases_and_norms_have_their_own_markers(
     tracked_gpt: tuple[Graph, dict],
 ) -> None:
     """Diamonds mark weights (matrices) only; biases and norm scales (vectors) are squares,
-    each explained in the legend (issue 28 item 15)."""
+    each explained in the legend."""
     graph, params = tracked_gpt
     ax = plotted(graph)
     drawn = {c.get_gid(): len(c.get_offsets()) for c in ax.collections if c.get_gid()}  # type: ignore[attr-defined]

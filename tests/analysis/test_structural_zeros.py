@@ -1,4 +1,4 @@
-"""Structural zeros are not underflow risk (issue 28 item 11).
+"""Structural zeros are not underflow risk.
 
 A gradient that is mathematically zero (the key bias of a fused QKV projection: softmax
 cancels it) comes out as rounding noise; flushing it to zero loses nothing, so it must not top

@@ -156,7 +156,7 @@ def test_default_run_writes_every_output_and_a_summary(
     assert unit[1] < plain[1] / 2
     assert "worst in E4M3, plain:" in run.stdout
     assert re.search(r"\(gradient\): \d+\.\d% underflow in E4M3", run.stdout)
-    # The key bias's gradient (zero but for rounding noise) is no false alarm (issue 28.11).
+    # The key bias's gradient (zero but for rounding noise) is no false alarm.
     assert "qkv.bias" not in run.stdout
     # The tensors column counts the rows of the pruned table: values and gradients.
     table = [r for r in rows if r["model"] == "unit-scaled"]

@@ -154,7 +154,7 @@ def test_missing_plotting_extra_is_named_before_any_work(
     assert not out.exists()
 
 
-# -- issue 28 item 14: what the command feeds a factory's model, and usage errors -------------
+# -- what the command feeds a factory's model, and usage errors ------------------------------
 MODELS = """
 import torch
 from torch import nn

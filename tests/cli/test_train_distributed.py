@@ -3,7 +3,7 @@
 Each case is one run of 2 gloo ranks (slow). Tolerance: 1e-5 absolute on every loss of a
 few steps (float32 gradient sums in another order; measured ~1e-6). The FP8 runs differed by
 ~1e-3 from the first step when each rank's mean loss gave its examples twice one process's
-gradient (issue 28, item 3). FP8 runs with per-tensor scales take each rank's own amax, as
+gradient. FP8 runs with per-tensor scales take each rank's own amax, as
 torchao does by default (``docs/guide/fp8.rst``), so their forward rounding differs from one
 process's: they are checked within 3e-3 (measured up to 9e-4 over 3 steps).
 """

@@ -1,6 +1,6 @@
 """Data parallelism at any local batch size, and what decides the data-parallel size.
 
-Issue 28 item 4: at one sequence per rank the embedding's gradient was 1/sqrt(N) of one
+At one sequence per rank the embedding's gradient was once 1/sqrt(N) of one
 process's; the factor applied whenever a process group existed; a model captured before
 ``init_process_group`` kept size 1. Spawns of 2 and 4 gloo ranks (``_worker.py``); every
 parameter gradient and the mean loss must equal one process's on the concatenated batch

@@ -85,7 +85,7 @@ def test_ranks_reading_different_graphs_get_an_error(results: list[dict[str, Any
 def test_parameter_gradient_statistics_are_the_same_quantity(
     results: list[dict[str, Any]],
 ) -> None:
-    """Issue 28 item 6: a parameter's gradient statistics are those of ``param.grad`` in one
+    """A parameter's gradient statistics are those of ``param.grad`` in one
     process and under DDP. One call on the whole batch, 4 accumulated micro-batches in one
     process (before: the last micro-batch's gradient, from a hook) and 2 DDP ranks
     accumulating 2 each give equal statistics of every parameter gradient."""

@@ -111,14 +111,14 @@ def test_umup_is_flat_across_depth(single_thread: None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the logits' change after 10 AdamW steps at lr 2^-6, width 256 over width 64 (issue 26)
+# the logits' change after 10 AdamW steps at lr 2^-6, width 256 over width 64
 # --------------------------------------------------------------------------------------------
 
 LOGIT_STEPS, LOGIT_LR, LOGIT_WIDTHS = 10, 2.0**-6, (64, 256)
-# u-muP: the logits move the same at every width (the issue's band). Measured here (256 over
+# u-muP: the logits move the same at every width (the band below). Measured here (256 over
 # 64): 0.97 default decoder (RoPE; 0.97 without), 0.83 unit_scale(Llama), 0.75
 # unit_scale(GPT-2) (fixed norms, u-muP's residual rule; 0.75 and 0.80 with trainable norms
-# and equal residual shares); before issue 26's changes unit_scale gave 1.44 and 1.36. Controls with
+# and equal residual shares); an earlier unit_scale gave 1.44 and 1.36. Controls with
 # torch's AdamW: plain unit scaling 2.51 (2.55 without RoPE), standard Llama 2.81.
 TRANSFER_BAND = (0.5, 1.3)
 

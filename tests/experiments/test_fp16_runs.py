@@ -1,5 +1,5 @@
 """The simulated-FP16 runs of ``unitscale train``: the plain model with dynamic loss scaling
-(``torch.amp.GradScaler``) and the unit-scaled model with none (issue 27, last item)."""
+(``torch.amp.GradScaler``) and the unit-scaled model with none."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from unitscale.errors import UnitScaleError
-from unitscale.experiments import report, training, transfer
+from unitscale.experiments import _train_config, report, training, transfer
 from unitscale.experiments.data import Batch
 from unitscale.experiments.runner import (
     Schedule,
@@ -143,9 +143,9 @@ def test_a_run_kind_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> No
 
     extra = training.RunKind("plain-extra", "plain", transform, "plain-fp32", default=False)
     kinds = (*training.RUN_KINDS, extra)
-    monkeypatch.setattr(training, "RUN_KINDS", kinds)
-    monkeypatch.setattr(training, "RUN_NAMES", tuple(k.name for k in kinds))
-    monkeypatch.setattr(training, "_KINDS", {k.name: k for k in kinds})
+    monkeypatch.setattr(_train_config, "RUN_KINDS", kinds)
+    monkeypatch.setattr(_train_config, "RUN_NAMES", tuple(k.name for k in kinds))
+    monkeypatch.setattr(_train_config, "_KINDS", {k.name: k for k in kinds})
     assert "plain-extra" not in training.TrainConfig().runs  # not a default run
     config = training.TrainConfig(
         steps=1, batch_size=1, seq_len=8, hidden_size=8, heads=1, depth=1, eval_batches=1,

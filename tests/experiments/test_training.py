@@ -83,7 +83,7 @@ def test_fp8_runs_start_from_the_fp32_weights() -> None:
 
 
 def test_unit_scaled_runs_are_the_default_umup_decoder_with_umup_adamw() -> None:
-    """Issue 27: the unit-scaled family is the library's default u-μP decoder (as
+    """The unit-scaled family is the library's default u-μP decoder (as
     ``us.TransformerDecoder(...)`` builds it), trained by ``unitscale.optim.AdamW`` at u-μP's
     documented default learning rate, each parameter at its u-μP rule."""
     import unitscale as us
@@ -149,7 +149,7 @@ def test_summary_checks_the_two_percent_claim() -> None:
 
 
 def test_scaled_fp8_baselines_in_the_default_set_and_the_table() -> None:
-    """Issue 27: plain FP8 with torchao's tensorwise scaling is a default baseline (delayed
+    """Plain FP8 with torchao's tensorwise scaling is a default baseline (delayed
     on request), the table says which FP8 runs have no scales, and each scaled run is set
     against its own FP32 run."""
     assert "plain-fp8-tensorwise" in DEFAULT_RUNS and "plain-fp8-delayed" not in DEFAULT_RUNS

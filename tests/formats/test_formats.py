@@ -788,7 +788,7 @@ def test_rounding_custom_ops_pass_opcheck(dtype: torch.dtype) -> None:
 
 
 def test_kernels_take_plain_numbers_and_never_import_the_format() -> None:
-    # No import circle (issue 30): _kernels reads a KernelFormat, never FPFormat.
+    # No import circle (docs/design.rst, "Layers"): _kernels reads a KernelFormat, never FPFormat.
     import ast
     import inspect
 

@@ -176,7 +176,7 @@ def test_trainer_run_records_track_scales_values_and_keeps_losses(tmp_path: Path
     assert (out / "tensorboard").exists() == tensorboard_available()
     # The Trainer's loss normaliser is passed to the model but is not data: the monitor may
     # have it (TorchDynamo makes it a graph input on recent torch; torch 2.8 folds it into
-    # the graph), the CSV and the heatmaps do not (issue 28 item 15).
+    # the graph), the CSV and the heatmaps do not.
     written = pd.read_csv(out / "scales.csv")
     assert "num_items_in_batch" not in set(written["tensor"])
     assert len(written) == len(table) - (table["tensor"] == "num_items_in_batch").sum()
@@ -351,7 +351,7 @@ def _accumulating_run(tmp_path: Path, recipe: bool) -> tuple[dict[str, float], A
 
 @pytest.mark.slow
 def test_gradient_accumulation_recipe_gives_the_whole_batch(tmp_path: Path) -> None:
-    """Issue 28 item 5 under the Trainer: with the documented recipe, the parameter
+    """Under the Trainer, with the documented recipe, the parameter
     gradients the callback records after 4 accumulated micro-batches equal (rtol 1e-5) those
     of one call on the 16 rows (so also their unit scale); the Trainer's defaults (the loss
     divided by 4 or by ``num_items_in_batch``, micro-batch counts) give other values."""

@@ -314,8 +314,6 @@ def test_usage_errors() -> None:
     optimiser.step()
     with pytest.raises(MonitorError, match=r"before optimizer.step\(\)"):
         monitor.step()
-    with pytest.raises(MonitorError, match=r"metric='std' was not kept"):
-        ScaleMonitor(model, metrics=["rms"]).heatmap("std")
 
 
 def _one_step_monitor() -> ScaleMonitor:
@@ -355,14 +353,6 @@ def test_csv_and_tensorboard_export(tmp_path: pytest.TempPathFactory) -> None:
     assert ("rms/bwd/0.weight", weight["value"].item(), 2) in writer.points
     with pytest.raises(MonitorError, match=r"metric\(s\) \['mean_abs'\] were not kept"):
         write_tensorboard(monitor.records, writer, metrics=["mean_abs"])
-
-    # The deprecated method forwards to the same function, with a warning naming it.
-    forwarded = FakeWriter()
-    with pytest.warns(DeprecationWarning, match=r"unitscale.analysis.write_tensorboard"):
-        monitor.write_tensorboard(forwarded, metrics=["rms"])
-    assert forwarded.points == writer.points
-    with pytest.raises(MonitorError, match=r"TensorBoard metric\(s\) \['mean_abs'\] were not kept"):
-        monitor.write_tensorboard(writer, metrics=["mean_abs"])
 
 
 class _Writer:
@@ -413,30 +403,11 @@ def test_tensorboard_sink_while_training_equals_writing_afterwards() -> None:
     monitor.close()
     assert live.flushes == flushes + 1
 
-    # The deprecated ``tensorboard=`` argument forwards to the same sink.
-    forwarded = _Writer()
-    with pytest.warns(DeprecationWarning, match=r"on_record=unitscale.analysis.tensorboard_sink"):
-        old = ScaleMonitor(
-            copy.deepcopy(model),
-            every=2,
-            metrics=["rms"],
-            tensorboard=forwarded,
-            tensorboard_metrics=["rms"],
-        )
-    _train_three_steps(old)
-    assert len(forwarded.points) == len(live.points)
-    assert [tag for tag, _, _ in forwarded.points] == [tag for tag, _, _ in live.points]
-
 
 @pytest.mark.skipif(tensorboard_available(), reason="tensorboard is installed")
 def test_tensorboard_folder_without_tensorboard_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(MonitorError, match=r"needs the tensorboard package: pip install"):
         tensorboard_sink(str(tmp_path))
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(MonitorError, match=r"needs the tensorboard package: pip install"),
-    ):
-        ScaleMonitor(nn.Linear(2, 2), tensorboard=str(tmp_path))
 
 
 def test_heatmap_log2_colours_labels_and_non_finite_cells() -> None:
@@ -473,7 +444,3 @@ def test_monitor_heatmap_from_training() -> None:
     ax = scale_heatmap(monitor.table(), "rms", "bwd")
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "2"]
     assert "gradients" in ax.get_title()
-    # The deprecated method forwards to scale_heatmap of the table, with a warning naming it.
-    with pytest.warns(DeprecationWarning, match=r"unitscale.analysis.scale_heatmap"):
-        forwarded = monitor.heatmap("rms", "bwd")
-    np.testing.assert_array_equal(forwarded.images[0].get_array(), ax.images[0].get_array())

@@ -1,4 +1,4 @@
-"""Names of ops inside inlined functions (DESIGN.md section 3, issue 28 item 10).
+"""Names of ops inside inlined functions (docs/design.rst, "Contracts", Tracking).
 
 They read as the function and its variable (``apply_rotary_pos_emb.q_embed``), in the module
 that called the function, never as Dynamo's mangled global names (``G.__import_...``); ops

@@ -1,6 +1,6 @@
 """Parameter-gradient statistics describe ``param.grad``, the gradient the optimiser sees.
 
-Issue 28 item 6: in one process they were this call's gradient (from a hook), under DDP
+In one process they were once this call's gradient (from a hook), under DDP
 ``param.grad`` (accumulated and reduced). Now both are ``param.grad`` at read time; the
 multi-rank check is in ``tests/distributed/test_statistics.py``.
 """

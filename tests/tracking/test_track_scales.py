@@ -220,7 +220,7 @@ def test_float_input_gets_gradient_tracked() -> None:
     tracked = track_scales(nn.Linear(8, 4))
     x = torch.randn(3, 8)
     tracked(x).sum().backward()
-    assert not x.requires_grad  # tracked through an internal alias (DESIGN.md section 3)
+    assert not x.requires_grad  # tracked through an internal alias (docs/design.rst, "Contracts")
     node = by_name(tracked.scales_graph())["input"]
     assert node.meta["metrics"].bwd is not None
 

@@ -1,6 +1,6 @@
-"""Ordinary user code under the transforms: what must hold (DESIGN.md section 3 and 4).
+"""Ordinary user code under the transforms: what must hold (docs/design.rst, "Contracts").
 
-Each test is a defect found in review (issue 9, items 3 and 7): a tracked or transformed
+Each test is a defect found in review: a tracked or transformed
 model must behave like the untransformed one for the caller (inputs, checkpoints, grad modes,
 Python side effects) and record everything it runs.
 """

@@ -179,7 +179,7 @@ def test_simulate_format_with_any_format_and_preset_keys() -> None:
 
 
 def test_format_names_round_to_nearest_as_simulate_fp8_does() -> None:
-    """Issue 28 item 8: simulate_format(m, "e4m3", "e5m2") means what the names mean in
+    """simulate_format(m, "e4m3", "e5m2") means what the names mean in
     simulate_fp8 (round to nearest, bit-identical to PyTorch's casts), equal to the
     all-operands recipe; only an FPFormat with rounding="stochastic" rounds stochastically."""
     torch.manual_seed(0)

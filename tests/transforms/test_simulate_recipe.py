@@ -150,7 +150,7 @@ class InPlaceAfterMatmul(nn.Module):
 @pytest.mark.parametrize("scaling", ["none", "tensorwise", "delayed"])
 @pytest.mark.parametrize("recipe", ["hardware", "all-operands"])
 def test_in_place_op_on_a_matmul_output_runs_and_keeps_gradients(recipe: str, scaling: str) -> None:
-    """Issue 28 item 1: the rounded output must not be a view that the in-place op modifies
+    """The rounded output must not be a view that the in-place op modifies
     (it raised "Output 0 of _QuantiseBackward is a view and is being modified inplace")."""
     torch.manual_seed(0)
     model = InPlaceAfterMatmul()

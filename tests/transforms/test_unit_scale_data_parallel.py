@@ -1,4 +1,4 @@
-"""``unit_scale`` tells the data-parallel factor what shapes cannot (issue 28 item 4).
+"""``unit_scale`` tells the data-parallel factor what shapes cannot.
 
 Hugging Face's GPT-2 embeds ``(1, T)`` position ids and adds the ``(1, T, D)`` result to the
 ``(B, T, D)`` token embeddings. At a local batch of 1 its shapes look like one example's;

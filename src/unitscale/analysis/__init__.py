@@ -32,7 +32,7 @@ from .tensorboard import (
     write_tensorboard,
 )
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # errors
     "AnalysisError",
     # data and table

@@ -17,18 +17,16 @@ from ._core import (
     TransformedModule,
     check_order,
     example_value,
-    identifier,
     is_float_node,
     iter_tensors,
-    module_path_of,
     transformed,
     warn_user,
 )
 from ._eager import trace_eagerly
-from ._naming import function_name, readable_name
+from ._naming import function_name, identifier, module_path_of, readable_name
 from ._outside import outside_inputs, received_parameters
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # transformed modules and their passes
     "GraphPass",
     "NOT_INTERCEPTED",

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import copy
 import enum
-import inspect
 import os
-import re
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -42,6 +40,7 @@ from torch import Tensor, nn
 from .._compat import dynamo_recompile_limit
 from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError, UnitScaleError
+from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._signature import signed_forward
 
 __all__ = [
@@ -54,10 +53,8 @@ __all__ = [
     "TransformedModule",
     "check_order",
     "example_value",
-    "identifier",
     "is_float_node",
     "iter_tensors",
-    "module_path_of",
     "transformed",
     "warn_user",
 ]
@@ -246,12 +243,6 @@ class Invocation:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def identifier(name: str) -> str:
-    """A valid Python identifier derived from ``name`` (``emb.weight`` -> ``emb_weight``)."""
-    name = re.sub(r"\W", "_", name)
-    return name if name and not name[0].isdigit() else f"_{name}"
-
-
 def example_value(node: Any) -> Any:
     """The value Dynamo recorded for ``node`` (a FakeTensor, tuple...), or None."""
     if not isinstance(node, fx.Node):
@@ -277,112 +268,6 @@ def warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     warnings.warn(message, UserWarning, stacklevel=level + 1)
-
-
-def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
-    """Qualified name of the innermost module that produced ``node`` ("" at top level)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    for key, (path, _cls) in reversed(list(stack.items())):
-        try:
-            name = module_names.get(int(key))
-        except (TypeError, ValueError):
-            name = None
-        if name is not None:
-            return name
-        # A module reached through a global (``G['__import_...'].apply_rotary_pos_emb``:
-        # transformers wraps some functions in a module of its own) is not one of the model's
-        # modules: the op belongs to the innermost module of the model that called it.
-        if not str(path).startswith("G["):
-            break
-    else:
-        return ""
-    return _clean_module_path(str(path))
-
-
-def _clean_module_path(path: str) -> str:
-    """A qualified module name from Dynamo's source path (``L['self'].blocks[0]`` ->
-    ``blocks.0``)."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']*)'\]", r".\1", path)
-    return path.lstrip(".")
-
-
-def _frame_module(graph: fx.Graph, kinds: Sequence[tuple[str, str]]) -> str | None:
-    """Qualified name of the module bound to ``self`` in the frame ``graph`` was captured
-    from, read off a parameter or buffer input: its qualified name less its path from
-    ``self`` (``blocks.1.norm.weight`` from ``L['self']._modules['norm']...`` is
-    ``blocks.1``). None where no input says (a frame without parameters)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, (kind, name) in zip(placeholders, kinds, strict=False):
-        if kind not in ("param", "buffer"):
-            continue
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        text = getattr(source, "name", None)
-        text = text() if callable(text) else text
-        if not isinstance(text, str) or not text.startswith("L['self']"):
-            continue
-        relative = re.sub(
-            r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", text[len("L['self']") :]
-        )
-        if not re.fullmatch(r"(\.\w+)+", relative):
-            continue
-        relative = relative[1:]
-        if name == relative:
-            return ""
-        if name.endswith("." + relative):
-            return name[: -len(relative) - 1]
-    return None
-
-
-def _source_name(source: Any, arg_names: Sequence[str]) -> str | None:
-    """A readable name for a Dynamo input source: ``x``, ``batch.input_ids``, ``args[0]``."""
-    base = getattr(source, "base", None)
-    local = getattr(source, "local_name", None)
-    if isinstance(local, str) and base is None:
-        return local
-    index = getattr(source, "index", getattr(source, "member", None))
-    if base is None or index is None:
-        return None
-    base_local = getattr(base, "local_name", None)
-    if base_local == "args" and isinstance(index, int) and getattr(base, "base", None) is None:
-        # torch.compile of a built-in module traces fn(*args, **kwargs): use forward's names.
-        return arg_names[index] if index < len(arg_names) else f"args_{index}"
-    if base_local == "kwargs" and getattr(base, "base", None) is None:
-        return str(index)
-    parent = _source_name(base, arg_names)
-    return None if parent is None else f"{parent}.{index}"
-
-
-def _placeholder_kind(
-    node: fx.Node,
-    value: Any,
-    params: dict[int, str],
-    buffers: dict[int, str],
-    arg_names: Sequence[str],
-) -> tuple[str, str]:
-    if isinstance(value, Tensor):
-        if id(value) in params:
-            return ("param", params[id(value)])
-        if id(value) in buffers:
-            return ("buffer", buffers[id(value)])
-    grapharg = node.meta.get("grapharg")
-    name = _source_name(getattr(grapharg, "source", None), arg_names)
-    if name is None:
-        target = node.target if isinstance(node.target, str) else node.name
-        name = re.sub(r"^L_|_$", "", target)
-    return ("input", name)
-
-
-def _positional_names(module: nn.Module) -> list[str]:
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in kinds]
 
 
 class Capture:

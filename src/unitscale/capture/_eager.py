@@ -36,7 +36,8 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ._core import Invocation, Piece, identifier
+from ._core import Invocation, Piece
+from ._naming import identifier
 
 __all__ = ["EagerTrace", "trace_eagerly"]
 

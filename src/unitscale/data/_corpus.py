@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..errors import UnitScaleError
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # errors
     "CorpusError",
     # corpus and tokenizer

@@ -29,7 +29,7 @@ from .. import modules as us
 from .._lazy_dynamo import disable
 from ..errors import UnitScaleError
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # configuration
     "GPTConfig",
     "ModelConfigError",

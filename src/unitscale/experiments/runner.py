@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..errors import UnitScaleError
 from .data import Batch, batches
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # data
     "EVAL_SEED_OFFSETS",
     "training_batches",

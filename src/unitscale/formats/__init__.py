@@ -14,7 +14,7 @@ from ._format import (
     get_format,
 )
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # the format
     "FPFormat",
     "FormatError",

@@ -40,7 +40,7 @@ from ._residual import add, residual_add, residual_split
 from ._residual_rule import transformer_residual_scaling_rule
 from ._torch_map import OPAQUE_OPS, torch_map
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # elementwise
     "dropout",
     "gelu",

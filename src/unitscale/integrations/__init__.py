@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnitScaleError
+from ._errors import IntegrationError
 
 if TYPE_CHECKING:
     from .hf import ScaleMonitorCallback
@@ -23,10 +23,6 @@ __all__ = [
     # Hugging Face transformers
     "ScaleMonitorCallback",
 ]
-
-
-class IntegrationError(UnitScaleError, RuntimeError):
-    """An integration cannot run: its library is missing or too old, or it is used wrongly."""
 
 
 def __getattr__(name: str) -> Any:

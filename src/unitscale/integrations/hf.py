@@ -48,7 +48,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..tracking import METRIC_NAMES, MonitorError, NonFiniteReport, ScaleMonitor
-from . import IntegrationError
+from ._errors import IntegrationError
 
 if TYPE_CHECKING:
     import pandas as pd

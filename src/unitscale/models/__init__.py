@@ -1,4 +1,4 @@
-"""``unitscale.models``: the name DESIGN.md and the README use for
+"""``unitscale.models``: the name the README and docs/api/models.rst use for
 ``unitscale.experiments.models`` (where the code lives)."""
 
 from ..experiments.models import (

@@ -22,7 +22,7 @@ from ._layers import (
 )
 from ._transformer import MHSA, MLP, TransformerDecoder, TransformerLayer
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # layers
     "Conv1d",
     "Embedding",

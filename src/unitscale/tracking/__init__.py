@@ -27,7 +27,7 @@ from .prune import prune_non_float_tensors, prune_same_scale_tensors, prune_sele
 from .records import METRIC_NAMES, ScaleRecord, graph_records, op_name
 from .rows import TensorRow, prepare_rows
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # statistics
     "FORMAT_KEYS",
     "FORMAT_RANGES",

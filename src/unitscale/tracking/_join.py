@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -35,10 +35,20 @@ from . import _distributed
 from ._read import _queue, _read_stats, _replication, _resolved, _Stats
 from .metrics import Metrics, fast_stats, host_stats, stats_to_data
 
-if TYPE_CHECKING:
-    from ._recorder import TrackScalesPass
-
 __all__ = ["build_scales_graph"]
+
+
+class TrackScalesState(Protocol):
+    """What joining reads and keeps on the tracking pass
+    (:class:`unitscale.tracking._recorder.TrackScalesPass`), so that this module does not
+    import the pass (the pass imports this module)."""
+
+    _joined: _Joined | None  # the last joined graph, refilled when unchanged
+    _spare: _Joined | None  # the joined graph before it
+    _param_grads: dict[int, _Stats]  # parameter gradient statistics of the call
+    _fast: Any  # the native extension's ``summary`` for the call, or None
+    _reduce_over: tuple[bool, Any]  # ``_distributed.active_group()`` when the call ran
+
 
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
@@ -51,7 +61,7 @@ def _hint(size: Any) -> int:
     return int(hint) if isinstance(hint, int) else -1
 
 
-def build_scales_graph(module: TransformedModule, track: TrackScalesPass) -> fx.Graph:
+def build_scales_graph(module: TransformedModule, track: TrackScalesState) -> fx.Graph:
     """Join the pieces of the last call into one graph carrying metrics meta.
 
     One host synchronisation per device: every statistics vector is stacked and read at once.
@@ -227,7 +237,7 @@ class _Joined:
         plan = [(kind, copies[node], *rest) for kind, node, *rest in self.plan]
         return _Joined(self.key, graph, plan, self.pieces)
 
-    def refill(self, trace: Sequence[Invocation], track: TrackScalesPass) -> fx.Graph:
+    def refill(self, trace: Sequence[Invocation], track: TrackScalesState) -> fx.Graph:
         """The kept graph with this call's shapes and statistics (new ``Metrics``)."""
         resolved = [_resolved(invocation) for invocation in trace]
         shapes = [invocation.data.get("shape", {}) for invocation in trace]
@@ -277,7 +287,7 @@ class _Joined:
 
 def _build(
     module: TransformedModule,
-    track: TrackScalesPass,
+    track: TrackScalesState,
     trace: Sequence[Invocation],
     all_kinds: list[list[tuple[str, str]]],
     named_params: dict[str, nn.Parameter],

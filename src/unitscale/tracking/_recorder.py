@@ -10,7 +10,7 @@ copied to the host until :func:`~unitscale.tracking._join.build_scales_graph` jo
 of the call (:mod:`unitscale.tracking._join`) and reads the whole call at once
 (:mod:`unitscale.tracking._read`).
 
-Node meta written on the joined graph (see DESIGN.md section 3): ``metrics``
+Node meta written on the joined graph (see docs/guide/tracking.rst): ``metrics``
 (:class:`Metrics`), ``clean_name``, ``module_path``, ``outputs_float_tensor``,
 ``requires_grad``, ``subgraph`` (index of the piece, in execution order), ``shape``, ``dtype``,
 and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it had them.

@@ -26,12 +26,8 @@ Design constraints:
   receivers. Presentation is :mod:`unitscale.analysis`, a later layer, which
   :mod:`unitscale.tracking` does not import: ``scale_heatmap(monitor.table())``,
   ``write_tensorboard(monitor.records, folder)``, ``on_record=tensorboard_sink(folder)``.
-  The earlier methods ``heatmap()`` and ``write_tensorboard()`` and the ``tensorboard=``
-  argument stay as deprecated forwards: they warn, and import :mod:`unitscale.analysis` when
-  called, through ``_analysis()`` below, the one exception ``tests/test_layers.py`` allows.
-  (Chosen over methods that ``unitscale.analysis`` would attach to the class, which would make
-  a method's existence depend on an import, and over keeping them as plain methods, which
-  would keep the upward import as the rule.)
+  (The earlier methods ``heatmap()`` and ``write_tensorboard()`` and the ``tensorboard=``
+  argument, which reached up into :mod:`unitscale.analysis`, are removed: see CHANGELOG.md.)
 """
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,9 +54,8 @@ from .records import METRIC_NAMES
 
 if TYPE_CHECKING:
     import pandas as pd
-    from matplotlib.axes import Axes
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # errors and warnings
     "MonitorError",
     "NonFiniteError",
@@ -154,10 +149,6 @@ class ScaleMonitor:
             ``torch.distributed``; the records are global): e.g.
             ``unitscale.analysis.tensorboard_sink("runs/scales")`` writes TensorBoard
             scalars while training.
-        tensorboard: deprecated forward (a log folder, or an object with
-            ``add_scalar(tag, value, step)``): same as
-            ``on_record=unitscale.analysis.tensorboard_sink(tensorboard, tensorboard_metrics)``.
-        tensorboard_metrics: the metrics written by the ``tensorboard`` forward.
 
     Raises:
         MonitorError: for a model that cannot be monitored or a bad argument.
@@ -183,8 +174,6 @@ class ScaleMonitor:
         metrics: Sequence[str] | None = None,
         on_non_finite: OnNonFinite = "warn",
         check_finite: bool = True,
-        tensorboard: str | os.PathLike[str] | Any | None = None,
-        tensorboard_metrics: Sequence[str] = ("mean_abs",),
         on_record: Callable[[list[MonitorRecord]], Any] | None = None,
     ) -> None:
         self.every = None if every is None else _positive_int("every", every)
@@ -195,17 +184,12 @@ class ScaleMonitor:
         self.on_non_finite: OnNonFinite = on_non_finite
         self.check_finite = bool(check_finite)
         self.metrics: tuple[str, ...] = tuple(METRIC_NAMES if metrics is None else metrics)
-        self.tensorboard_metrics = tuple(tensorboard_metrics)
-        for name, chosen in (
-            ("metrics", self.metrics),
-            ("tensorboard_metrics", self.tensorboard_metrics),
-        ):
-            unknown = [m for m in chosen if m not in METRIC_NAMES]
-            if unknown or (name == "metrics" and not chosen):
-                raise MonitorError(
-                    f"ScaleMonitor: {name}={list(chosen)!r}: unknown metric(s) {unknown}; "
-                    f"choose from {list(METRIC_NAMES)}"
-                )
+        unknown = [m for m in self.metrics if m not in METRIC_NAMES]
+        if unknown or not self.metrics:
+            raise MonitorError(
+                f"ScaleMonitor: metrics={list(self.metrics)!r}: unknown metric(s) {unknown}; "
+                f"choose from {list(METRIC_NAMES)}"
+            )
         self.module: _MonitoredModule = self._wrap(model)
         self.module._monitor = weakref.ref(self)
         self._track: TrackScalesPass = self.module.passes[-1]  # type: ignore[assignment]
@@ -217,15 +201,6 @@ class ScaleMonitor:
         self._sinks: list[Callable[[list[MonitorRecord]], Any]] = []
         if on_record is not None:
             self._sinks.append(on_record)
-        if tensorboard is not None:
-            _deprecated(
-                "ScaleMonitor(tensorboard=...)",
-                "ScaleMonitor(on_record=unitscale.analysis.tensorboard_sink(log_dir, metrics))",
-            )
-            if _distributed.writes_files():
-                sink = _analysis().tensorboard_sink(tensorboard, self.tensorboard_metrics)
-                self._check_tb_metrics(self.tensorboard_metrics)
-                self._sinks.append(sink)
         #: The first non-finite value found, or None.
         self.non_finite: NonFiniteReport | None = None
         self._step = 0
@@ -528,103 +503,9 @@ class ScaleMonitor:
         self.table().to_csv(out, index=False, lineterminator="\n")
         return out
 
-    def heatmap(
-        self,
-        metric: str = "mean_abs",
-        direction: str = "fwd",
-        *,
-        title: str = "",
-        prune_same_scale: bool = True,
-        ax: Axes | None = None,
-        span: float | None = None,
-    ) -> Axes:
-        """Deprecated forward to :func:`unitscale.analysis.scale_heatmap` of :meth:`table`.
-
-        ``monitor.heatmap(metric, ...)`` is ``scale_heatmap(monitor.table(), metric, ...)``
-        (a :class:`DeprecationWarning` says so); drawing is presentation, which
-        :mod:`unitscale.tracking` leaves to :mod:`unitscale.analysis` (see the module
-        docstring).
-
-        Raises:
-            MonitorError: ``metric`` was not kept, or as ``scale_heatmap`` raises.
-        """
-        if metric not in self.metrics:
-            raise MonitorError(
-                f"ScaleMonitor.heatmap: metric={metric!r} was not kept; pass it in "
-                f"ScaleMonitor(metrics=...) (kept: {list(self.metrics)})"
-            )
-        _deprecated(
-            "ScaleMonitor.heatmap(metric, ...)",
-            "unitscale.analysis.scale_heatmap(monitor.table(), metric, ...)",
-        )
-        return _analysis().scale_heatmap(
-            self.table(),
-            metric,
-            direction,
-            title=title,
-            prune_same_scale=prune_same_scale,
-            ax=ax,
-            span=span,
-        )
-
-    def write_tensorboard(
-        self, writer: str | os.PathLike[str] | Any, metrics: Sequence[str] | None = None
-    ) -> None:
-        """Deprecated forward to :func:`unitscale.analysis.write_tensorboard` of :attr:`records`.
-
-        ``monitor.write_tensorboard(writer, metrics)`` is ``write_tensorboard(monitor.records,
-        writer, metrics)`` on rank 0 (a :class:`DeprecationWarning` says so). Tags are
-        ``"<metric>/<direction>/<label>"``, one point per recorded step.
-
-        Args:
-            writer: a log folder (needs the ``tensorboard`` package) or an object with
-                ``add_scalar(tag, value, global_step)``.
-            metrics: the metrics to write (default: ``tensorboard_metrics``).
-
-        Raises:
-            MonitorError: tensorboard is not installed (for a folder), or a metric was not kept.
-        """
-        chosen = self.tensorboard_metrics if metrics is None else tuple(metrics)
-        self._check_tb_metrics(chosen)
-        _deprecated(
-            "ScaleMonitor.write_tensorboard(writer, metrics)",
-            "unitscale.analysis.write_tensorboard(monitor.records, writer, metrics)",
-        )
-        if not _distributed.writes_files():  # rank 0 writes (the table is the same on all)
-            return
-        _analysis().write_tensorboard(self._records, writer, chosen)
-
-    def _check_tb_metrics(self, chosen: Iterable[str]) -> None:
-        missing = [m for m in chosen if m not in self.metrics]
-        if missing:
-            raise MonitorError(
-                f"ScaleMonitor: TensorBoard metric(s) {missing} were not kept; add them to "
-                "ScaleMonitor(metrics=...)"
-            )
-
     def close(self) -> None:
         """Flush each ``on_record`` receiver that has a ``flush()`` (a TensorBoard writer)."""
         for sink in self._sinks:
             flush = getattr(sink, "flush", None)
             if callable(flush):
                 flush()
-
-
-# -- deprecated forwards to unitscale.analysis -------------------------------------------------
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated: use {new} (tracking collects; unitscale.analysis presents)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def _analysis() -> Any:
-    """:mod:`unitscale.analysis`, for the deprecated forwards only (see the module docstring).
-
-    The one place where :mod:`unitscale.tracking` imports a later layer; a test
-    (``tests/test_layers.py``) keeps it the only one.
-    """
-    import unitscale.analysis
-
-    return unitscale.analysis

@@ -22,7 +22,7 @@ from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
 
-__all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by concern)
     # scale tracking
     "Metrics",
     "prune_non_float_tensors",

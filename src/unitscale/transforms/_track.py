@@ -18,7 +18,7 @@ def track_scales(module: nn.Module) -> TransformedModule:
     caller's tensors are never made to require grad), optionally call ``backward()``, then
     read ``tracked.scales_graph()``: a
     ``torch.fx.Graph`` of the whole forward pass (every Dynamo graph break joined in order)
-    whose nodes carry ``meta["metrics"]`` and the meta described in DESIGN.md section 3.
+    whose nodes carry ``meta["metrics"]`` and the meta listed in docs/guide/tracking.rst.
 
     Args:
         module: any ``torch.nn.Module`` that runs eagerly. A submodule transformed on its

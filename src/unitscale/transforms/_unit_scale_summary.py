@@ -31,7 +31,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import Capture, Piece, TransformedModule, example_value, is_float_node
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+)
 from ..errors import UnitScaleError
 
 __all__ = ["UnitScaleSummary", "classify", "log_left_as_is", "op_label", "unit_scale_summary"]
@@ -187,10 +194,14 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
         >>> unit_scale_summary(model).left_as_is
         (('input_2', 'torch.nn.functional.relu'),)
     """
-    from ._unit_scale import UnitScalePass
-
     passes = module.passes if isinstance(module, TransformedModule) else ()
-    keys = [p.data_key for p in passes if isinstance(p, UnitScalePass)]
+    # The unit_scale passes: the rewrite passes that say where they write in ``piece.data``
+    # (read by attribute, so that this module does not import ``_unit_scale``, which imports it).
+    keys = [
+        key
+        for p in passes
+        if p.stage is Stage.REWRITE and isinstance(key := getattr(p, "data_key", None), str)
+    ]
     if not keys:
         raise UnitScaleError(
             f"unit_scale_summary: {type(module).__name__} is not unit-scaled; pass a model "

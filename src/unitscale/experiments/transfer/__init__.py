@@ -81,7 +81,7 @@ from ._sweep import _train_data as _train_data
 from ._sweep import run_transfer, train_one
 from ._writers import command_line, write_transfer_csv, write_transfer_json, write_transfer_report
 
-__all__ = [  # noqa: RUF022 (grouped by kind, see STYLE.md)
+__all__ = [  # noqa: RUF022 (grouped by kind)
     # errors
     "TransferConfigError",
     # configuration
