@@ -114,7 +114,7 @@ def test_every_run_kind_is_compared_with_an_fp32_run_of_its_family() -> None:
             continue
         baseline = kinds[kind.baseline]
         assert baseline.family == kind.family and baseline.baseline is None
-        assert "simulate_fp8" in repr(kind.transform)
+        assert "simulate_fp8" in repr(kind.transform) or "to_fp8" in repr(kind.transform)
 
 
 def test_report_page_is_self_contained_and_escaped(tmp_path: Path) -> None:

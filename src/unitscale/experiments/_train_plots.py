@@ -58,7 +58,15 @@ def zoom_limits(
 
 
 #: Line styles of a family's FP8 kinds, in :data:`RUN_KINDS` order (its FP32 run is solid).
-_FP8_STYLES: tuple[Any, ...] = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)))
+_FP8_STYLES: tuple[Any, ...] = (
+    "--",
+    ":",
+    "-.",
+    (0, (5, 1, 1, 1, 1, 1)),
+    (0, (8, 2)),
+    (0, (3, 1, 1, 1)),
+    (0, (1, 3)),
+)
 
 
 def _line_style(run: str) -> Any:
