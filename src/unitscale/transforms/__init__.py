@@ -1,4 +1,5 @@
-"""Graph transforms: scale tracking, automatic unit scaling, format simulation, compile."""
+"""Graph transforms: scale tracking, automatic unit scaling, format simulation, real FP8,
+compile."""
 
 from ..tracking import (
     Metrics,
@@ -15,6 +16,7 @@ from ._simulate import (
     simulate_format,
     simulate_fp8,
 )
+from ._to_fp8 import FP8Op, FP8Summary, fp8_summary, to_fp8
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 
@@ -36,6 +38,11 @@ __all__ = [  # noqa: RUF022 (grouped by concern, see STYLE.md)
     "simulate_fp8",
     "ScalingCost",
     "scaling_cost",
+    # real FP8
+    "FP8Op",
+    "FP8Summary",
+    "fp8_summary",
+    "to_fp8",
     # compilation
     "compile",
 ]

@@ -886,11 +886,19 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
     """
     graph_pass = None
     if isinstance(module, TransformedModule):
-        graph_pass = module.pass_of_type(SimulateFormatPass)
-    if not isinstance(module, TransformedModule) or not isinstance(graph_pass, SimulateFormatPass):
+        # simulate_fp8's pass, or to_fp8's (which counts its scales the same way)
+        graph_pass = next(
+            (
+                p
+                for p in module.passes
+                if isinstance(p, SimulateFormatPass) or getattr(p, "counts_fp8_scaling", False)
+            ),
+            None,
+        )
+    if not isinstance(module, TransformedModule) or graph_pass is None:
         raise UnitScaleError(
             f"scaling_cost: {type(module).__name__} does not simulate a number format; pass "
-            "a model returned by unitscale.transforms.simulate_fp8 or simulate_format"
+            "a model returned by unitscale.transforms.simulate_fp8, simulate_format or to_fp8"
         )
     capture = module.capture
     trace: list[Invocation] = capture.last_trace if capture is not None else []
@@ -904,4 +912,4 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
         _, fwd, bwd = invocation.piece.data.get("fp8_scaling", ("none", 0, 0))
         forward += fwd
         backward += bwd
-    return ScalingCost(graph_pass.scaling, forward, backward)
+    return ScalingCost(graph_pass.scaling, forward, backward)  # type: ignore[attr-defined]
