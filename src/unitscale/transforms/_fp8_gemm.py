@@ -71,7 +71,7 @@ def float8_build_error() -> str | None:
     return f"torch {torch.__version__} has no {' and no '.join(missing)}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trial(device: str) -> str | None:
     try:
         a = torch.ones(16, 16, device=device)
@@ -101,9 +101,7 @@ def check_float8(device: torch.device | str, op: str) -> None:
         raise FormatError(f"unitscale.transforms.{op}: {error}; {_FALLBACK} on any device")
 
 
-def float8_shape_error(
-    rows: int, fan_in: int, fan_out: int, device: torch.device
-) -> str | None:
+def float8_shape_error(rows: int, fan_in: int, fan_out: int, device: torch.device) -> str | None:
     """Why ``(rows, fan_in) @ (fan_in, fan_out)`` cannot run as float8 GEMMs on ``device``."""
     if device.type == "cpu":
         return None

@@ -120,9 +120,7 @@ def _linear_ops() -> dict[Any, _LinearOp]:
             "linear_readout", fp8.unit_linear_readout, (*linear, "constraint")
         ),
         torch.addmm: _LinearOp("addmm", fp8.addmm, addmm, weight_transposed=True),
-        U.torch_map[torch.addmm]: _LinearOp(
-            "addmm", fp8.unit_addmm, addmm, weight_transposed=True
-        ),
+        U.torch_map[torch.addmm]: _LinearOp("addmm", fp8.unit_addmm, addmm, weight_transposed=True),
     }
 
 
@@ -158,9 +156,7 @@ class ToFP8Pass(RewritePass):
     applied = "already runs its linear ops in FP8 (to_fp8)"
     order_fix = "unit-scale first, e.g. to_fp8(unit_scale(model))"
 
-    def __init__(
-        self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN
-    ) -> None:
+    def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
         self.scaling = scaling
         self.history_len = history_len
 
@@ -220,9 +216,7 @@ class ToFP8Pass(RewritePass):
         precision = str(dtype).replace("torch.", "") if dtype is not None else "its precision"
         return f"not a linear op (no weight parameter): runs in {precision}"
 
-    def _refusal(
-        self, op: _LinearOp, bound: dict[str, Any], params: set[fx.Node]
-    ) -> str | None:
+    def _refusal(self, op: _LinearOp, bound: dict[str, Any], params: set[fx.Node]) -> str | None:
         """Why this linear op cannot run as float8 GEMMs (None: it can)."""
         x_name, w_name = _operands(op)
         x, weight = bound.get(x_name), bound.get(w_name)
@@ -458,4 +452,3 @@ def fp8_summary(module: nn.Module) -> FP8Summary:
         tuple(op for op in ops if op.reason is None),
         tuple(op for op in ops if op.reason is not None),
     )
-
