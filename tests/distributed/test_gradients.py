@@ -16,7 +16,14 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-MODELS = ["modules-decoder", "modules-gpt", "unit_scale", "simulate_fp8", "track_scales"]
+MODELS = [
+    "modules-decoder",
+    "modules-gpt",
+    "unit_scale",
+    "simulate_fp8",
+    "track_scales",
+    "to_fp8",
+]
 WRAPPERS = ["ddp", "fsdp"]
 CHECKS = [f"{m}:{w}" for w in WRAPPERS for m in MODELS] + [
     "unit_scale:ddp-uncorrected",
