@@ -118,8 +118,12 @@ def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, dtype: An
     """``(a @ b) * scale_a * scale_b`` from float8 ``a`` (row-major) and ``b`` (column-major)."""
     if hasattr(torch, "_scaled_mm"):
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
-    scaling = F.ScalingType.TensorWise  # type: ignore[attr-defined]  # torch >= 2.13 only
-    return F.scaled_mm(a, b, scale_a, scaling, scale_b, scaling, output_dtype=dtype)  # type: ignore[attr-defined]
+    # F.scaled_mm (torch 2.13 and later), looked up by name: older releases lack it.
+    scaling = getattr(F, "ScalingType").TensorWise  # noqa: B009
+    out: Tensor = getattr(F, "scaled_mm")(  # noqa: B009
+        a, b, scale_a, scaling, scale_b, scaling, output_dtype=dtype
+    )
+    return out
 
 
 def _cast(

@@ -433,13 +433,12 @@ def fp8_summary(module: nn.Module) -> FP8Summary:
         >>> len(summary.in_fp8), len(summary.not_in_fp8)
         (2, 0)
     """
-    graph_pass = module.pass_of_type(ToFP8Pass) if isinstance(module, TransformedModule) else None
-    if graph_pass is None:
+    if not isinstance(module, TransformedModule) or module.pass_of_type(ToFP8Pass) is None:
         raise UnitScaleError(
             f"fp8_summary: {type(module).__name__} does not run in FP8; pass a model "
             "returned by unitscale.transforms.to_fp8"
         )
-    capture = module.capture  # type: ignore[union-attr]
+    capture = module.capture
     trace = capture.last_trace if capture is not None else []
     if not trace:
         raise UnitScaleError(
