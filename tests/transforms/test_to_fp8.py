@@ -240,9 +240,11 @@ def test_scaling_cost_is_zero_without_scales_and_counts_tensorwise() -> None:
 
 
 def test_tensorwise_equals_torchao_float8_training() -> None:
-    float8 = pytest.importorskip(
-        "torchao.float8", reason="torchao (the test extra) is the reference of tensorwise"
-    )
+    reason = "torchao (the test extra) is the reference implementation of tensorwise scaling"
+    try:
+        import torchao.float8 as float8
+    except Exception as error:  # missing, or too old/new for this torch
+        pytest.skip(f"{reason}; it does not import with torch {torch.__version__}: {error}")
     stack = _stack()
     torch.manual_seed(2)
     x, grad = torch.randn(16, 32) * 300, torch.randn(16, 16) * 1e-5
@@ -287,7 +289,10 @@ def test_composes_with_unit_scale_and_track_scales() -> None:
 
 def test_delayed_scaling_keeps_histories_in_the_state_dict() -> None:
     model = to_fp8(_stack(), scaling="delayed")
-    model(torch.randn(4, 32)).sum().backward()
+    x = torch.randn(4, 32)
+    first = _grads(model, x)
+    # the first step has no history yet: it scales by the current amax, as tensorwise does
+    _assert_equal(first, _grads(to_fp8(_stack(), scaling="tensorwise"), x))
     histories = [k for k in model.state_dict() if k.startswith("fp8_amax_history_")]
     assert len(histories) == 6  # input, weight and output gradient of 2 linears
     assert all(model.state_dict()[k][0] > 0 for k in histories)
@@ -459,3 +464,36 @@ def test_to_fp8_equals_simulate_fp8_linear(scaling: str) -> None:
             _assert_equal(ours, simulated)
         else:
             _assert_close_by_norm(ours, simulated)
+
+
+def test_a_linear_op_the_backend_rejects_runs_as_before_and_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a GPU rejects a weight whose dimensions are not multiples of 16."""
+    stack = _stack()
+    monkeypatch.setattr(
+        _fp8_gemm,
+        "float8_shape_error",
+        lambda rows, fan_in, fan_out, device: "odd" if fan_out == 16 else None,
+    )
+    model = to_fp8(stack)
+    x = torch.randn(4, 32)
+    with caplog.at_level("INFO", logger="unitscale"):
+        out = model(x)
+    (rejected,) = fp8_summary(model).not_in_fp8
+    assert (rejected.module, rejected.kind, rejected.reason) == ("2", "linear", "odd")
+    assert [op.module for op in fp8_summary(model).in_fp8] == ["0"]
+    assert "to_fp8: 1 linear op(s) in float8 GEMMs" in caplog.text and "odd" in caplog.text
+    with torch.no_grad():
+        hidden = stack[1](RoundedLinear.apply(x, stack[0].weight) + stack[0].bias)
+        assert torch.equal(out, stack[2](hidden))  # the rejected layer ran in FP32
+
+
+def test_weight_gradient_rows_are_padded_to_16_off_the_cpu() -> None:
+    g, x = torch.ones(17, 8, device="meta"), torch.ones(17, 4, device="meta")
+    assert [t.shape for t in _fp8_gemm._pad_rows(g, x)] == [(32, 8), (32, 4)]
+    cpu = torch.ones(17, 8)
+    assert _fp8_gemm._pad_rows(cpu)[0] is cpu
+    error = _fp8_gemm.float8_shape_error(17, 24, 32, torch.device("cuda"))
+    assert error is not None and "in=24" in error
+    assert _fp8_gemm.float8_shape_error(17, 24, 32, torch.device("cpu")) is None
