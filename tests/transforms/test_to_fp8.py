@@ -76,7 +76,7 @@ class ReferenceMatmul(torch.autograd.Function):
         gq, gs = _round(grad.reshape(-1, grad.shape[-1]), _E5M2, scaling)
         grad_x = ((gq * gs) @ (wq * (ws * out_f))).to(x_dtype).reshape(shape)
         grad_w = ((gq * gs).t() @ (xq * (xs * wg_f))).to(w_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 @pytest.fixture
@@ -296,6 +296,10 @@ def test_delayed_scaling_keeps_histories_in_the_state_dict() -> None:
     histories = [k for k in model.state_dict() if k.startswith("fp8_amax_history_")]
     assert len(histories) == 6  # input, weight and output gradient of 2 linears
     assert all(model.state_dict()[k][0] > 0 for k in histories)
+    before = {k: model.state_dict()[k].clone() for k in histories}
+    with torch.no_grad():  # evaluation reads the histories, does not update them
+        model(x * 100)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_bfloat16_model_keeps_its_dtype() -> None:

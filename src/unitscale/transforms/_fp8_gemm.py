@@ -171,8 +171,10 @@ class Float8Matmul(torch.autograd.Function):
     """``y = output_factor * x @ W.T`` as float8 GEMMs; ``grad_W`` times ``weight_grad_factor``.
 
     Arguments of :meth:`forward`: ``x (..., in)``, ``weight (out, in)``, the two factors
-    (Python numbers), ``scaling`` and the amax histories of ``x``, ``W`` and ``grad_y`` (for
-    ``"delayed"``; None otherwise). Saves ``x`` and ``W`` as float8 tensors.
+    (Python numbers), ``scaling``, the amax histories of ``x``, ``W`` and ``grad_y`` (for
+    ``"delayed"``; None otherwise) and whether to update the histories (while autograd
+    records, as ``simulate_fp8`` does: an evaluation forward only reads them). Saves ``x``
+    and ``W`` as float8 tensors.
     """
 
     @staticmethod
@@ -186,8 +188,8 @@ class Float8Matmul(torch.autograd.Function):
         x_history: Tensor | None,
         weight_history: Tensor | None,
         grad_history: Tensor | None,
+        record: bool,
     ) -> Tensor:
-        record = torch.is_grad_enabled() or x.requires_grad or weight.requires_grad
         rows = x.reshape(-1, x.shape[-1])
         x8, x_inverse = _cast(rows.contiguous(), E4M3_DTYPE, scaling, x_history, record)
         w8, w_inverse = _cast(weight.contiguous(), E4M3_DTYPE, scaling, weight_history, record)
@@ -218,7 +220,7 @@ class Float8Matmul(torch.autograd.Function):
             grad_w = _scaled_mm(
                 g8_rows.t().contiguous(), _column_major(x8_rows), scale_a, scale_b, w_dtype
             )
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 Histories = tuple[Tensor | None, Tensor | None, Tensor | None]
@@ -233,8 +235,17 @@ def _matmul(
     histories: Histories | None,
 ) -> Tensor:
     x_history, w_history, g_history = histories or (None, None, None)
+    record = torch.is_grad_enabled()  # inside the Function's forward it never is
     out: Tensor = Float8Matmul.apply(
-        x, weight, output_factor, weight_grad_factor, scaling, x_history, w_history, g_history
+        x,
+        weight,
+        output_factor,
+        weight_grad_factor,
+        scaling,
+        x_history,
+        w_history,
+        g_history,
+        record,
     )
     return out
 
