@@ -101,8 +101,9 @@ def check_float8(device: torch.device | str, op: str) -> None:
         raise FormatError(f"unitscale.transforms.{op}: {error}; {_FALLBACK} on any device")
 
 
-def float8_shape_error(rows: int, fan_in: int, fan_out: int, device: torch.device) -> str | None:
-    """Why ``(rows, fan_in) @ (fan_in, fan_out)`` cannot run as float8 GEMMs on ``device``."""
+def float8_shape_error(fan_in: int, fan_out: int, device: torch.device) -> str | None:
+    """Why a weight of ``(fan_out, fan_in)`` cannot take part in float8 GEMMs on ``device``
+    (the rows of the input may be any number: :func:`_pad_rows`)."""
     if device.type == "cpu":
         return None
     odd = [f"{name}={size}" for name, size in (("in", fan_in), ("out", fan_out)) if size % 16]

@@ -43,7 +43,7 @@ from ..capture import (
     module_path_of,
     transformed,
 )
-from ..errors import UnitScaleError
+from ..errors import CaptureError, UnitScaleError
 from ..formats import FormatError
 from . import _fp8_gemm as fp8
 from ._rewrite import RewritePass, parameter_nodes, placeholder_names
@@ -100,8 +100,9 @@ class FP8Summary:
         return "\n".join(lines)
 
 
-# Each linear op: (its float8 counterpart, its parameter names, the positions of the input
-# and the weight among them, and whether the weight is stored transposed (addmm)).
+# Each linear op: what the summary calls it, its float8 counterpart, the names of its
+# leading parameters (to read positional arguments), and whether the weight is stored
+# transposed (addmm's second matrix, ``(in, out)``).
 @dataclasses.dataclass(frozen=True)
 class _LinearOp:
     kind: str
@@ -237,7 +238,7 @@ class ToFP8Pass(RewritePass):
             return f"operand shapes {tuple(x_value.shape)} and {tuple(w_value.shape)}"
         fp8.check_float8(x_value.device, "to_fp8")
         fan_out, fan_in = w_value.shape[::-1] if op.weight_transposed else w_value.shape
-        return fp8.float8_shape_error(0, int(fan_in), int(fan_out), x_value.device)
+        return fp8.float8_shape_error(int(fan_in), int(fan_out), x_value.device)
 
     def _convert(
         self,
@@ -404,7 +405,7 @@ def to_fp8(
         for device in {p.device for p in module.parameters()}:
             fp8.check_float8(device, "to_fp8")
     if isinstance(module, TransformedModule) and module.pass_of_type(SimulateFormatPass):
-        raise UnitScaleError(
+        raise CaptureError(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
