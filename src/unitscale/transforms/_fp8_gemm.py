@@ -13,9 +13,11 @@ Scales (rules in :mod:`unitscale.transforms._scaling`, shared with ``simulate_fp
 ``"none"`` casts as is (scale 1: no amax is computed), ``"tensorwise"`` multiplies each
 operand by ``format_max / amax`` before its cast and hands the inverse scales to
 ``_scaled_mm`` (torchao's ``addmm_float8_unwrapped`` does exactly this), ``"delayed"`` takes
-``amax`` from an amax history. A unit-scaled op's output factor multiplies the FP32
-accumulator (it is folded into ``_scaled_mm``'s second scale), outside the rounded operands:
-the operands rounded are the op's own, as in ``simulate_fp8`` of the unit-scaled op.
+``amax`` from an amax history. A unit-scaled op's output factor is folded into
+``_scaled_mm``'s second scale, outside the rounding: the operands rounded are the op's own,
+as in ``simulate_fp8`` of the unit-scaled op. (The CPU kernel multiplies each float8 operand
+by its scale and runs an FP32 matmul, so there the scaled weight is the simulated op's
+``factor * rounded weight``, bit for bit; cuBLAS applies the scales to the accumulator.)
 
 Layout: ``_scaled_mm`` takes a row-major first and a column-major second operand; on CUDA the
 trailing dimension of the first and both of the second must be multiples of 16. The rows of
