@@ -348,6 +348,17 @@ def test_a_build_or_device_without_float8_gemms_gets_a_format_error(
         _fp8_gemm._trial.cache_clear()
 
 
+def test_a_device_without_float8_gemms_found_at_the_first_call_gets_a_format_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model moved, after to_fp8, to a device without float8 GEMMs: the error comes when
+    its graph is rewritten, as the FormatError itself."""
+    model = to_fp8(nn.Linear(4, 4))
+    monkeypatch.setattr(_fp8_gemm, "float8_device_error", lambda device: "old device")
+    with pytest.raises(FormatError, match=r"old device.*simulate_fp8"):
+        model(torch.randn(2, 4))
+
+
 def _raise(*args: Any) -> Tensor:
     raise RuntimeError("no float8 GEMM kernel here")
 

@@ -351,7 +351,8 @@ def to_fp8(
     added afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. This is the
     ``"hardware"`` recipe of :func:`simulate_fp8`, for real: on the CPU its outputs and
     gradients equal rounding the same operands and multiplying in FP32, bit for bit (see
-    docs/guide/fp8-real.rst, which also says where a GPU differs). Other ops run as before; :func:`fp8_summary` lists what runs in FP8 and what not.
+    docs/guide/fp8-real.rst, which also says where a GPU differs). Other ops run as before;
+    :func:`fp8_summary` lists what runs in FP8 and what not.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one, e.g. ``unit_scale(m)``) that
