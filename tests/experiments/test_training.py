@@ -371,10 +371,9 @@ def test_real_fp8_runs_equal_the_simulated_runs_on_the_cpu() -> None:
     results = train_runs(config, progress=False)
     for simulated in ("plain-fp8-tensorwise", "unit-scaled-fp8"):
         real = results[f"{simulated}-real"]
-        assert real.train_losses == pytest.approx(results[simulated].train_losses, rel=1e-6)
-        assert real.final_heldout_loss == pytest.approx(
-            results[simulated].final_heldout_loss, rel=1e-6
-        )
+        # the same ops, the same arithmetic (tests/transforms/test_to_fp8.py): equal
+        assert real.train_losses == results[simulated].train_losses, simulated
+        assert real.final_heldout_loss == results[simulated].final_heldout_loss, simulated
 
 
 def test_seeds_option_runs_each_seed_and_summarises_mean_and_spread(tmp_path: Path) -> None:
