@@ -685,12 +685,8 @@ def _split_bias(
             return add_bias, (bias,)
         x, w = _argument(node, 0, "input"), _argument(node, 1, "weight")
         if node.target is U.linear:
-            return unit_linear_bias, (
-                bias,
-                x,
-                w,
-                _argument(node, 3, "constraint", "to_output_scale"),
-            )
+            constraint = _argument(node, 3, "constraint", "to_output_scale")
+            return unit_linear_bias, (bias, x, w, constraint)
         constraint = _argument(node, 3, "constraint", "to_grad_input_scale")
         return unit_readout_bias, (bias, x, w, constraint, node.kwargs.get("mup", True))
     is_addmm = (node.op == "call_function" and node.target in (torch.addmm, unit_addmm)) or (
