@@ -18,10 +18,16 @@
 #   5. bench_compile_lengths.py --device cuda (graphs of compile(unit_scale(gpt2)) vs
 #      torch.compile over changing lengths);
 #   6. bench_tracking_zoo.py --device cuda over six of its architectures (llama, gpt2, gptj,
-#      bert, t5, mixtral: the CPU run's worst families among them), 5 rounds.
+#      bert, t5, mixtral: the CPU run's worst families among them), 5 rounds;
+#   7. bench_fp8_step.py --device cuda: real FP8 step time and peak memory of a ~125M decoder
+#      at sequence 2048, bf16 vs torchao tensorwise vs unit-scaled to_fp8, all compiled.
+# Step 7 adds 150 s to the 540 above: in one call of at most 600 s it may be cut short, so
+# run it alone in a second call where the first leaves time (STEPS=fp8_step runs only it):
+#
+#   run(command="STEPS=fp8_step bash benchmarks/device_check.sh", timeout_s=200)
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
 # the development machine: copy $OUT/formats.json, $OUT/tracking.json,
-# $OUT/fp8_scaling.json, $OUT/compile_lengths.json and $OUT/tracking_zoo.json over
+# $OUT/fp8_scaling.json, $OUT/compile_lengths.json, $OUT/tracking_zoo.json and $OUT/fp8_step.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -47,13 +53,15 @@ else
 fi
 cp benchmarks/results/formats.json benchmarks/results/tracking.json \
   benchmarks/results/fp8_scaling.json "$OUT"/
-cp benchmarks/results/compile_lengths.json benchmarks/results/tracking_zoo.json "$OUT"/ \
-  2>/dev/null || true
+cp benchmarks/results/compile_lengths.json benchmarks/results/tracking_zoo.json \
+  benchmarks/results/fp8_step.json "$OUT"/ 2>/dev/null || true
+STEPS=${STEPS:-tests,formats,tracking,fp8_scaling,compile_lengths,tracking_zoo,fp8_step}
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
   local name=$1 seconds=$2
   shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
   echo "=== $name (at most $seconds s) ==="
   timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -72,4 +80,6 @@ step compile_lengths 70 "$PYTHON" benchmarks/bench_compile_lengths.py --device "
   --lengths "$lengths" --output "$OUT/compile_lengths.json"
 step tracking_zoo 60 "$PYTHON" benchmarks/bench_tracking_zoo.py --device "$DEVICE" \
   --archs "$archs" --rounds "$rounds" --out "$OUT/tracking_zoo.json"
+step fp8_step 150 "$PYTHON" benchmarks/bench_fp8_step.py --device "$DEVICE" \
+  --output "$OUT/fp8_step.json"
 exit "$status"

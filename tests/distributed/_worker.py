@@ -27,7 +27,7 @@ import unitscale as us
 from unitscale.data_parallel import fully_shard, set_data_parallel
 from unitscale.models import GPTConfig, plain_gpt, unit_scaled_gpt
 from unitscale.parameter import has_mup_tags
-from unitscale.transforms import simulate_fp8, track_scales, unit_scale
+from unitscale.transforms import simulate_fp8, to_fp8, track_scales, unit_scale
 
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16, aligned_labels=True)
 GLOBAL_BATCH = 8
@@ -49,6 +49,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "unit_scale": lambda: _unit_scaled_gpt(),
     "simulate_fp8": lambda: simulate_fp8(_unit_scaled_gpt()),
     "track_scales": lambda: track_scales(_unit_scaled_gpt()),
+    "to_fp8": lambda: to_fp8(_unit_scaled_gpt()),
 }
 
 

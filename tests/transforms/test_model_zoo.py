@@ -14,8 +14,9 @@ less than 5%.
 
 Nothing is skipped silently: for each transform, :data:`UNSAID` holds a check that lists the
 ops (or parameters) the transform neither handled nor reported; it must list none. A
-transform that reports what it skips adds its check there (``simulate_fp8``: the rounded and
-not-rounded ops of its summary, once it has one).
+transform that reports what it skips adds its check there (``simulate_fp8`` and ``to_fp8``:
+every matmul-like op of the captured graphs is in ``fp8_summary``, converted or not
+converted with a reason).
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ from torch import nn
 from unitscale.capture import TransformedModule
 from unitscale.parameter import has_mup_tags
 from unitscale.transforms import (
+    _fp8_gemm,
+    fp8_summary,
     simulate_fp8,
+    to_fp8,
     track_scales,
     tracking_coverage,
     unit_scale,
     unit_scale_summary,
 )
+from unitscale.transforms._fp8_ops import looks_matmul_like
+from unitscale.transforms._simulate import matmul_operands
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,10 +183,35 @@ def _track_scales_unsaid(model: TransformedModule) -> list[str]:
     return [n for n in used if n not in nodes and n not in reported]
 
 
+def _matmul_like(node: torch.fx.Node) -> bool:
+    return bool(matmul_operands(node)) or node.target is torch.einsum or looks_matmul_like(node)
+
+
+def _fp8_unsaid(transform: str) -> Callable[[TransformedModule], list[str]]:
+    """Per captured graph of the last call: matmul-like ops of the graph as Dynamo gave it
+    that ``fp8_summary`` neither lists as converted nor as not converted (with a reason)."""
+
+    def unsaid(model: TransformedModule) -> list[str]:
+        summary = fp8_summary(model, transform)
+        assert model.capture is not None
+        out = [f"{op}: no reason" for op, reason in summary.not_converted if not reason]
+        pieces = {id(inv.piece): inv.piece for inv in model.capture.last_trace}.values()
+        for piece in pieces:
+            converted, left = piece.data["fp8_summary"][transform]
+            ops = [n.name for n in piece.graph.nodes if _matmul_like(n)]
+            if len(ops) != len(converted) + len(left):
+                out.append(f"graph {piece.index}: {ops} against {converted} and {left}")
+        return out
+
+    return unsaid
+
+
 #: Per transform, what it skipped without saying so (see the module docstring).
 UNSAID: dict[str, Callable[[TransformedModule], list[str]]] = {
     "unit_scale": _unit_scale_unsaid,
     "track_scales": _track_scales_unsaid,
+    "simulate_fp8": _fp8_unsaid("simulate_fp8"),
+    "to_fp8": _fp8_unsaid("to_fp8"),
 }
 
 
@@ -252,7 +283,11 @@ def test_unit_scale_and_fp8_simulation(
 
     fp8 = simulate_fp8(scaled)
     fp8_loss, _ = _loss_and_grads(fp8, inputs)
-    if "simulate_fp8" in UNSAID:
-        assert not UNSAID["simulate_fp8"](fp8), name
+    assert not UNSAID["simulate_fp8"](fp8), name
     assert not torch.equal(fp8_loss, loss), name  # the operands were really rounded
     assert abs(fp8_loss - loss) / loss < 0.05, (name, fp8_loss.item(), loss.item())
+    if _fp8_gemm.float8_device_error("cpu") is None:  # real FP8: the linear ops' scope
+        real = to_fp8(scaled)
+        _loss_and_grads(real, inputs)
+        assert not UNSAID["to_fp8"](real), name
+        assert fp8_summary(real).converted, name

@@ -432,7 +432,7 @@ class Capture:
                 out = self._compiled_for_state()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
-            if isinstance(inner, CaptureError):
+            if isinstance(inner, UnitScaleError):  # a pass's own error says what to do
                 raise inner from None
             raise CaptureError(
                 f"unitscale could not transform a graph of {type(self.owner_module).__name__}: "

@@ -33,7 +33,16 @@ from ._batch_hints import add as batch_hinted_add
 from ._batch_hints import embedding as batch_hinted_embedding
 from ._elementwise import dropout, gelu, scale_elementwise, silu, silu_glu, softmax
 from ._loss import cross_entropy, mse_loss
-from ._matmul import conv1d, embedding, linear, linear_readout, matmul
+from ._matmul import (
+    LinearFactors,
+    conv1d,
+    embedding,
+    linear,
+    linear_factors,
+    linear_readout,
+    linear_readout_factors,
+    matmul,
+)
 from ._mult import check_mult as check_mult  # argument check shared with the modules
 from ._norm import layer_norm, rms_norm
 from ._residual import add, residual_add, residual_split
@@ -53,6 +62,9 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "linear",
     "linear_readout",
     "matmul",
+    "LinearFactors",
+    "linear_factors",
+    "linear_readout_factors",
     # normalisation
     "layer_norm",
     "rms_norm",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,18 +92,52 @@ def matmul(input: Tensor, other: Tensor, constraint: Constraint = "to_output_sca
     return _finish(torch.matmul(left, right), out_scale)
 
 
-def _linear(input: Tensor, weight: Tensor, bias: Tensor | None, constraint: Constraint) -> Tensor:
+class LinearFactors(NamedTuple):
+    """The factors of a unit-scaled linear op, ``y = output * input @ weight.T + bias``.
+
+    The op is ``F.linear(scale_bwd(input, input_grad), scale_fwd_bwd(weight, output,
+    weight_grad), scale_bwd(bias, weight_grad))``: ``output`` multiplies the product (it
+    rides on the weight, so it also multiplies the input's gradient), ``input_grad``
+    multiplies the input's gradient on top of it, ``weight_grad`` the weight's and bias's
+    gradients. For code that runs the product elsewhere (a float8 GEMM applies ``output``
+    to its accumulator) and must scale exactly as :func:`linear` does.
+    """
+
+    output: float
+    input_grad: float
+    weight_grad: float
+
+
+def linear_factors(
+    input: Tensor, weight: Tensor, constraint: Constraint = "to_output_scale"
+) -> LinearFactors:
+    """The :class:`LinearFactors` of :func:`linear` for these operands (see its scaling rule).
+
+    Example:
+        >>> linear_factors(torch.ones(8, 64), torch.ones(16, 64))
+        LinearFactors(output=0.125, input_grad=1.0, weight_grad=0.35355339059327373)
+    """
     fan_out, fan_in = weight.shape[0], weight.shape[-1]
     batch = input.numel() // max(fan_in, 1)
     out_scale, in_scale = apply_constraint(constraint, _rsqrt(fan_in), _rsqrt(fan_out))
     weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
     # F.linear(x, s * W) = s * (x W^T): the output scale rides on the (smaller) weight, whose
     # own gradient factor is set independently (weights are never constrained).
-    weight = scale_fwd_bwd(weight, out_scale, weight_grad_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, weight_grad_scale)
     # grad_x = (in/out) * grad_y (s W) = in * grad_y W: a no-op under to_output_scale.
-    return F.linear(scale_bwd(input, in_scale / out_scale), weight, bias)
+    return LinearFactors(out_scale, in_scale / out_scale, weight_grad_scale)
+
+
+def _apply_factors(
+    input: Tensor, weight: Tensor, bias: Tensor | None, factors: LinearFactors
+) -> Tensor:
+    weight = scale_fwd_bwd(weight, factors.output, factors.weight_grad)
+    if bias is not None:
+        bias = scale_bwd(bias, factors.weight_grad)
+    return F.linear(scale_bwd(input, factors.input_grad), weight, bias)
+
+
+def _linear(input: Tensor, weight: Tensor, bias: Tensor | None, constraint: Constraint) -> Tensor:
+    return _apply_factors(input, weight, bias, linear_factors(input, weight, constraint))
 
 
 def linear(
@@ -195,17 +230,31 @@ def linear_readout(
         >>> round(y.std().item(), 2)  # plain unit scaling: sqrt(64 / 1024)
         0.25
     """
-    if mup:
-        fan_out, fan_in = weight.shape[0], weight.shape[-1]
-        batch = input.numel() // max(fan_in, 1)
-        weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
-        weight = scale_fwd_bwd(weight, 1.0 / max(fan_in, 1), weight_grad_scale)
-        if bias is not None:
-            bias = scale_bwd(bias, weight_grad_scale)
-        # grad_x = g (W / fan_in) * fan_in / sqrt(fan_out) = g W / sqrt(fan_out): unit.
-        input = scale_bwd(input, max(fan_in, 1) * _rsqrt(fan_out))
-        return F.linear(input, weight, bias)
-    return _linear(input, weight, bias, constraint)
+    return _apply_factors(
+        input, weight, bias, linear_readout_factors(input, weight, constraint, mup=mup)
+    )
+
+
+def linear_readout_factors(
+    input: Tensor,
+    weight: Tensor,
+    constraint: Constraint = "to_grad_input_scale",
+    *,
+    mup: bool = True,
+) -> LinearFactors:
+    """The :class:`LinearFactors` of :func:`linear_readout` (see its scaling rule).
+
+    Example:
+        >>> linear_readout_factors(torch.ones(8, 64), torch.ones(16, 64))
+        LinearFactors(output=0.015625, input_grad=16.0, weight_grad=0.35355339059327373)
+    """
+    if not mup:
+        return linear_factors(input, weight, constraint)
+    fan_out, fan_in = weight.shape[0], weight.shape[-1]
+    batch = input.numel() // max(fan_in, 1)
+    weight_grad_scale = shared_rsqrt(batch, input.dim() >= 2)
+    # grad_x = g (W / fan_in) * fan_in / sqrt(fan_out) = g W / sqrt(fan_out): unit.
+    return LinearFactors(1.0 / max(fan_in, 1), max(fan_in, 1) * _rsqrt(fan_out), weight_grad_scale)
 
 
 def conv1d(

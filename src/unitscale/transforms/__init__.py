@@ -1,4 +1,5 @@
-"""Graph transforms: scale tracking, automatic unit scaling, format simulation, compile."""
+"""Graph transforms: scale tracking, automatic unit scaling, format simulation, real FP8,
+compile."""
 
 from ..tracking import (
     Metrics,
@@ -18,6 +19,7 @@ from ._simulate import (
     simulate_format,
     simulate_fp8,
 )
+from ._to_fp8 import to_fp8
 from ._track import track_scales
 from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
 from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
@@ -46,6 +48,8 @@ __all__ = [  # noqa: RUF022 (grouped by concern)
     "scaling_cost",
     "FP8Summary",
     "fp8_summary",
+    # real FP8
+    "to_fp8",
     # compilation
     "compile",
 ]

@@ -28,14 +28,21 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import Tensor
+
+from ..scale import scale_bwd
 
 __all__ = [
     "OPS_SCOPES",
     "OpsScope",
+    "add_bias",
     "grouped_operands",
     "is_linear",
     "looks_matmul_like",
     "target_name",
+    "unit_addmm_bias",
+    "unit_linear_bias",
+    "unit_readout_bias",
 ]
 
 OpsScope = Literal["linear", "matmuls"]
@@ -128,3 +135,66 @@ def looks_matmul_like(node: fx.Node) -> bool:
         return False
     name = target_name(node.target).rsplit("::", 1)[-1].rsplit(".", 1)[-1]
     return bool(_MATMUL_NAME.search(name.lower()))
+
+
+# The bias of a linear op under FP8 (simulated or real) is added after the GEMM, in the
+# output's precision, as torchao's ``Float8Linear`` does (and Transformer Engine, which
+# fuses the bias gradient with the cast in high precision): its gradient is the sum of the
+# output gradient before that gradient is rounded to E5M2. ``simulate_fp8`` inserts these
+# after its output-gradient rounding; ``to_fp8``'s float8 linear ops end with them.
+
+
+def add_bias(out: Tensor, bias: Tensor | None, weight_grad_factor: float = 1.0) -> Tensor:
+    """``out + bias`` in ``out``'s dtype; the bias gradient times ``weight_grad_factor`` (a
+    unit-scaled op's, as :func:`unitscale.functional.linear` scales it).
+
+    Example:
+        >>> add_bias(torch.zeros(2, 3), torch.ones(3)).tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    if bias is None:
+        return out
+    if not isinstance(weight_grad_factor, float) or weight_grad_factor != 1.0:
+        bias = scale_bwd(bias, weight_grad_factor)
+    return out + bias.to(out.dtype)
+
+
+def unit_linear_bias(
+    out: Tensor,
+    bias: Tensor | None,
+    input: Tensor,
+    weight: Tensor,
+    constraint: Any = "to_output_scale",
+) -> Tensor:
+    """The bias of :func:`unitscale.functional.linear` (``input``, ``weight`` and
+    ``constraint`` as it was called), added to its bias-free ``out``."""
+    from .. import functional as U
+
+    return add_bias(out, bias, U.linear_factors(input, weight, constraint).weight_grad)
+
+
+def unit_readout_bias(
+    out: Tensor,
+    bias: Tensor | None,
+    input: Tensor,
+    weight: Tensor,
+    constraint: Any = "to_grad_input_scale",
+    mup: bool = True,
+) -> Tensor:
+    """As :func:`unit_linear_bias`, for :func:`unitscale.functional.linear_readout`."""
+    from .. import functional as U
+
+    factors = U.linear_readout_factors(input, weight, constraint, mup=mup)
+    return add_bias(out, bias, factors.weight_grad)
+
+
+def unit_addmm_bias(
+    out: Tensor,
+    bias: Tensor | None,
+    mat1: Tensor,
+    mat2: Tensor,
+    constraint: Any = "to_output_scale",
+) -> Tensor:
+    """As :func:`unit_linear_bias`, for ``unit_scale``'s ``addmm`` (``linear(mat1, mat2.t(),
+    bias)``, transformers' ``Conv1D``)."""
+    return unit_linear_bias(out, bias, mat1, mat2.t(), constraint)

@@ -90,8 +90,9 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
     """Which matmul-like ops ``module``'s FP8 transform converted in its last call, and which not.
 
     Args:
-        module: a model returned by :func:`~unitscale.transforms.simulate_fp8` or
-            :func:`~unitscale.transforms.simulate_format` (or a chain holding one), called
+        module: a model returned by :func:`~unitscale.transforms.simulate_fp8`,
+            :func:`~unitscale.transforms.simulate_format` or
+            :func:`~unitscale.transforms.to_fp8` (or a chain holding one), called
             at least once.
         transform: which FP8 transform's summary, where a chain holds several (default:
             the only one).
@@ -114,7 +115,7 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
     if not isinstance(module, TransformedModule):
         raise UnitScaleError(
             f"fp8_summary: {type(module).__name__} is not a transformed model; pass a model "
-            "returned by unitscale.transforms.simulate_fp8 or simulate_format"
+            "returned by unitscale.transforms.simulate_fp8, simulate_format or to_fp8"
         )
     capture = module.capture
     if capture is None or not capture.last_trace:
@@ -135,7 +136,7 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
     if not found:
         raise UnitScaleError(
             f"fp8_summary: {type(module.module).__name__} runs no FP8 transform; pass a model "
-            "returned by unitscale.transforms.simulate_fp8 or simulate_format"
+            "returned by unitscale.transforms.simulate_fp8, simulate_format or to_fp8"
         )
     if transform is None:
         if len(found) > 1:

@@ -125,8 +125,9 @@ def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -
 
 
 def scaled_round(x: Tensor, scale: Tensor, round_fn: Any) -> Tensor:
-    """``round_fn(float32(x) * scale) / scale``, in ``x``'s dtype (torchao scales in float32)."""
-    return round_fn(x.to(torch.float32) * scale).div_(scale).to(x.dtype)
+    """``round_fn(float32(x) * scale) * (1 / scale)``, in ``x``'s dtype: torchao scales in
+    float32, and its float8 GEMM (``_scaled_mm``) multiplies by the reciprocal scale."""
+    return round_fn(x.to(torch.float32) * scale).mul_(scale.reciprocal()).to(x.dtype)
 
 
 HISTORY_PREFIX = "fp8_amax_history_"

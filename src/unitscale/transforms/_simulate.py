@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import inspect
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -62,10 +62,14 @@ from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
 from ._fp8_ops import (
     OPS_SCOPES,
     OpsScope,
+    add_bias,
     grouped_operands,
     is_linear,
     looks_matmul_like,
     target_name,
+    unit_addmm_bias,
+    unit_linear_bias,
+    unit_readout_bias,
 )
 from ._fp8_summary import record
 from ._rewrite import (
@@ -375,6 +379,47 @@ class _Sites:
         return node
 
 
+UNRECOGNISED = "not recognised as a matmul-like op: runs unrounded"
+"""Summary reason of an op named like a matmul that no table holds (also warned about)."""
+OUTSIDE_LINEAR = "outside ops='linear'"
+"""Summary reason of a matmul-like op that is not a linear op (no weight parameter)."""
+NO_FLOAT_OPERAND = "no floating-point operand"
+"""Summary reason of a matmul-like op without a floating-point operand to round or cast."""
+
+
+def fp8_candidates(
+    graph_pass: RewritePass,
+    gm: fx.GraphModule,
+    piece: Piece,
+    capture: Capture,
+    ops: OpsScope,
+    left: list[tuple[str, str]],
+) -> Iterator[tuple[fx.Node, str, list[tuple[int, str]]]]:
+    """The matmul-like ops of ``gm`` that an FP8 pass converts: those in the pass's module
+    scope and in ``ops`` (:func:`~._fp8_ops.is_linear` for ``"linear"``), each with its
+    summary label and operand slots (see :func:`matmul_operands`). Appends to ``left`` the
+    matmul-like ops it does not yield, with the reason: the one classification of
+    ``simulate_fp8`` and ``to_fp8``, so that ``ops="linear"`` and ``to_fp8`` cover the same
+    ops under the same names."""
+    in_scope = graph_pass.scope_filter(capture, piece)
+    parameters = parameter_nodes(gm, piece)
+    module_names = {id(m): name for name, m in capture.owner_module.named_modules()}
+    for node in list(gm.graph.nodes):
+        if not in_scope(node):
+            continue
+        einsum = node.op == "call_function" and node.target is torch.einsum
+        slots = matmul_operands(node)
+        if not (einsum or slots):
+            if looks_matmul_like(node):
+                left.append((_op_label(node, module_names), UNRECOGNISED))
+            continue
+        label = _op_label(node, module_names)
+        if ops == "linear" and not is_linear(node, parameters):
+            left.append((label, OUTSIDE_LINEAR))
+            continue
+        yield node, label, slots
+
+
 class SimulateFormatPass(RewritePass):
     """Quantise the operands of matmul-like ops (forward values and their gradients).
 
@@ -384,8 +429,11 @@ class SimulateFormatPass(RewritePass):
     before the op, named ``<operand>_quantised``, with the operand's ``example_value``;
     with ``output_grad_format``, one :func:`quantise_grad` node after each op whose output
     is a floating-point tensor, named ``<op>_grad_quantised``, taking over the op's users
-    (``F.linear``'s bias is then added after it, by a node ``<op>_bias``, so that the bias
-    gradient is not rounded, as in torchao and Transformer Engine); with ``scaling``, one
+    (the bias of a linear op or an ``addmm`` is then added after it, by a node ``<op>_bias``
+    calling :func:`~._fp8_ops.add_bias` or its unit-scaled variants, so that the bias
+    gradient is not rounded, as in torchao, Transformer Engine and ``to_fp8``; an ``addmm``
+    then runs as ``torch.mm``, a unit-scaled one as the unit-scaled ``linear`` of a ``t``
+    node); with ``scaling``, one
     :func:`fp8_scale` node per operand (``<operand>_scale``, meta ``fp8_scaling``), and for
     ``"delayed"`` one ``fp8_amax_history`` call per scaled rounding returning its history;
     ``piece.data["simulate_format"]``: the names of the quantised ``(op, operand)`` pairs.
@@ -456,26 +504,11 @@ class SimulateFormatPass(RewritePass):
         graph = gm.graph
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         quantised: list[tuple[str, str]] = []
-        in_scope = self.scope_filter(capture, piece)
-        parameters = parameter_nodes(gm, piece)
-        module_names = {id(m): name for name, m in capture.owner_module.named_modules()}
         converted: list[str] = []
         left: list[tuple[str, str]] = []
-        for node in list(graph.nodes):
-            if not in_scope(node):
-                continue
-            einsum = node.op == "call_function" and node.target is torch.einsum
-            slots = matmul_operands(node)
-            if not (einsum or slots):
-                if looks_matmul_like(node):
-                    left.append((_op_label(node, module_names), _UNRECOGNISED))
-                continue
-            label = _op_label(node, module_names)
-            if self.ops == "linear" and not is_linear(node, parameters):
-                left.append((label, "outside ops='linear'"))
-                continue
+        for node, label, slots in fp8_candidates(self, gm, piece, capture, self.ops, left):
             before = len(quantised)
-            if einsum:
+            if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
                 self._quantise_output_grad(graph, node)
             else:
@@ -483,8 +516,8 @@ class SimulateFormatPass(RewritePass):
             if len(quantised) > before:
                 converted.append(label)
             else:
-                left.append((label, "no floating-point operand"))
-        record(piece, self.label, converted, left, warn_reasons=(_UNRECOGNISED,))
+                left.append((label, NO_FLOAT_OPERAND))
+        record(piece, self.label, converted, left, warn_reasons=(UNRECOGNISED,))
         return quantised
 
     def _quantise_slots(
@@ -545,25 +578,20 @@ class SimulateFormatPass(RewritePass):
 
     @staticmethod
     def _add_bias_after(graph: fx.Graph, node: fx.Node, rounded: fx.Node) -> None:
-        """Move ``F.linear``'s bias after the output-gradient rounding: the bias gradient is
-        the sum of the unrounded output gradient, as in torchao's ``Float8Linear`` (bias
-        added outside the FP8 matmul) and Transformer Engine (bias gradient fused with the
-        cast, in high precision)."""
-        if node.target is not F.linear:
+        """Move the bias of a linear op (``F.linear``, the unit-scaled linear and readout) or
+        of an ``addmm`` (transformers' ``Conv1D``, unit-scaled or not) after the
+        output-gradient rounding: the bias gradient is the sum of the unrounded output
+        gradient, as in torchao's ``Float8Linear`` and Transformer Engine, and as in
+        ``to_fp8`` (:func:`~._fp8_ops.add_bias`)."""
+        split = _split_bias(graph, node)
+        if split is None:
             return
-        in_args = len(node.args) > 2
-        bias = node.args[2] if in_args else node.kwargs.get("bias")
-        if not is_float_node(bias):
-            return
-        if in_args:
-            node.args = (*node.args[:2], None, *node.args[3:])
-        else:
-            node.kwargs = {**node.kwargs, "bias": None}
+        function, args = split
         with graph.inserting_after(rounded):
             added = insert_call(
                 graph,
-                operator.add,
-                (rounded, bias),
+                function,
+                (rounded, *args),
                 name=f"{node.name}_bias",
                 value=example_value(node),
                 meta_from=node,
@@ -630,7 +658,54 @@ class SimulateFormatPass(RewritePass):
         return new
 
 
-_UNRECOGNISED = "not recognised as a matmul-like op: runs unrounded"
+def _argument(node: fx.Node, position: int, keyword: str, default: Any = None) -> Any:
+    if position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(keyword, default)
+
+
+def _split_bias(
+    graph: fx.Graph, node: fx.Node
+) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+    """Rewrite ``node`` (a linear op or an ``addmm`` with a floating-point bias) to compute
+    its product without the bias; return the function that adds the bias to that product
+    and its arguments after the product. None (``node`` untouched) for other ops."""
+    from .. import functional as U
+
+    unit_addmm = U.torch_map[torch.addmm]
+    if node.op == "call_function" and node.target in (F.linear, U.linear, U.linear_readout):
+        bias = _argument(node, 2, "bias")
+        if not is_float_node(bias):
+            return None
+        if len(node.args) > 2:
+            node.args = (*node.args[:2], None, *node.args[3:])
+        else:
+            node.kwargs = {**node.kwargs, "bias": None}
+        if node.target is F.linear:
+            return add_bias, (bias,)
+        x, w = _argument(node, 0, "input"), _argument(node, 1, "weight")
+        if node.target is U.linear:
+            constraint = _argument(node, 3, "constraint", "to_output_scale")
+            return unit_linear_bias, (bias, x, w, constraint)
+        constraint = _argument(node, 3, "constraint", "to_grad_input_scale")
+        return unit_readout_bias, (bias, x, w, constraint, node.kwargs.get("mup", True))
+    is_addmm = (node.op == "call_function" and node.target in (torch.addmm, unit_addmm)) or (
+        node.op == "call_method" and node.target == "addmm"
+    )
+    if not is_addmm or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    bias, x, w = (_argument(node, i, k) for i, k in enumerate(("input", "mat1", "mat2")))
+    if len(node.args) > 3 or not is_float_node(bias):
+        return None
+    if node.target is unit_addmm:
+        constraint = node.kwargs.get("constraint", "to_output_scale")
+        with graph.inserting_before(node):
+            weight = graph.call_method("t", (w,))
+        weight.meta["example_value"] = example_value(w).t()
+        node.target, node.args, node.kwargs = U.linear, (x, weight, None, constraint), {}
+        return unit_addmm_bias, (bias, x, w, constraint)
+    node.op, node.target, node.args, node.kwargs = "call_function", torch.mm, (x, w), {}
+    return add_bias, (bias,)
 
 
 def _op_label(node: fx.Node, module_names: dict[int, str]) -> str:
@@ -1012,11 +1087,19 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
     """
     graph_pass = None
     if isinstance(module, TransformedModule):
-        graph_pass = module.pass_of_type(SimulateFormatPass)
-    if not isinstance(module, TransformedModule) or not isinstance(graph_pass, SimulateFormatPass):
+        # simulate_fp8's pass, or to_fp8's (which counts its scales the same way)
+        graph_pass = next(
+            (
+                p
+                for p in module.passes
+                if isinstance(p, SimulateFormatPass) or getattr(p, "counts_fp8_scaling", False)
+            ),
+            None,
+        )
+    if not isinstance(module, TransformedModule) or graph_pass is None:
         raise UnitScaleError(
             f"scaling_cost: {type(module).__name__} does not simulate a number format; pass "
-            "a model returned by unitscale.transforms.simulate_fp8 or simulate_format"
+            "a model returned by unitscale.transforms.simulate_fp8, simulate_format or to_fp8"
         )
     capture = module.capture
     trace: list[Invocation] = capture.last_trace if capture is not None else []
@@ -1030,4 +1113,4 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
         _, fwd, bwd = invocation.piece.data.get("fp8_scaling", ("none", 0, 0))
         forward += fwd
         backward += bwd
-    return ScalingCost(graph_pass.scaling, forward, backward)
+    return ScalingCost(graph_pass.scaling, forward, backward)  # type: ignore[attr-defined]

@@ -1,0 +1,332 @@
+"""``to_fp8``: run every linear op of a model as real float8 GEMMs (``torch._scaled_mm``).
+
+:class:`ToFP8Pass` rewrites each captured graph: every linear op, as
+:mod:`unitscale.transforms._fp8_ops` defines them for ``simulate_fp8(ops="linear")`` too
+(``F.linear``, :func:`unitscale.functional.linear` and ``linear_readout``, and ``addmm``
+whose second matrix is a parameter, transformers' ``Conv1D``, or ``unit_scale``'s version of
+it), calls its float8 counterpart in :mod:`unitscale.transforms._fp8_gemm` instead, with the
+same arguments. Every other op runs as before, in the model's precision: the matmul-like ops
+that are not linear ops (attention's batched matmuls, ``matmul`` of two activations,
+convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float or
+mixed-dtype operands, weight shapes the device rejects) are listed, with the reason, in
+:func:`~unitscale.transforms.fp8_summary` (the summary ``simulate_fp8`` keeps, with the
+same op names and reasons) and in one INFO log line per captured graph.
+
+The numerics are those of ``simulate_fp8`` restricted to the same ops (see
+docs/guide/fp8-real.rst): operands rounded to nearest in E4M3, the output gradient in E5M2,
+FP32 accumulation, the bias added after the GEMM.
+
+Design constraints: the pass holds only its configuration (it pickles and deep-copies); what
+it found is stored per graph by :func:`~._fp8_summary.record` (under the name ``"to_fp8"``)
+and in ``piece.data["fp8_scaling"]`` (read by ``scaling_cost``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional as U
+from ..capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    transformed,
+)
+from ..errors import CaptureError
+from ..formats import FormatError
+from . import _fp8_gemm as fp8
+from ._fp8_summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
+from ._rewrite import RewritePass, placeholder_names
+from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
+from ._simulate import (
+    FP8_RECIPES,
+    NO_FLOAT_OPERAND,
+    UNRECOGNISED,
+    FP8Recipe,
+    SimulateFormatPass,
+    _check_scaling,
+    _Sites,
+    fp8_candidates,
+)
+
+__all__ = ["ToFP8Pass", "to_fp8"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# Each linear op: what the summary calls it, its float8 counterpart, the names of its
+# leading parameters (to read positional arguments), and whether the weight is stored
+# transposed (addmm's second matrix, ``(in, out)``).
+@dataclasses.dataclass(frozen=True)
+class _LinearOp:
+    kind: str
+    target: Callable[..., Any]
+    params: tuple[str, ...]
+    weight_transposed: bool = False
+
+
+def _linear_ops() -> dict[Any, _LinearOp]:
+    linear = ("input", "weight", "bias")
+    addmm = ("input", "mat1", "mat2")
+    return {
+        F.linear: _LinearOp("linear", fp8.linear, linear),
+        U.linear: _LinearOp("linear", fp8.unit_linear, (*linear, "constraint")),
+        U.linear_readout: _LinearOp(
+            "linear_readout", fp8.unit_linear_readout, (*linear, "constraint")
+        ),
+        torch.addmm: _LinearOp("addmm", fp8.addmm, addmm, weight_transposed=True),
+        "addmm": _LinearOp("addmm", fp8.addmm, addmm, weight_transposed=True),  # bias.addmm
+        U.torch_map[torch.addmm]: _LinearOp("addmm", fp8.unit_addmm, addmm, weight_transposed=True),
+    }
+
+
+def _bind(node: fx.Node, params: tuple[str, ...]) -> dict[str, Any]:
+    bound = dict(zip(params, node.args, strict=False))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _operands(op: _LinearOp) -> tuple[str, str]:
+    return ("mat1", "mat2") if op.weight_transposed else ("input", "weight")
+
+
+class ToFP8Pass(RewritePass):
+    """Replace each linear op by its float8 counterpart (:mod:`~._fp8_gemm`).
+
+    Reads: node targets, Dynamo's ``example_value`` meta (dtypes, shapes, devices) and which
+    placeholders are parameters (``addmm`` is a linear op only with a parameter as its
+    second matrix). Writes: the target and arguments of each converted node (the same
+    arguments plus ``scaling`` and, for ``"delayed"``, ``histories``: ``get_attr`` nodes of
+    the amax-history buffers ``fp8_amax_history_<operand>_scale`` and
+    ``..._<op>_grad_quantised``, named as ``simulate_fp8`` names them);
+    the summary record (:mod:`~._fp8_summary`) of the graph's matmul-like ops;
+    ``piece.data["fp8_scaling"]``: ``(scaling, forward scales, backward scales)``.
+    """
+
+    stage = Stage.SIMULATE
+    repeatable = False
+    scopable = True
+    counts_fp8_scaling = True  # read by scaling_cost
+    transform_name = "to_fp8"
+    uncaptured_consequence = "their linear ops run in the model's precision, not in FP8"
+    applied = "already runs its linear ops in FP8 (to_fp8)"
+    order_fix = "unit-scale first, e.g. to_fp8(unit_scale(model))"
+
+    def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
+        self.scaling = scaling
+        self.history_len = history_len
+
+    def __repr__(self) -> str:
+        return f"ToFP8Pass(scaling={self.scaling!r})"
+
+    def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
+        root = capture.owner_module if self.scaling == "delayed" else None
+        sites = _Sites(gm, root, self.history_len)
+        converted: list[str] = []
+        left: list[tuple[str, str]] = []
+        table = _linear_ops()
+        names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
+        # the ops of simulate_fp8(ops="linear"), under the same names and reasons
+        for node, label, _ in fp8_candidates(self, gm, piece, capture, "linear", left):
+            op = table.get(node.target)
+            bound = _bind(node, op.params) if op is not None else {}
+            reason = "no float8 counterpart" if op is None else self._refusal(op, bound)
+            if reason is not None:
+                left.append((label, reason))
+                continue
+            assert op is not None  # for mypy: reason is None only with an op
+            self._convert(gm.graph, node, op, bound, names, sites)
+            converted.append(label)
+        record(piece, self.transform_name, converted, left, warn_reasons=(UNRECOGNISED,))
+        piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
+        gm.recompile()
+        return gm
+
+    def _refusal(self, op: _LinearOp, bound: dict[str, Any]) -> str | None:
+        """Why this linear op cannot run as float8 GEMMs (None: it can)."""
+        x_name, w_name = _operands(op)
+        x, weight = bound.get(x_name), bound.get(w_name)
+        if op.weight_transposed and (bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1):
+            return "addmm with beta or alpha other than 1"
+        if not (is_float_node(x) and is_float_node(weight)):
+            return NO_FLOAT_OPERAND
+        x_value, w_value = example_value(x), example_value(weight)
+        if x_value.dtype not in _FLOAT_DTYPES or w_value.dtype != x_value.dtype:
+            return (
+                f"operands in {x_value.dtype} and {w_value.dtype}: float8 GEMMs take one "
+                "dtype of float32, bfloat16 or float16"
+            )
+        if w_value.dim() != 2 or x_value.dim() < 1:
+            return f"operand shapes {tuple(x_value.shape)} and {tuple(w_value.shape)}"
+        fp8.check_float8(x_value.device, "to_fp8")
+        fan_out, fan_in = w_value.shape[::-1] if op.weight_transposed else w_value.shape
+        return fp8.float8_shape_error(int(fan_in), int(fan_out), x_value.device)
+
+    def _convert(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        op: _LinearOp,
+        bound: dict[str, Any],
+        names: dict[fx.Node, str],
+        sites: _Sites,
+    ) -> None:
+        kwargs: dict[str, Any] = {**bound, "scaling": self.scaling}
+        if self.scaling != "none":
+            sites.counts[0] += 2
+            sites.counts[1] += 1
+        if self.scaling == "delayed":
+            histories = []
+            with graph.inserting_before(node):
+                for name in _operands(op):
+                    operand = bound[name]
+                    base = names.get(operand, operand.name)
+                    device = example_value(operand).device
+                    histories.append(sites.history(graph, f"{base}_scale", device))
+                device = example_value(node).device
+                histories.append(sites.history(graph, f"{node.name}_grad_quantised", device))
+            kwargs["histories"] = tuple(histories)
+        node.op, node.target = "call_function", op.target
+        node.args = ()
+        node.kwargs = kwargs
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        super().after_call(module, capture, output)
+        trace = capture.trace or capture.last_trace
+        if getattr(self, "_checked", False) or not trace:
+            return
+        self._checked = True
+        records = [inv.piece.data.get("fp8_summary", {}).get("to_fp8") for inv in trace]
+        if not any(converted for converted, _ in filter(None, records)):
+            warnings.warn(
+                f"to_fp8: {type(module.module).__name__} has no linear op that can run as "
+                "float8 GEMMs (nn.Linear, F.linear, unitscale's linear and readout, "
+                "transformers' Conv1D); it runs as before, nothing in FP8",
+                UserWarning,
+                stacklevel=6,
+            )
+
+    def without_state(self) -> ToFP8Pass:
+        clone = super().without_state()
+        clone.__dict__.pop("_checked", None)
+        clone.__dict__.pop("_warned", None)
+        return clone  # type: ignore[return-value]
+
+
+def _check_recipe(recipe: Any) -> None:
+    chosen = recipe
+    if isinstance(recipe, str):
+        if recipe not in FP8_RECIPES:
+            raise FormatError(
+                f"unitscale.transforms.to_fp8: recipe={recipe!r} is not an FP8 recipe; pass "
+                f"'hardware' (the one to_fp8 runs) or an FP8Recipe"
+            )
+        chosen = FP8_RECIPES[recipe]
+    if not isinstance(chosen, FP8Recipe):
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: recipe={recipe!r} is not an FP8 recipe; pass "
+            "'hardware' or an FP8Recipe"
+        )
+    hardware = FP8_RECIPES["hardware"]
+    if chosen == hardware:
+        return
+    reasons = []
+    for name, fmt, wanted in (
+        ("operands", chosen.operands, hardware.operands),
+        ("output_grad", chosen.output_grad, hardware.output_grad),
+    ):
+        if fmt is not None and fmt.rounding == "stochastic":
+            reasons.append(f"{name} rounds stochastically (float8 casts round to nearest)")
+        elif fmt != wanted:
+            reasons.append(f"{name} is {fmt}, not {wanted} (the formats of float8 GEMMs)")
+    if chosen.operand_grads is not None:
+        reasons.append(
+            "operand_grads rounds the GEMMs' own results (a float8 GEMM accumulates and "
+            "writes them in higher precision)"
+        )
+    raise FormatError(
+        f"unitscale.transforms.to_fp8: recipe {chosen!r} cannot run as float8 GEMMs: "
+        f"{'; '.join(reasons)}; use recipe='hardware', or simulate this recipe with "
+        "unitscale.transforms.simulate_fp8"
+    )
+
+
+def to_fp8(
+    module: nn.Module,
+    recipe: FP8Recipe | str = "hardware",
+    scaling: Scaling = "none",
+    history_len: int = DEFAULT_HISTORY_LEN,
+) -> TransformedModule:
+    """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
+
+    Every linear op (an op with a weight: ``nn.Linear``/``F.linear``, unitscale's linear
+    layers and readout, transformers' ``Conv1D``) runs through ``torch._scaled_mm``: forward
+    ``x(E4M3) @ W(E4M3)``, backward ``grad_x = grad_y(E5M2) @ W(E4M3)`` and ``grad_W =
+    grad_y(E5M2).T @ x(E4M3)``, accumulated in FP32, written in the input's dtype, the bias
+    added afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. This is the
+    ``"hardware"`` recipe of :func:`simulate_fp8`, for real: on the CPU its outputs and
+    gradients equal rounding the same operands and multiplying in FP32, bit for bit (see
+    docs/guide/fp8-real.rst, which also says where a GPU differs). Other ops run as before;
+    :func:`fp8_summary` lists what runs in FP8 and what not.
+
+    Args:
+        module: any ``torch.nn.Module`` (or a transformed one, e.g. ``unit_scale(m)``) that
+            TorchDynamo can capture.
+        recipe: ``"hardware"`` (or the equal :class:`FP8Recipe`); others are refused.
+        scaling: ``"none"`` (default: scale 1, no amax anywhere, what a unit-scaled model
+            needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config) or
+            ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
+        history_len: amax-history length for ``scaling="delayed"``.
+
+    Returns:
+        The transformed copy (``module`` is not touched).
+
+    Raises:
+        FormatError: this torch build or a parameter's device has no float8 GEMMs (use
+            :func:`simulate_fp8` there); ``recipe`` cannot run as float8 GEMMs (other
+            formats, stochastic rounding, rounded operand gradients); ``scaling`` or
+            ``history_len`` is not supported.
+        CaptureError: as for :func:`simulate_format`; or ``module`` already simulates a
+            number format or runs in FP8.
+
+    Example:
+        >>> model = to_fp8(nn.Linear(2, 1, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
+        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125, from _scaled_mm
+        448.3125
+        >>> fp8_summary(model).converted
+        ('linear',)
+    """
+    _check_recipe(recipe)
+    _check_scaling("to_fp8", scaling, history_len)
+    build = fp8.float8_build_error()
+    if build is not None:
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: {build}, which float8 GEMMs need (torch 2.1 or "
+            "later with a float8 build); use unitscale.transforms.simulate_fp8 to simulate "
+            "the same numerics"
+        )
+    if isinstance(module, nn.Module):
+        for device in {p.device for p in module.parameters()}:
+            fp8.check_float8(device, "to_fp8")
+    if isinstance(module, TransformedModule) and module.pass_of_type(SimulateFormatPass):
+        raise CaptureError(
+            "unitscale.transforms.to_fp8: the module already simulates a number format "
+            "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
+        )
+    result = transformed(module, ToFP8Pass(scaling, history_len), "to_fp8")
+    if scaling == "delayed":
+        keep_histories(result.module)
+    return result
