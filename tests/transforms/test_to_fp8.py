@@ -456,11 +456,6 @@ def test_compiled_to_fp8_decoder_matches_eager() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.compile of any transformed model (simulate_fp8's too) recurses in "
-    "capture/_signature.py's BoundForward.__getattr__ on this branch's capture code",
-)
 def test_torch_compile_of_to_fp8_decoder_matches_eager() -> None:
     ids = _ids()
     eager = _grads(to_fp8(unit_scale(_decoder())), ids, ids)

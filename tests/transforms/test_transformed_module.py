@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from unitscale.transforms import track_scales, unit_scale
+from unitscale.transforms import simulate_fp8, track_scales, unit_scale
 
 
 def test_a_transformed_sequential_indexes_iterates_and_has_a_length() -> None:
@@ -142,3 +142,12 @@ def test_a_users_own_error_comes_first_and_alone(transform: object) -> None:
     assert "_dynamo" not in text and "fake" not in text.lower()
     assert "x.view(3, 5)" in text  # the user's source line, last in the traceback
     assert text.rstrip().splitlines()[-1].startswith(("RuntimeError", "(raised by WrongShape"))
+
+
+def test_torch_compile_of_a_transformed_module_matches_eager() -> None:
+    # torch.compile traces the transformed module's forward (whose signature is the wrapped
+    # module's, for code that reads it): it must trace it as a plain bound method.
+    torch.manual_seed(0)
+    model = simulate_fp8(unit_scale(nn.Sequential(nn.Linear(16, 32), nn.GELU())))
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(torch.compile(model)(x), model(x), rtol=0, atol=0)

@@ -23,6 +23,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = ["BoundForward", "signed_forward"]
 
 
@@ -49,7 +51,10 @@ class BoundForward:
 
     def __getattr__(self, name: str) -> Any:
         # As a bound method does: other attributes (__name__, __qualname__...) are the
-        # function's.
+        # function's. The slots themselves are never looked up here (an instance made
+        # without __init__, as a copy or a tracer makes one, would otherwise recurse).
+        if name in BoundForward.__slots__:
+            raise AttributeError(name)
         return getattr(self.__func__, name)
 
     def __eq__(self, other: object) -> bool:
@@ -78,4 +83,6 @@ class signed_forward:  # lower case: used as a decorator, like property
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
             return self.function
+        if torch.compiler.is_compiling():  # traced by torch.compile: a plain bound method
+            return types.MethodType(self.function, instance)
         return BoundForward(self.function, instance)

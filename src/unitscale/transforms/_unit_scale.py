@@ -258,6 +258,7 @@ class UnitScalePass(RewritePass):
         return clone
 
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
+        super().before_call(module, args, kwargs)
         self._kept.enter()  # the user's functions of replace: kept whole by Dynamo
 
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
