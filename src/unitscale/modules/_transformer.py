@@ -277,7 +277,7 @@ class TransformerLayer(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = False,
-        block: str = "gpt",
+        block: str = "llama",
     ) -> None:
         super().__init__()
         _check_block("TransformerLayer", block)
@@ -434,7 +434,7 @@ class TransformerDecoder(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = True,
-        block: str = "gpt",
+        block: str = "llama",
     ) -> None:
         super().__init__()
         _check_block("TransformerDecoder", block)

@@ -37,7 +37,8 @@ def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module
 def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False)
+        # the GPT-style block (LayerNorm, GELU MLP) of the committed transfer results
+        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False, block="gpt")
 
 
 class _CausalLMLoss(nn.Module):
