@@ -504,8 +504,11 @@ def test_per_sample_gradients_with_torch_func_match_a_loop() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_llama_block_is_rmsnorm_swiglu_without_biases_or_norm_parameters() -> None:
-    model = us.TransformerDecoder(48, depth=2, heads=4, vocab_size=64, block="llama")
+def test_default_block_is_llama_rmsnorm_swiglu_without_biases_or_norm_parameters() -> None:
+    model = us.TransformerDecoder(48, depth=2, heads=4, vocab_size=64)  # block="llama"
+    assert isinstance(us.TransformerLayer(48, 4).mlp_norm, us.RMSNorm)  # the layer's too
+    assert not isinstance(model.final_norm, us.LayerNorm)
+    assert model.state_dict().keys() == dict(model.named_parameters()).keys()  # no norm buffers
     layer = model.layers[0]
     assert isinstance(layer.attn_norm, us.RMSNorm) and isinstance(model.final_norm, us.RMSNorm)
     assert layer.mlp.gated
@@ -516,6 +519,8 @@ def test_llama_block_is_rmsnorm_swiglu_without_biases_or_norm_parameters() -> No
     assert sorted({p.mup_type for p in model.parameters()}) == ["output", "weight"]  # type: ignore[attr-defined]
     trainable = us.TransformerDecoder(48, 2, 4, 64, block="llama", trainable_norms=True)
     assert trainable.final_norm.weight.mup_type == "norm"  # type: ignore[union-attr]
+    gpt = us.TransformerDecoder(48, 2, 4, 64, block="gpt")  # the GPT-style block stays
+    assert isinstance(gpt.final_norm, us.LayerNorm) and not gpt.layers[0].mlp.gated
     with pytest.raises(UnsupportedArgumentError, match="'block'"):
         us.TransformerDecoder(48, 2, 4, 64, block="bert")
 
