@@ -67,7 +67,11 @@ def run_point(family: str, lr: float, seed: int, steps: int, positions: bool) ->
             def build(c: training.TrainConfig) -> torch.nn.Module:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(c.seed)
-                    return TransformerDecoder(c.hidden_size, c.depth, c.heads, 256, rope=False)
+                    # the committed ablation's decoder: the GPT-style block, as before the
+                    # Llama-style block became the default
+                    return TransformerDecoder(
+                        c.hidden_size, c.depth, c.heads, 256, rope=False, block="gpt"
+                    )
 
         training.build_run_model = lambda _run, c: build(c)  # type: ignore[assignment]
     start = time.perf_counter()

@@ -41,8 +41,9 @@ def expected_scale(name: str, param: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("optimiser", [Adam, AdamW, SGD])
 def test_each_parameter_gets_its_rule(optimiser: type[torch.optim.Optimizer]) -> None:
+    # the GPT-style block: every kind of parameter (LayerNorm biases too), fan-ins of 4^k
     model = us.TransformerDecoder(
-        64, depth=4, heads=4, vocab_size=100, bias=True, trainable_norms=True
+        64, depth=4, heads=4, vocab_size=100, bias=True, trainable_norms=True, block="gpt"
     )
     opt = optimiser(model.parameters(), lr=0.5)  # type: ignore[call-arg]
     lr_of = effective_lrs(opt)

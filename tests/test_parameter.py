@@ -75,8 +75,10 @@ def test_decoder_tags_types_and_depth() -> None:
     assert found["readout.weight"] == ("output", None)
     assert found["final_norm.weight"] == ("norm", None)
     assert found["layers.2.attn.qkv.weight"] == ("weight", 3)
-    assert found["layers.0.mlp_norm.bias"] == ("bias", 3)
+    assert found["layers.0.mlp_norm.weight"] == ("norm", 3)
     assert {d for n, (_, d) in found.items() if n.startswith("layers.")} == {3}
+    gpt = us.TransformerDecoder(8, 3, 2, 10, trainable_norms=True, block="gpt")  # LayerNorm
+    assert tags(gpt)["layers.0.mlp_norm.bias"] == ("bias", 3)
 
 
 def test_parameter_is_an_nn_parameter_and_checks_its_tags() -> None:

@@ -345,11 +345,12 @@ def test_both_parametrisations_are_the_same_decoder(family: str, width: int) -> 
         assert standard.lm.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
-def test_the_u_mup_side_is_the_library_default_decoder() -> None:
+def test_the_u_mup_side_is_the_library_decoder_with_the_gpt_block() -> None:
+    # the block of the committed transfer results (the default is the Llama-style block)
     from unitscale import TransformerDecoder
 
     torch.manual_seed(DEFAULT_CONFIG.seed)
-    default = TransformerDecoder(64, 2, 2, 256)
+    default = TransformerDecoder(64, 2, 2, 256, block="gpt")
     built = build_model("u-muP", 64, 2, DEFAULT_CONFIG)
     assert built.state_dict().keys() == default.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(

@@ -173,9 +173,12 @@ def _case(name: str, shape: str) -> tuple[nn.Module, Callable[[], Tensor], tuple
     # approximations are checked at logit std 1; u-muP's 1/d_head: test_decoder_scales.
     if name == "MHSA":
         return us.MHSA(hidden, heads, constraint=None, mup=False), make, (), 4
-    assert name == "TransformerLayer"
+    assert name in ("TransformerLayer", "TransformerLayer-gpt")
+    block = "gpt" if name.endswith("-gpt") else "llama"  # "llama": the default block
     return (
-        us.TransformerLayer(hidden, heads, attn_tau=0.3, mlp_tau=0.3, constraint=None, mup=False),
+        us.TransformerLayer(
+            hidden, heads, attn_tau=0.3, mlp_tau=0.3, constraint=None, mup=False, block=block
+        ),
         make,
         (),
         4,
@@ -186,10 +189,12 @@ def _case(name: str, shape: str) -> tuple[nn.Module, Callable[[], Tensor], tuple
 EXPECTED: dict[str, dict[str, float]] = {
     "CrossEntropyLoss": {"output": math.nan},  # the loss value is not scaled
     "MLP": {"output": GELU_RMS, "down_weight": GELU_RMS},
-    # branch output GELU_RMS with share tau = 0.3 of the variance
+    # The default (Llama-style) layer: RMSNorm without parameters, a SwiGLU MLP whose
+    # gated output has mean ~0, so every scale is 1.
+    # The GPT-style layer: branch output GELU_RMS with share tau = 0.3 of the variance.
     # Attention mixes rows, so the row sums behind the norms' weight and bias gradients do
     # not cancel as their rule assumes (see layer_norm's docstring): not checked here.
-    "TransformerLayer": {
+    "TransformerLayer-gpt": {
         "output": math.sqrt(0.3 * GELU_RMS**2 + 0.7),
         "mlp_down_weight": GELU_RMS,
         **{f"{norm}_norm_{p}": math.nan for norm in ("attn", "mlp") for p in ("weight", "bias")},
@@ -203,6 +208,7 @@ EXPECTED: dict[str, dict[str, float]] = {
     [
         "Linear", "LinearReadout", "Conv1d", "LayerNorm", "RMSNorm", "Embedding", "Dropout",
         "GELU", "SiLU", "Softmax", "CrossEntropyLoss", "MLP", "MHSA", "TransformerLayer",
+        "TransformerLayer-gpt",
     ],
 )  # fmt: skip
 def test_module_unit_scale(name: str, shape: str) -> None:
@@ -232,8 +238,11 @@ def test_decoder_scales(hidden: int, vocab: int, seq: int, mup: bool) -> None:
     # (early rows larger) that correlate activations and gradients: the weight gradients
     # are unit on the whole (median within 10%) and each within a factor 1.5 of 1 (1.75
     # with u-muP's 1/d_head logits, whose near-uniform attention at initialisation
-    # correlates the tokens more: 1.56 measured for hidden 128, seq 64).
-    assert sorted(weights.values())[len(weights) // 2] == pytest.approx(1.0, rel=TOL)
+    # correlates the tokens more: 1.56 measured for hidden 128, seq 64; the same
+    # correlation puts the default Llama-style block's median at 0.89 there, 0.94 with the
+    # GPT-style block, so the median is held within 15% with u-muP).
+    median_tol = 0.15 if mup else TOL
+    assert sorted(weights.values())[len(weights) // 2] == pytest.approx(1.0, rel=median_tol)
     bound = 1.75 if mup else 1.5
     for name, value in weights.items():
         assert 1 / bound < value < bound, (name, value)
@@ -495,8 +504,11 @@ def test_per_sample_gradients_with_torch_func_match_a_loop() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_llama_block_is_rmsnorm_swiglu_without_biases_or_norm_parameters() -> None:
-    model = us.TransformerDecoder(48, depth=2, heads=4, vocab_size=64, block="llama")
+def test_default_block_is_llama_rmsnorm_swiglu_without_biases_or_norm_parameters() -> None:
+    model = us.TransformerDecoder(48, depth=2, heads=4, vocab_size=64)  # block="llama"
+    assert isinstance(us.TransformerLayer(48, 4).mlp_norm, us.RMSNorm)  # the layer's too
+    assert not isinstance(model.final_norm, us.LayerNorm)
+    assert model.state_dict().keys() == dict(model.named_parameters()).keys()  # no norm buffers
     layer = model.layers[0]
     assert isinstance(layer.attn_norm, us.RMSNorm) and isinstance(model.final_norm, us.RMSNorm)
     assert layer.mlp.gated
@@ -507,6 +519,8 @@ def test_llama_block_is_rmsnorm_swiglu_without_biases_or_norm_parameters() -> No
     assert sorted({p.mup_type for p in model.parameters()}) == ["output", "weight"]  # type: ignore[attr-defined]
     trainable = us.TransformerDecoder(48, 2, 4, 64, block="llama", trainable_norms=True)
     assert trainable.final_norm.weight.mup_type == "norm"  # type: ignore[union-attr]
+    gpt = us.TransformerDecoder(48, 2, 4, 64, block="gpt")  # the GPT-style block stays
+    assert isinstance(gpt.final_norm, us.LayerNorm) and not gpt.layers[0].mlp.gated
     with pytest.raises(UnsupportedArgumentError, match="'block'"):
         us.TransformerDecoder(48, 2, 4, 64, block="bert")
 

@@ -333,6 +333,7 @@ class UnitScaledGPT(nn.Module):
                 bias=True,
                 mup=False,  # plain unit scaling, the twin of PlainGPT (not u-muP)
                 trainable_norms=True,
+                block="gpt",  # PlainGPT's LayerNorm and GELU MLP
             )
             for i in range(depth)
         )

@@ -219,10 +219,11 @@ def _swiglu(
 class TransformerLayer(nn.Module):
     """Unit-scaled pre-norm transformer layer: attention then MLP, each in a residual block.
 
-    Each block is ``r, s = residual_split(x, tau)``; ``r = Dropout(Branch(LayerNorm(r)))``;
+    Each block is ``r, s = residual_split(x, tau)``; ``r = Dropout(Branch(Norm(r)))``;
     ``x = residual_add(r, s, tau)``, with :func:`~unitscale.functional.residual_split`,
-    :func:`~unitscale.functional.residual_add`, :class:`LayerNorm`, :class:`MHSA` /
-    :class:`MLP` and :class:`Dropout`. ``tau`` is the branch's share of the output variance.
+    :func:`~unitscale.functional.residual_add`, :class:`RMSNorm` (``block="gpt"``:
+    :class:`LayerNorm`), :class:`MHSA` / :class:`MLP` and :class:`Dropout`. ``tau`` is the
+    branch's share of the output variance.
 
     Args:
         hidden_size: model width.
@@ -239,15 +240,15 @@ class TransformerLayer(nn.Module):
             MLP's activation input.
         mup: μP's ``1/d_head`` attention logits (see :class:`MHSA`); False: torch's
             ``1/sqrt(d_head)``.
-        trainable_norms: give the two norms a trainable weight and bias (tagged
-            ``"norm"`` and ``"bias"``). Default False: norms without trainable parameters,
-            u-μP's recommended scheme (see :class:`TransformerDecoder`).
+        trainable_norms: give the two norms a trainable weight (tagged ``"norm"``; a
+            LayerNorm a bias too, tagged ``"bias"``). Default False: norms without
+            trainable parameters, u-μP's recommended scheme (see :class:`TransformerDecoder`).
         rope: rotary position embedding of queries and keys (see :class:`MHSA`).
-        block: ``"gpt"`` (default): :class:`LayerNorm` and the GELU :class:`MLP`;
-            ``"llama"``: the Llama-style block of the u-μP paper's experiments,
-            :class:`RMSNorm` and the SwiGLU MLP (``MLP(gated=True)``) of inner width
-            ``2/3 * mlp_expansion_factor * hidden_size`` (Llama's rule: as many parameters
-            as the GELU MLP), rounded down to a whole number.
+        block: ``"llama"`` (default, as :class:`TransformerDecoder`'s): the Llama-style
+            block of the u-μP paper's experiments, :class:`RMSNorm` and the SwiGLU MLP
+            (``MLP(gated=True)``) of inner width ``2/3 * mlp_expansion_factor *
+            hidden_size`` (Llama's rule: as many parameters as the GELU MLP), rounded down
+            to a whole number; ``"gpt"``: :class:`LayerNorm` and the GELU :class:`MLP`.
 
     Raises:
         UnsupportedArgumentError: a ``tau`` outside (0, 1), bad ``heads`` or ``block``.
@@ -277,7 +278,7 @@ class TransformerLayer(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = False,
-        block: str = "gpt",
+        block: str = "llama",
     ) -> None:
         super().__init__()
         _check_block("TransformerLayer", block)
@@ -329,9 +330,9 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerDecoder(nn.Module):
-    """GPT-style decoder, u-μP by default: embedding, causal layers, final norm, readout, loss.
+    """Llama-style decoder, u-μP by default: embedding, causal layers, final norm, readout, loss.
 
-    ``Embedding`` → ``depth`` × :class:`TransformerLayer` → :class:`LayerNorm` →
+    ``Embedding`` → ``depth`` × :class:`TransformerLayer` → :class:`RMSNorm` →
     :class:`LinearReadout` (no bias), and :func:`~unitscale.functional.cross_entropy` when
     labels are given. Positions enter through rotary embeddings of queries and keys in every
     layer (RoPE, as in the Llama architecture of the u-μP paper's experiments;
@@ -350,13 +351,13 @@ class TransformerDecoder(nn.Module):
       and MLP each a third of the final stream at the default mults;
     * attention logits ``attn_mult * q.k / d_head`` (μP's ``1/d_head``, :class:`MHSA`);
     * the u-μP readout (``LinearReadout(mup=True)``: output multiplier ``1/fan_in``);
-    * the paper's recommended scheme: no biases and norms without trainable parameters.
-      The norm is a LayerNorm without weight or bias (a non-parametric LayerNorm): the
-      paper's point is that the norms have no trainable parameters (then no parameter
-      outside the weights needs a learning-rate rule of its own, and the optimal learning
-      rate stops depending on them: with trainable LayerNorms and biases our transfer run's
-      optimum sat at 0.125-0.25 instead of 0.5, issue 26); LayerNorm rather than RMSNorm
-      keeps this GPT-style decoder's normalisation, with which that measurement was made.
+    * the paper's recommended scheme: the Llama-style block of its experiments (RMSNorm, a
+      SwiGLU MLP; ``block="llama"``, see :class:`TransformerLayer`), no biases and norms
+      without trainable parameters (an RMSNorm without weight). The paper's point is that
+      the norms have no trainable parameters: then no parameter outside the weights needs a
+      learning-rate rule of its own, and the optimal learning rate stops depending on them
+      (with trainable LayerNorms and biases our transfer run's optimum, GPT-style block,
+      sat at 0.125-0.25 instead of 0.5).
     * layers held in a :class:`~unitscale.DepthModuleList`, so every layer parameter has
       ``mup_scaling_depth = depth``; train with :mod:`unitscale.optim`.
 
@@ -390,14 +391,17 @@ class TransformerDecoder(nn.Module):
         activation_mult: multiplier of the MLP activation's input.
         loss_mult: multiplier of the logits inside the loss.
         mup: u-μP (default); False for plain unit scaling (see above).
-        trainable_norms: give every norm a trainable weight (and a LayerNorm a bias).
+        trainable_norms: give every norm a trainable weight (and a LayerNorm a bias);
+            default False, the recommended scheme (as ``unit_scale``'s keyword of the same
+            name).
         rope: rotary position embedding in every layer (default; see above).
-        block: ``"gpt"`` (default): LayerNorm and the GELU MLP; ``"llama"``: the
-            Llama-style block of the paper's experiments, RMSNorm and a SwiGLU MLP
-            (:class:`TransformerLayer`), the final norm an RMSNorm too. Learning rates of its
-            options as above: a trainable RMSNorm's weight is tagged ``"norm"``
-            (``lr / sqrt(depth)`` in the layers, ``lr`` for the final norm), biases
-            ``"bias"`` (``lr / sqrt(depth)``).
+        block: ``"llama"`` (default): the Llama-style block of the paper's experiments,
+            RMSNorm and a SwiGLU MLP (:class:`TransformerLayer`), the final norm an RMSNorm
+            too; ``"gpt"``: LayerNorm (the final norm too) and the GELU MLP, the block
+            ``unitscale transfer``'s u-μP model keeps. Learning rates of the options as
+            above: a trainable norm's weight is tagged ``"norm"`` (``lr / sqrt(depth)`` in
+            the layers, ``lr`` for the final norm), biases ``"bias"``
+            (``lr / sqrt(depth)``).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -434,7 +438,7 @@ class TransformerDecoder(nn.Module):
         mup: bool = True,
         trainable_norms: bool = False,
         rope: bool = True,
-        block: str = "gpt",
+        block: str = "llama",
     ) -> None:
         super().__init__()
         _check_block("TransformerDecoder", block)

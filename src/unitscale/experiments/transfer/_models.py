@@ -37,7 +37,8 @@ def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module
 def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False)
+        # the GPT-style block (LayerNorm, GELU MLP) of the committed transfer results
+        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False, block="gpt")
 
 
 class _CausalLMLoss(nn.Module):
@@ -181,11 +182,13 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
 
     - ``builtin``: ``standard`` is :class:`unitscale.models.PlainGPT`
       (``position_embedding=False``: LayerNorms with weight and bias, biased linear layers,
-      a 4x GELU MLP, GPT-2's N(0, 0.02) initialisation); ``u-muP`` is the library's default
-      decoder without its rotary embeddings, ``unitscale.TransformerDecoder(width, depth,
-      heads, 256, rope=False)`` (so that neither model has positional information of its
-      own): the paper's recommended scheme (Blake et al., ICLR 2025, arXiv 2407.17465), so no
-      biases and norms without trainable parameters.
+      a 4x GELU MLP, GPT-2's N(0, 0.02) initialisation); ``u-muP`` is the library's decoder
+      with its GPT-style block (LayerNorm, GELU MLP, as ``standard``; the default block
+      before the Llama-style one) and without its rotary embeddings,
+      ``unitscale.TransformerDecoder(width, depth, heads, 256, rope=False, block="gpt")`` (so
+      that neither model has positional information of its own): the paper's recommended
+      scheme (Blake et al., ICLR 2025, arXiv 2407.17465), so no biases and norms without
+      trainable parameters.
     - ``hf:llama``: a randomly initialised ``transformers.LlamaForCausalLM`` (RMSNorm, RoPE,
       SwiGLU MLP of ``4 x width``, no biases; no download); ``standard`` as transformers
       initialises it, ``u-muP`` through :func:`~unitscale.transforms.unit_scale` (u-μP
