@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unitscale.cli import train as train_command
-from unitscale.experiments import training
+from unitscale.experiments import _train_loop, training
 from unitscale.experiments.runner import Schedule, evaluation_batches, train_loop
 from unitscale.experiments.training import (
     DEFAULT_RUNS,
@@ -86,7 +86,7 @@ def test_skipped_steps_are_counted_and_reported(monkeypatch: pytest.MonkeyPatch)
     # The run's scaler starting at 2**60: it halves on each overflowing step until the
     # scaled gradients fit FP16, then steps; every halving is a skipped step.
     monkeypatch.setattr(
-        training, "_grad_scaler", lambda model: torch.amp.GradScaler("cpu", init_scale=2.0**60)
+        _train_loop, "_grad_scaler", lambda model: torch.amp.GradScaler("cpu", init_scale=2.0**60)
     )
     config = TrainConfig(steps=60, runs=("plain-fp32", "plain-fp16-loss-scaling"), **TINY)
     results = training.train_runs(config, progress=False)
