@@ -335,9 +335,13 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
 
 
 def _has_to_fp8() -> bool:
+    """Whether real FP8 runs here: ``to_fp8`` exists and this torch has float8 GEMMs."""
     import unitscale.transforms
+    from unitscale.transforms import _fp8_gemm
 
-    return hasattr(unitscale.transforms, "to_fp8")
+    return (
+        hasattr(unitscale.transforms, "to_fp8") and _fp8_gemm.float8_device_error("cpu") is None
+    )
 
 
 def test_real_fp8_runs_are_not_default_and_name_their_scaling() -> None:
@@ -361,7 +365,7 @@ def test_real_fp8_runs_without_to_fp8_say_what_is_missing(monkeypatch: pytest.Mo
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_to_fp8(), reason="needs unitscale.transforms.to_fp8 (real FP8)")
+@pytest.mark.skipif(not _has_to_fp8(), reason="needs real FP8 (to_fp8, float8 GEMMs)")
 def test_real_fp8_runs_equal_the_simulated_runs_on_the_cpu() -> None:
     config = TrainConfig(
         steps=3, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_every=3,

@@ -124,7 +124,6 @@ _TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[
 KNOWN_ON_TORCH_BEFORE_2_13 = {
     ("tracking", "llama"): "the embedding's gradient differs from the untracked model's",
     ("tracking", "mixtral"): "the embedding's gradient differs from the untracked model's",
-    ("tracking", "bart"): "layernorm_embedding runs between captured pieces (not in the graph)",
     ("fp8", "vit"): "simulated FP8 moves the loss by 7% (2.39 vs 2.58)",
 }
 

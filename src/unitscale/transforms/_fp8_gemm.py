@@ -59,11 +59,21 @@ __all__ = [
 
 E4M3_DTYPE: Any = getattr(torch, "float8_e4m3fn", None)
 E5M2_DTYPE: Any = getattr(torch, "float8_e5m2", None)
+#: The oldest torch release ``to_fp8`` runs on (the one CI tests it on).
+MIN_TORCH = (2, 13)
 _FALLBACK = "use unitscale.transforms.simulate_fp8, which simulates the same numerics"
 
 
 def float8_build_error() -> str | None:
     """What this torch build lacks for float8 GEMMs, or None."""
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release < MIN_TORCH:
+        # Tested from 2.13 on; torch 2.8's Inductor crashed (a segmentation fault) compiling
+        # a float8 GEMM on the CPU, so older releases are refused rather than trusted.
+        return (
+            f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, the "
+            "first release unitscale's real FP8 is tested on"
+        )
     missing = []
     if not hasattr(torch, "_scaled_mm"):
         missing.append("torch._scaled_mm")
