@@ -125,6 +125,7 @@ KNOWN_ON_TORCH_BEFORE_2_13 = {
     ("tracking", "llama"): "the embedding's gradient differs from the untracked model's",
     ("tracking", "mixtral"): "the embedding's gradient differs from the untracked model's",
     ("fp8", "vit"): "simulated FP8 moves the loss by 7% (2.39 vs 2.58)",
+    ("fp8", "bart"): "layernorm_embedding runs between captured pieces: unit_scale warns so",
 }
 
 
