@@ -63,7 +63,7 @@ def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
       the fraction of elements that are non-zero but round to zero in that format, and
       the fraction beyond its largest value; ``nan_count``, ``inf_count``.
 
-    :data:`METRIC_DESCRIPTIONS` holds these descriptions.
+    ``METRIC_DESCRIPTIONS`` holds these descriptions.
 
     Args:
         graph: ``tracked.scales_graph()`` of a module tracked with

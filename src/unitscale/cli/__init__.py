@@ -7,7 +7,7 @@ heavy libraries inside ``run`` so that ``unitscale --help`` stays fast, and a co
 parsed and checked before torch is imported: a typo fails at once. Parsers therefore
 take their defaults from torch-free values (``train`` repeats ``TrainConfig``'s, checked
 equal by the tests); what only ``--help`` shows and needs torch to know (the run names) is
-filled in by :attr:`Parser.load_help_defaults`.
+filled in by ``Parser.load_help_defaults``.
 
 Failures are one line on stderr and a non-zero exit status, never a traceback (set
 ``UNITSCALE_DEBUG=1`` to see one): bad options (and ``unitscale`` with no command, which
