@@ -22,6 +22,7 @@ from ..capture import (
     identifier,
     iter_tensors,
     outside_inputs,
+    received_parameters,
 )
 
 __all__ = [
@@ -118,20 +119,9 @@ def uncaptured_outputs(capture: Capture, output: Any) -> int:
 
 
 def captured_parameters(capture: Capture) -> set[str]:
-    """Qualified names of the parameters that a graph captured in the last call received:
-    by name where captured, and by identity (Dynamo may run one layer's graph with another
-    layer's parameters)."""
-    received = {i for invocation in capture.trace for i in invocation.input_ids}
-    names = {
-        name
-        for invocation in capture.trace
-        for kind, name in invocation.piece.placeholders
-        if kind == "param"
-    }
-    for name, parameter in capture.owner_module.named_parameters(remove_duplicate=False):
-        if id(parameter) in received:
-            names.add(name)
-    return names
+    """Qualified names of the parameters a graph captured in the last call received (see
+    :func:`~unitscale.capture.received_parameters`)."""
+    return received_parameters(capture)
 
 
 def _listed(names: Sequence[str], limit: int = 8) -> str:
