@@ -42,7 +42,7 @@ from unitscale.transforms import (
     unit_scale_summary,
 )
 from unitscale.transforms._fp8_ops import looks_matmul_like
-from unitscale.transforms._simulate import matmul_operands
+from unitscale.transforms._simulate_operands import matmul_operands
 
 transformers = pytest.importorskip("transformers")
 

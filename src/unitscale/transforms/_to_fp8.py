@@ -49,16 +49,9 @@ from . import _fp8_gemm as fp8
 from ._fp8_summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
 from ._rewrite import RewritePass, placeholder_names
 from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
-from ._simulate import (
-    FP8_RECIPES,
-    NO_FLOAT_OPERAND,
-    UNRECOGNISED,
-    FP8Recipe,
-    SimulateFormatPass,
-    _check_scaling,
-    _Sites,
-    fp8_candidates,
-)
+from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
+from ._simulate_operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
+from ._simulate_pass import SimulateFormatPass, _Sites
 
 __all__ = ["ToFP8Pass", "to_fp8"]
 
