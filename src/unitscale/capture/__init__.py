@@ -7,6 +7,7 @@ Dynamo captures (a :class:`Piece`, one per graph break) goes through the module'
 tracer for calls Dynamo cannot capture whole.
 """
 
+from ._compose import check_order, transformed
 from ._core import (
     NOT_INTERCEPTED,
     Capture,
@@ -15,11 +16,9 @@ from ._core import (
     Piece,
     Stage,
     TransformedModule,
-    check_order,
     example_value,
     is_float_node,
     iter_tensors,
-    transformed,
     warn_user,
 )
 from ._eager import trace_eagerly

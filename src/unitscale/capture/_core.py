@@ -9,6 +9,12 @@ the last pass may compile it. At run time the core records which pieces ran, in 
 and which tensors they received and returned, so that a pass such as scale tracking can join
 the pieces of one call into a single graph, connected where a tensor crosses a break.
 
+This module holds that run: the pass protocol (:class:`Stage`, :class:`GraphPass`), the
+records passes read (:class:`Piece`, :class:`Invocation`), the runtime :class:`Capture` and
+:class:`TransformedModule`. How transforms compose is in ``_compose.py``; how the wrapper
+behaves like the module it wraps, in ``_wrapper.py``; which input sizes are marked dynamic,
+in ``_varying.py``; the names of graph values, in ``_naming.py``.
+
 Design constraints:
 
 - the user's module is never touched: the wrapper owns a deep copy;
@@ -38,10 +44,11 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import dynamo_recompile_limit
-from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError, UnitScaleError
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._signature import signed_forward
+from ._varying import _VaryingSizes
+from ._wrapper import _Wrapper
 
 __all__ = [
     "NOT_INTERCEPTED",
@@ -51,11 +58,9 @@ __all__ = [
     "Piece",
     "Stage",
     "TransformedModule",
-    "check_order",
     "example_value",
     "is_float_node",
     "iter_tensors",
-    "transformed",
     "warn_user",
 ]
 
@@ -480,94 +485,7 @@ class Capture:
         return owner.module if owner is not None else nn.Module()
 
 
-class _VaryingSizes:
-    """The input sizes that changed between calls of one transformed module.
-
-    Dynamo compiles a static graph per input shape; a model fed batches of varying length
-    would get one graph (and, for tracking, one set of graph copies) per length, without
-    bound. Once an input's size in some dimension differs from its first call's, that
-    dimension is marked dynamic (``torch._dynamo.maybe_mark_dynamic``: Dynamo may still
-    specialise it where the code needs a concrete size) on every later call, so one more
-    graph serves every length. The mark is put on an alias of the caller's tensor (same
-    storage, same autograd history), never on the tensor itself; an alias the forward
-    returns is handed back as the caller's tensor.
-    """
-
-    def __init__(self) -> None:
-        # Keyed by an input's name or a piece output's (piece place, output index).
-        self.first: dict[str | tuple[int, int], tuple[int, ...]] = {}
-        self.dynamic: dict[str | tuple[int, int], set[int]] = {}
-
-    def mark(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, Tensor]]:
-        """``args``/``kwargs`` with the varying tensors replaced by marked aliases, and
-        ``id(alias) -> caller's tensor``."""
-        marked: dict[int, Tensor] = {}
-        aliases: dict[int, Tensor] = {}  # one alias per caller's tensor, however often passed
-        args = tuple(self._mark(f"args[{i}]", a, marked, aliases) for i, a in enumerate(args))
-        kwargs = {key: self._mark(key, value, marked, aliases) for key, value in kwargs.items()}
-        return args, kwargs, marked
-
-    def _mark(
-        self, key: str, value: Any, marked: dict[int, Tensor], aliases: dict[int, Tensor]
-    ) -> Any:
-        if not isinstance(value, Tensor) or type(value) is not Tensor:
-            return value
-        dims = self._varied(key, value)
-        if not dims:
-            return value
-        import torch._dynamo
-
-        alias = aliases.get(id(value))
-        if alias is None:
-            alias = value.view_as(value) if value.requires_grad else value.detach()
-            aliases[id(value)] = alias
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(alias, dim)
-        marked[id(alias)] = value
-        return alias
-
-    def mark_output(self, key: tuple[int, int], value: Tensor) -> None:
-        """Mark the sizes of a piece's output (``key``: the piece's place in the call, the
-        output's index) that differ from its first call's, as for inputs. Such a tensor is
-        the piece's own result; where it crosses a graph break, the mark makes the resume
-        function's graph serve every size rather than be recompiled per size."""
-        if type(value) is not Tensor:
-            return
-        dims = self._varied(key, value)
-        if dims:
-            import torch._dynamo
-
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(value, dim)
-
-    def _varied(self, key: str | tuple[int, int], value: Tensor) -> set[int]:
-        """The dimensions in which ``value``'s size has differed from the first call's for
-        ``key`` (an input's name, or a piece output's place); none for a different rank,
-        which Dynamo recompiles whatever is marked."""
-        shape = tuple(value.shape)
-        first = self.first.setdefault(key, shape)
-        if len(first) != len(shape):
-            return set()
-        dims = self.dynamic.setdefault(key, set())
-        dims.update(d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b)
-        return dims
-
-    @staticmethod
-    def unmark(output: Any, marked: dict[int, Tensor]) -> Any:
-        if isinstance(output, Tensor):
-            return marked.get(id(output), output)
-        if type(output) in (tuple, list):
-            return type(output)(_VaryingSizes.unmark(v, marked) for v in output)
-        return output
-
-
-#: Attributes of the wrapper itself, never looked up on or set into the wrapped module.
-_OWN_ATTRIBUTES = frozenset({"module", "passes", "_capture", "training"})
-
-
-class TransformedModule(nn.Module):
+class TransformedModule(_Wrapper):
     """A copy of a module whose forward runs through a chain of graph passes.
 
     Returned by ``track_scales``, ``unit_scale``, ``simulate_format`` and ``compile`` in
@@ -632,122 +550,6 @@ class TransformedModule(nn.Module):
         """The first pass in the chain that is an instance of ``cls``."""
         return next((p for p in self.passes if isinstance(p, cls)), None)
 
-    # -- behaving like the wrapped module --------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("module", "passes", "_capture"):
-                raise
-            return getattr(self._modules["module"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # A parameter, buffer or submodule of the wrapped module is set there, so that
-        # ``torch.func.functional_call`` (which swaps tensors by their names in
-        # named_parameters()) reaches the root's own tensors as it reaches a submodule's.
-        inner = self.__dict__.get("_modules", {}).get("module")
-        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
-            if name in inner._parameters and (
-                value is None or (isinstance(value, Tensor) and not isinstance(value, nn.Parameter))
-            ):
-                inner._parameters[name] = value  # swapped in as functional_call does
-                return
-            if name in inner._parameters or name in inner._buffers or name in inner._modules:
-                setattr(inner, name, value)
-                return
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        inner = self.__dict__.get("_modules", {}).get("module")
-        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
-            if name in inner._parameters or name in inner._buffers or name in inner._modules:
-                delattr(inner, name)
-                return
-        super().__delattr__(name)
-
-    # A transformed container is a container: indexing, len(), iteration and ``in`` are the
-    # wrapped module's. What they return are modules of the copy, untransformed when called
-    # on their own (the transform applies to calls of this module).
-    def __getitem__(self, key: Any) -> Any:
-        return self._modules["module"][key]  # type: ignore[index]
-
-    def __len__(self) -> int:
-        return len(self._modules["module"])  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._modules["module"])  # type: ignore[call-overload]
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._modules["module"]  # type: ignore[operator]
-
-    def __bool__(self) -> bool:
-        # Defined because __len__ is: a module is true, however long the container it wraps.
-        return True
-
-    # A parent module sees the wrapped module's tree under this module's own name, so that its
-    # named_parameters(), state_dict() and load_state_dict() agree ("block.weight", never
-    # "block.module.weight"): named_modules() and state_dict() skip the "module" level, and
-    # _load_from_state_dict() moves a parent's keys back to where its walk of _modules
-    # looks for them.
-    def named_modules(
-        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Module]]:
-        """This module, then the wrapped module's tree under the same names (no ``module.``)."""
-        if memo is None:
-            memo = set()
-        if self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        yield from self.module.named_modules(memo, prefix, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's ``state_dict()``: keys are the original's."""
-        result = self.module.state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
-        metadata = getattr(result, "_metadata", None)
-        if prefix and isinstance(metadata, dict):
-            # A parent's load_state_dict() reads the wrapped module's metadata (its version)
-            # under "<prefix>module".
-            base = prefix[:-1]
-            for key in [k for k in metadata if k == base or k.startswith(prefix)]:
-                metadata[f"{base}.module{key[len(base) :]}"] = metadata[key]
-        return result
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        # Called by a parent's load_state_dict() only (ours delegates to the wrapped module).
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped module's parameters, under the original's names."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, Tensor]]:
-        """The wrapped module's buffers, under the original's names."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a checkpoint of the original module (same keys)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_capture"] = None
@@ -766,154 +568,6 @@ class TransformedModule(nn.Module):
 
     def extra_repr(self) -> str:
         return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
-
-
-def _strip(module: nn.Module) -> tuple[nn.Module, tuple[GraphPass, ...]]:
-    """The user module inside ``module`` and the passes already applied to it."""
-    if isinstance(module, TransformedModule):
-        return module.module, module.passes
-    return module, ()
-
-
-def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
-    """Raise unless ``new_pass`` (applied by ``unitscale.<op>``) may follow ``earlier``.
-
-    Raises:
-        CaptureError: ``new_pass`` belongs to an earlier :class:`Stage`; it repeats a pass
-            that is not :attr:`~GraphPass.repeatable`; or it compiles a tracked chain.
-    """
-    if earlier.stage is Stage.COMPILE:
-        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; {earlier.order_fix}")
-    if new_pass.stage is Stage.COMPILE and earlier.stage is Stage.TRACK:
-        raise CaptureError(
-            f"unitscale.{op}: the module {earlier.applied}, whose statistics cannot be "
-            "gathered from compiled code; compile the untracked module, or track it without "
-            "compile"
-        )
-    if new_pass.stage < earlier.stage:
-        fix = earlier.order_fix.format(op=op)
-        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; {fix}")
-    if type(new_pass) is type(earlier) and not new_pass.repeatable:
-        raise CaptureError(f"unitscale.{op}: the module {earlier.applied}; apply {op} once")
-
-
-def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
-    """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
-
-    A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
-    absorbed: its ops are captured with the rest of the model, its own passes transform
-    them alone, and ``new_pass`` transforms them with the rest
-    (:func:`_absorb_transformed_children`).
-
-    Raises:
-        CaptureError: ``module`` is not an ``nn.Module``, was compiled by ``torch.compile``,
-            ``new_pass`` cannot follow its passes (:func:`check_order`), or it holds a
-            transformed submodule that cannot be absorbed (the error names it).
-    """
-    if not isinstance(module, nn.Module):
-        raise CaptureError(
-            f"unitscale.{op}: expected a torch.nn.Module, got {type(module).__name__}"
-        )
-    if is_optimized_module(module):
-        raise CaptureError(
-            f"unitscale.{op}: the module is already torch.compile'd; pass the original module "
-            "(module._orig_mod) and apply unitscale.transforms.compile last"
-        )
-    inner, passes = _strip(module)
-    for earlier in passes:
-        check_order(earlier, new_pass, op)
-    copied = copy.deepcopy(inner)
-    absorbed = _absorb_transformed_children(copied, new_pass, op)
-    # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
-    chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)
-    return TransformedModule(copied, (*chain, new_pass))
-
-
-def _absorb_transformed_children(
-    module: nn.Module, new_pass: GraphPass, op: str
-) -> list[GraphPass]:
-    """Replace, in place, each transformed submodule of ``module`` (a copy) by the module it
-    wraps, and return its passes scoped to its qualified name.
-
-    Dynamo cannot trace into a transformed module's own capture, so the parent's graphs
-    would stop at it (its ops neither recorded nor transformed by the parent's passes).
-    Absorbed, the child's ops are captured in the parent's graphs under its name, its own
-    passes transform them alone (:meth:`GraphPass.scoped`), and ``new_pass`` transforms
-    them with the rest of the model.
-
-    Raises:
-        CaptureError: a child that cannot be absorbed (see :func:`_check_child`).
-    """
-    absorbed: list[GraphPass] = []
-    while True:
-        found = next(
-            (
-                (name, sub)
-                for name, sub in module.named_modules(remove_duplicate=False)
-                if name and isinstance(sub, TransformedModule)
-            ),
-            None,
-        )
-        if found is None:
-            return absorbed
-        name, child = found
-        _check_child(name, child, new_pass, op)
-        owner_name, _, attribute = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        setattr(owner, attribute, child.module)
-        absorbed.extend(p.scoped(name) for p in child.passes)
-
-
-def _check_child(name: str, child: TransformedModule, new_pass: GraphPass, op: str) -> None:
-    """Raise unless the transformed child ``name`` can be absorbed by ``op`` of its parent:
-    its passes can apply to its own ops (not ``track_scales``, whose statistics are the
-    child's own, nor ``compile``, which applies to a whole model, last) and ``new_pass`` may
-    follow them (:func:`check_order`).
-
-    Raises:
-        CaptureError: naming the child and what to do instead.
-    """
-    where = f"unitscale.{op}: the submodule {name!r}"
-    plain = f"put the plain module at {name!r}"
-    for earlier in child.passes:
-        if earlier.stage in (Stage.COMPILE, Stage.TRACK):
-            raise CaptureError(f"{where} {earlier.applied}; {_nested_fix(earlier, name, op)}")
-        if type(new_pass) is type(earlier) and not new_pass.repeatable:
-            raise CaptureError(f"{where} {earlier.applied}; {op}(model) transforms it too: {plain}")
-        if new_pass.stage < earlier.stage:
-            raise CaptureError(
-                f"{where} {earlier.applied}, which {op} cannot follow "
-                f"({earlier.order_fix.format(op=op)}): {plain} and apply both transforms to "
-                "the outer model, in that order"
-            )
-        if not earlier.scopable:
-            raise CaptureError(
-                f"{where} {earlier.applied}, which cannot apply to a submodule: {plain} and "
-                "apply its transform to the outer model"
-            )
-
-
-def _nested_fix(earlier: GraphPass, name: str, op: str) -> str:
-    """What to do instead of ``op`` of a model whose submodule ``name`` is compiled or
-    tracked by ``earlier`` (neither can apply to a part of a model)."""
-    plain = f"put the plain module at {name!r}"
-    if earlier.stage is Stage.COMPILE:
-        if op == "compile":
-            return f"compile(model) compiles it too: {plain}"
-        if op == "track_scales":
-            return f"statistics cannot be gathered from compiled code: {plain}"
-        return f"compile applies to a whole model, last: {plain}, then compile({op}(model))"
-    if op == "track_scales":
-        return f"track_scales(model) records the {name}.* ops too: {plain}"
-    if op == "compile":
-        return (
-            "a tracked module cannot be compiled, its statistics are gathered in Python: "
-            f"{plain}, then compile the model (or track it, without compile)"
-        )
-    return (
-        "its statistics would miss the outer transform: "
-        f"{plain}, then track_scales({op}(model)) records the {name}.* ops"
-    )
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

@@ -1,0 +1,140 @@
+"""A module that behaves like the module it wraps: attributes, containers, names and
+``state_dict()`` keys are the wrapped module's (the base of ``TransformedModule``).
+
+Design constraint: a parent module sees the wrapped module's tree under the wrapper's own
+name (``block.weight``, never ``block.module.weight``), so that checkpoints of the original
+load into the wrapper and back, and ``torch.func.functional_call`` reaches the wrapped
+module's tensors by their original names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+#: Attributes of the wrapper itself, never looked up on or set into the wrapped module.
+_OWN_ATTRIBUTES = frozenset({"module", "passes", "_capture", "training"})
+
+
+class _Wrapper(nn.Module):
+    """Forwards attribute access, the container protocol and the parameter, buffer, module
+    and ``state_dict()`` walks to ``self.module``."""
+
+    module: nn.Module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "passes", "_capture"):
+                raise
+            return getattr(self._modules["module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A parameter, buffer or submodule of the wrapped module is set there, so that
+        # ``torch.func.functional_call`` (which swaps tensors by their names in
+        # named_parameters()) reaches the root's own tensors as it reaches a submodule's.
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
+            if name in inner._parameters and (
+                value is None or (isinstance(value, Tensor) and not isinstance(value, nn.Parameter))
+            ):
+                inner._parameters[name] = value  # swapped in as functional_call does
+                return
+            if name in inner._parameters or name in inner._buffers or name in inner._modules:
+                setattr(inner, name, value)
+                return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is not None and name not in _OWN_ATTRIBUTES and name not in self.__dict__:
+            if name in inner._parameters or name in inner._buffers or name in inner._modules:
+                delattr(inner, name)
+                return
+        super().__delattr__(name)
+
+    # A transformed container is a container: indexing, len(), iteration and ``in`` are the
+    # wrapped module's. What they return are modules of the copy, untransformed when called
+    # on their own (the transform applies to calls of this module).
+    def __getitem__(self, key: Any) -> Any:
+        return self._modules["module"][key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self._modules["module"])  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._modules["module"])  # type: ignore[call-overload]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._modules["module"]  # type: ignore[operator]
+
+    def __bool__(self) -> bool:
+        # Defined because __len__ is: a module is true, however long the container it wraps.
+        return True
+
+    # A parent module sees the wrapped module's tree under this module's own name, so that its
+    # named_parameters(), state_dict() and load_state_dict() agree ("block.weight", never
+    # "block.module.weight"): named_modules() and state_dict() skip the "module" level, and
+    # _load_from_state_dict() moves a parent's keys back to where its walk of _modules
+    # looks for them.
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """This module, then the wrapped module's tree under the same names (no ``module.``)."""
+        if memo is None:
+            memo = set()
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        yield from self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``state_dict()``: keys are the original's."""
+        result = self.module.state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        metadata = getattr(result, "_metadata", None)
+        if prefix and isinstance(metadata, dict):
+            # A parent's load_state_dict() reads the wrapped module's metadata (its version)
+            # under "<prefix>module".
+            base = prefix[:-1]
+            for key in [k for k in metadata if k == base or k.startswith(prefix)]:
+                metadata[f"{base}.module{key[len(base) :]}"] = metadata[key]
+        return result
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Called by a parent's load_state_dict() only (ours delegates to the wrapped module).
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters, under the original's names."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The wrapped module's buffers, under the original's names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a checkpoint of the original module (same keys)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
