@@ -21,7 +21,8 @@ from ._simulate import (
 )
 from ._to_fp8 import to_fp8
 from ._track import track_scales
-from ._unit_scale import ResidualTau, UnknownOpError, unit_scale
+from ._unit_scale import ResidualTau, unit_scale
+from ._unit_scale_replace import UnknownOpError
 from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
 
 __all__ = [  # noqa: RUF022 (grouped by concern)

@@ -49,6 +49,10 @@ Design constraints: the pass holds only configuration (``replace``, taus) and pi
 new and rewritten nodes keep Dynamo's ``example_value`` and source meta, so ``track_scales``
 applied on top records and names them; ``unit_scale`` itself re-initialises the copy's
 weights (never the user's module) so that they have unit scale.
+
+This module holds the pass and ``unit_scale``; what the pass recognises in a graph is in
+``_unit_scale_graph.py``, how the copy's weights are initialised in ``_unit_scale_init.py``,
+the checks of ``replace`` in ``_unit_scale_replace.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +63,6 @@ import inspect
 import logging
 import operator
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,7 +80,6 @@ from ..capture import (
     is_float_node,
     transformed,
 )
-from ..errors import UnitScaleError
 from ..functional import masked_scaled_dot_product_attention
 from ..parameter import tag_model
 from ._inplace import functionalize_inplace
@@ -86,105 +88,37 @@ from ._residual_tau import ResidualTau, residual_stack_length
 from ._rewrite import (
     RewritePass,
     ancestors,
-    descendants,
     insert_call,
     parameter_nodes,
     placeholder_names,
 )
+from ._unit_scale_graph import (
+    _as_residual_add,
+    _batch_nodes,
+    _has_mask,
+    _hint_batch,
+    _independent_add,
+    _is_matmul,
+    _ResidualAdd,
+)
+from ._unit_scale_init import (
+    _init_unit_scale,
+    _mark_conv1d_fan_in,
+    _readout_name,
+    _unowned_versions,
+    _untie_readout,
+)
+from ._unit_scale_replace import _check_replace, _op_name, _torch_map
 from ._unit_scale_summary import classify, log_left_as_is
 from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
     "ResidualTau",
     "UnitScalePass",
-    "UnknownOpError",
     "unit_scale",
 ]
 
 logger = logging.getLogger("unitscale")
-
-
-class UnknownOpError(UnitScaleError, ValueError):
-    """A ``replace`` entry of ``unit_scale`` names an op it does not replace, or is not callable."""
-
-
-# Additions a residual add can be written with (x + f(x), x += f(x), torch.add(x, f(x))).
-_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
-_ADD_METHODS = ("add", "__add__")
-# Ops that make a branch an attention branch.
-_ATTENTION_FUNCTIONS = (F.scaled_dot_product_attention, F.softmax, torch.softmax)
-_ATTENTION_METHODS = ("softmax",)
-# Module types unit_scale re-initialises, and the op whose replacement triggers it.
-_UNIT_INIT: tuple[tuple[type[nn.Module], Callable[..., Any]], ...] = (
-    (nn.Linear, F.linear),
-    (nn.Conv1d, F.conv1d),
-    (nn.Embedding, F.embedding),
-    (nn.LayerNorm, F.layer_norm),
-    (nn.RMSNorm, F.rms_norm),
-)
-
-
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's linear layers: ``addmm(bias, x, weight)``)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def _op_name(fn: Any) -> str:
-    """The name users write for ``fn`` (``torch.nn.functional.gelu``, ``torch.sin``...)."""
-    name = getattr(fn, "__name__", None)
-    if isinstance(name, str):
-        for prefix, namespace in _NAMESPACES:
-            if getattr(namespace, name, None) is fn:
-                return f"{prefix}.{name}"
-    module = getattr(fn, "__module__", None) or ""
-    qualname = getattr(fn, "__qualname__", None) or name or repr(fn)
-    return f"{module}.{qualname}" if module else str(qualname)
-
-
-_NAMESPACES: tuple[tuple[str, Any], ...] = (
-    ("torch.nn.functional", F),
-    ("torch", torch),
-    ("torch.Tensor", torch.Tensor),
-    ("operator", operator),
-)
-
-
-def _torch_map() -> dict[Callable[..., Any], Callable[..., Any]]:
-    from .. import functional as U
-
-    return dict(U.torch_map)
-
-
-def _check_replace(
-    replace: Mapping[Any, Any] | None,
-) -> dict[Callable[..., Any], Callable[..., Any]]:
-    if replace is None:
-        return {}
-    if not isinstance(replace, Mapping):
-        raise UnknownOpError(
-            f"unitscale.unit_scale: replace must be a dict {{torch function: replacement}}, "
-            f"got {type(replace).__name__}"
-        )
-    domain = _torch_map()
-    checked: dict[Callable[..., Any], Callable[..., Any]] = {}
-    for key, value in replace.items():
-        try:
-            known = key in domain
-        except TypeError:  # unhashable
-            known = False
-        if not known and not is_user_function(key):
-            raise UnknownOpError(
-                f"unitscale.unit_scale: replace key {_op_name(key)} is not an op that "
-                "unit_scale replaces; use a key of unitscale.functional.torch_map, e.g. "
-                "torch.nn.functional.gelu, or a Python function of your own (kept as one op)"
-            )
-        if not callable(value):
-            raise UnknownOpError(
-                f"unitscale.unit_scale: replace[{_op_name(key)}]={value!r} is not callable; "
-                "map it to a function that takes the same arguments"
-            )
-        checked[key] = value
-    return checked
 
 
 def _accepts_constraint(fn: Callable[..., Any]) -> bool:
@@ -192,14 +126,6 @@ def _accepts_constraint(fn: Callable[..., Any]) -> bool:
         return "constraint" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-@dataclass
-class _ResidualAdd:
-    node: fx.Node
-    skip: fx.Node
-    branch: fx.Node
-    kind: str
 
 
 class UnitScalePass(RewritePass):
@@ -544,189 +470,6 @@ class UnitScalePass(RewritePass):
                     node.kwargs = {**node.kwargs, "constraint": None}
 
 
-_MATMUL_FUNCTIONS = (operator.matmul, torch.matmul)
-_MATMUL_METHODS = ("matmul", "__matmul__")
-
-
-def _batch_nodes(gm: fx.GraphModule, piece: Piece) -> set[fx.Node]:
-    """Nodes whose tensor value is computed from a tensor input of the piece: the values the
-    data-parallel batch runs through. Sizes (``x.size(1)``) do not carry it, so
-    ``torch.arange(x.size(1))`` is not one; an input of a later piece (after a graph break)
-    counts as one."""
-    kinds = placeholder_names(gm, piece)
-    carrying: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        value = example_value(node)
-        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
-            continue
-        if node.op == "placeholder":
-            if kinds.get(node, ("input", ""))[0] == "input" and isinstance(value, torch.Tensor):
-                carrying.add(node)
-        elif any(arg in carrying for arg in node.all_input_nodes):
-            carrying.add(node)
-    return carrying
-
-
-def _hint_batch(graph: fx.Graph, batch: set[fx.Node]) -> None:
-    """Tell ``U.embedding`` and ``U.add`` what their shapes cannot (see
-    ``unitscale.functional.batch_hinted_add``): ids computed without the model's inputs are
-    position ids shared by every example; an operand computed without them, added to a value
-    computed with them, is shared by every example (counted over the whole batch)."""
-    from .. import functional as U
-
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is U.embedding and node.args and node.args[0] not in batch:
-            node.target = U.batch_hinted_embedding
-        elif node.target is U.add and node in batch and len(node.args) >= 2:
-            shared = tuple(isinstance(arg, fx.Node) and arg not in batch for arg in node.args[:2])
-            if any(shared):
-                node.target = U.batch_hinted_add
-                node.kwargs = {**node.kwargs, "shared": shared}
-
-
-def _is_matmul(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _MATMUL_FUNCTIONS
-    return node.op == "call_method" and node.target in _MATMUL_METHODS
-
-
-def _has_mask(node: fx.Node) -> bool:
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    return mask is not None
-
-
-def _is_add(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _ADD_FUNCTIONS and "alpha" not in node.kwargs
-    if node.op == "call_method":
-        return node.target in _ADD_METHODS and "alpha" not in node.kwargs
-    return False
-
-
-def _independent_add(node: fx.Node) -> bool:
-    """Whether ``node`` adds two float tensors neither of which is computed from the other.
-
-    ``U.add`` assumes independent operands: ``x + 1`` (a constant), sizes and integers keep
-    their plain addition, and so does ``x + 0.04 * x**3`` (inside a hand-written GELU),
-    whose operands are far from independent.
-    """
-    operands = node.args[:2]
-    if len(operands) != 2 or not all(is_float_node(a) for a in operands):
-        return False
-    left, right = operands
-    assert isinstance(left, fx.Node) and isinstance(right, fx.Node)
-    return left is not right and left not in ancestors(right) and right not in ancestors(left)
-
-
-def _is_attention(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _ATTENTION_FUNCTIONS
-    return node.op == "call_method" and node.target in _ATTENTION_METHODS
-
-
-def _as_residual_add(node: fx.Node, params: set[fx.Node]) -> _ResidualAdd | None:
-    """``node`` as a residual add ``skip + branch``, or None (see the module docstring)."""
-    if not _is_add(node) or len(node.args) != 2:
-        return None
-    left, right = node.args
-    if not (is_float_node(left) and is_float_node(right) and is_float_node(node)):
-        return None
-    out_shape = example_value(node).shape
-    for skip, branch in ((left, right), (right, left)):
-        assert isinstance(skip, fx.Node) and isinstance(branch, fx.Node)
-        if example_value(skip).shape != out_shape:
-            continue  # the stream keeps its shape through a residual block
-        above_branch = ancestors(branch)
-        if skip not in above_branch:
-            continue
-        # The branch: nodes on a path from skip to branch (skip excluded).
-        inside = descendants(skip) & (above_branch | {branch})
-        if not any(params.intersection(n.all_input_nodes) for n in inside):
-            continue
-        kind = "attention" if any(_is_attention(n) for n in inside) else "mlp"
-        return _ResidualAdd(node, skip, branch, kind)
-    return None
-
-
-def _init_unit_scale(module: nn.Module, mapping: Mapping[Any, Any]) -> list[str]:
-    """Re-initialise, in place, the parameters of modules whose op is unit-scaled.
-
-    Returns the qualified names of the parameters it re-initialised.
-    """
-    replaced = {op for op, fn in mapping.items() if fn is not op}
-    touched: list[str] = []
-    with torch.no_grad():
-        for prefix, sub in module.named_modules():
-            # HF Conv1D is initialised like a Linear when addmm is replaced.
-            rules = [(cls, op) for cls, op in _UNIT_INIT if isinstance(sub, cls)]
-            if _is_hf_conv1d(sub):
-                rules.append((type(sub), torch.addmm))
-            for _, op in rules:
-                if op not in replaced:
-                    continue
-                weight = getattr(sub, "weight", None)
-                bias = getattr(sub, "bias", None)
-                if isinstance(sub, (nn.LayerNorm, nn.RMSNorm)):
-                    if isinstance(weight, torch.Tensor):
-                        weight.fill_(1.0)
-                elif isinstance(weight, torch.Tensor):
-                    weight.normal_(0.0, 1.0)
-                    padding = getattr(sub, "padding_idx", None)
-                    if isinstance(sub, nn.Embedding) and padding is not None:
-                        weight[padding].zero_()
-                if isinstance(bias, torch.Tensor):
-                    bias.zero_()
-                touched.extend(
-                    f"{prefix}.{name}" if prefix else name
-                    for name in ("weight", "bias")
-                    if isinstance(getattr(sub, name, None), torch.Tensor)
-                )
-    return touched
-
-
-def _owns_initialised(module: nn.Module) -> bool:
-    return isinstance(
-        module, (nn.MultiheadAttention, *(cls for cls, _ in _UNIT_INIT))
-    ) or _is_hf_conv1d(module)
-
-
-def _readout_name(module: nn.Module) -> str | None:
-    """Qualified name of the output head's weight: ``get_output_embeddings()``'s (transformers
-    models), or None."""
-    get_output = getattr(module, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    if not isinstance(getattr(head, "weight", None), nn.Parameter):
-        return None
-    for name, sub in module.named_modules():
-        if sub is head:
-            return f"{name}.weight" if name else "weight"
-    return None
-
-
-def _untie_readout(module: nn.Module, readout: str) -> None:
-    """Give the output head a weight of its own where it shares the input embedding's.
-
-    u-μP trains the two with different rules (embedding ``lr / sqrt(width)``, readout
-    ``lr``) and applies them differently (the readout's ``1/fan_in`` multiplier), which one
-    shared tensor cannot have. The copy starts equal to the shared weight; the model's
-    config (transformers) is told, so that ``tie_weights()`` does not tie them again.
-    """
-    head = module.get_submodule(readout.rpartition(".")[0])
-    weight = module.get_parameter(readout)
-    shared = any(
-        p is weight for name, p in module.named_parameters(remove_duplicate=False)
-        if name != readout
-    )  # fmt: skip
-    if not shared:
-        return
-    head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "tie_word_embeddings"):
-        config.tie_word_embeddings = False
-
-
 def unit_scale(
     module: nn.Module,
     replace: Mapping[Callable[..., Any], Callable[..., Any]] | None = None,
@@ -842,21 +585,10 @@ def unit_scale(
     graph_pass.reinitialised = _init_unit_scale(result.module, graph_pass.mapping())
     # Parameters not owned by a module re-initialised above may turn out, at capture, to be
     # matmul weights (x @ self.W): remember their versions to re-initialise them then.
-    owned = {
-        id(p)
-        for sub in result.module.modules()
-        if _owns_initialised(sub)
-        for p in sub.parameters(recurse=False)
-    }
-    graph_pass._versions = {
-        name: p._version for name, p in result.module.named_parameters() if id(p) not in owned
-    }
+    graph_pass._versions = _unowned_versions(result.module)
     # so that unitscale.optim's u-muP optimisers can train it
     tag_model(result.module, output=result.module.get_parameter(readout) if readout else None)
-    for sub in result.module.modules():
-        weight = getattr(sub, "weight", None)
-        if _is_hf_conv1d(sub) and isinstance(weight, nn.Parameter):
-            weight.fan_in_dim = 0  # type: ignore[attr-defined]  # stored (in, out): addmm
+    _mark_conv1d_fan_in(result.module)
     # the paper's rule divides by the number of residual branches: two per layer of the
     # residual stack (else counted from the captured adds)
     stack = residual_stack_length(result.module)
