@@ -14,20 +14,21 @@ Node meta written on the joined graph (see docs/guide/tracking.rst): ``metrics``
 (:class:`Metrics`), ``clean_name``, ``module_path``, ``outputs_float_tensor``,
 ``requires_grad``, ``subgraph`` (index of the piece, in execution order), ``shape``, ``dtype``,
 and Dynamo's ``stack_trace``/``nn_module_stack``/``source_fn_stack`` where it had them.
+
+What the pass reads off a graph is in ``_recorder_graph.py``; how it hooks and aliases the
+user's tensors without changing them, in ``_recorder_tensors.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 from torch._C import _functorch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..capture import (
     NOT_INTERCEPTED,
@@ -38,7 +39,6 @@ from ..capture import (
     Stage,
     TransformedModule,
     example_value,
-    is_float_node,
     iter_tensors,
     outside_inputs,
     received_parameters,
@@ -48,13 +48,11 @@ from ..capture import (
 from . import _distributed
 from ._join import _Joined, build_scales_graph
 from ._read import _Stats
+from ._recorder_graph import _replicated_slots, _same_values_source, _static_shape
+from ._recorder_tensors import _add_grad_hook, _alias_requiring_grad, _can_alias, _Snapshot
 from .metrics import _mode, deferred_stats, fast_stats
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
-
-
-def _static_shape(value: Tensor) -> bool:
-    return all(isinstance(size, int) for size in value.shape)
 
 
 class TrackScalesPass(GraphPass):
@@ -486,127 +484,3 @@ class TrackScalesPass(GraphPass):
             return value
 
         return unalias(output)
-
-
-def _add_grad_hook(x: Tensor, hook: Any) -> dict[Any, Any]:
-    """``x.register_hook(hook)`` for the non-leaf plain tensor ``x`` without the removable
-    handle, whose making costs twice the rest (~2 us, half a small tensor's statistics:
-    it runs for every tracked activation at every call). Returns the tensor's hook dict,
-    from which the caller removes ``hook`` (its key: it cannot collide with the integer
-    keys of handles that others register) when the next call starts."""
-    hooks = x._backward_hooks
-    if hooks is None:
-        hooks = x._backward_hooks = OrderedDict()
-        grad_fn = x.grad_fn
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(x)
-    hooks[hook] = hook
-    return hooks
-
-
-class _RequireGrad(torch.autograd.Function):
-    """The identity on ``x``, made differentiable through ``anchor`` (see
-    :func:`_alias_requiring_grad`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, anchor: Tensor) -> Tensor:
-        # Marked dirty, ``x`` itself is returned with a gradient history: not a leaf and not a
-        # view, so the forward may modify it in place as it could the caller's tensor.
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-def _replicated_slots(nodes: list[fx.Node], piece: Piece, slots: dict[str, int]) -> set[int]:
-    """Slots of values computed from parameters, buffers and constants alone (no model
-    input): equal on every data-parallel rank, e.g. a position embedding's output."""
-    kinds = iter(piece.placeholders)
-    replicated: set[fx.Node] = set()
-    for node in nodes:
-        if node.op == "placeholder":
-            kind = next(kinds, ("input", ""))[0]
-            if kind in ("param", "buffer"):
-                replicated.add(node)
-        elif node.op == "get_attr" or (
-            node.op in ("call_function", "call_method", "call_module")
-            and all(arg in replicated for arg in node.all_input_nodes)
-        ):
-            replicated.add(node)
-    return {slots[node.name] for node in replicated if node.name in slots}
-
-
-def _can_alias(tensor: Tensor) -> bool:
-    return (
-        type(tensor) is Tensor
-        and tensor.is_floating_point()
-        and not tensor.requires_grad
-        and tensor.layout == torch.strided
-        and not tensor.is_inference()
-        and not _functorch.is_functorch_wrapped_tensor(tensor)
-    )
-
-
-def _alias_requiring_grad(tensor: Tensor) -> Tensor:
-    """A tensor that shares ``tensor``'s storage and requires grad; ``tensor`` is untouched.
-
-    A new tensor on the same storage has its own version counter, so making it require grad
-    (which counts as an in-place change) does not bump the caller's.
-    """
-    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    with torch.no_grad():
-        alias.set_(
-            tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
-        )
-    anchor = torch.zeros((), requires_grad=True)
-    return _RequireGrad.apply(alias, anchor)
-
-
-# Ops whose output holds exactly the values of their first argument, rearranged (dtype
-# conversions count only when the dtype does not change: `logits.float()` on float32).
-_SAME_VALUES_METHODS = frozenset(
-    "view reshape flatten unflatten permute transpose t contiguous unsqueeze squeeze view_as "
-    "reshape_as movedim swapaxes swapdims float double half bfloat16".split()
-)
-_SAME_VALUES_FUNCTIONS = frozenset(
-    (torch.reshape, torch.flatten, torch.permute, torch.transpose, torch.t, torch.unsqueeze)
-) | frozenset((torch.squeeze, torch.movedim, torch.swapaxes))
-
-
-def _same_values_source(node: fx.Node) -> fx.Node | None:
-    if node.op == "call_method" and node.target in _SAME_VALUES_METHODS:
-        pass
-    elif node.op == "call_function" and node.target in _SAME_VALUES_FUNCTIONS:
-        pass
-    else:
-        return None
-    source = node.args[0] if node.args else None
-    if not isinstance(source, fx.Node):
-        return None
-    if not (is_float_node(source) and is_float_node(node)):
-        return None
-    before, after = example_value(source), example_value(node)
-    if before is None or after is None:  # pragma: no cover - float nodes have values
-        return None
-    # Sizes may be symbolic (dynamic shapes): decide without adding guards.
-    same_numel = statically_known_true(before.numel() == after.numel())
-    return source if before.dtype == after.dtype and same_numel else None
-
-
-class _Snapshot:
-    """RNG states and buffers of a module, to replay a call exactly."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
