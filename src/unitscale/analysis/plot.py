@@ -109,26 +109,59 @@ def plot(
         raise AnalysisError(f"plot: xmin={xmin} must be smaller than xmax={xmax}")
 
     rows = prepare_rows(graph, prune_same_scale, "plot")
-
-    def value(row: TensorRow, direction: str) -> float | None:
-        rec = row.record(direction)
-        return None if rec is None else float(rec.metrics[metric])
-
     if not show_zero_tensors:
-        rows = [
-            r
-            for r in rows
-            if any(_positive(v) for v in (value(r, "fwd"), value(r, "bwd")) if v is not None)
-        ]
+        rows = [r for r in rows if any(_positive(v) for v in _values(r, metric) if v is not None)]
+    ax, height_in, rows_height_in = _new_axes(rows)
+    points, zeros = _points(rows, metric)
+    lo, hi = _x_range(rows, points, show_error_bars, xmin, xmax)
+    _draw_guides(ax)
+    if show_error_bars:
+        _draw_error_bars(ax, rows, lo, hi)
+    arrows = _draw_arrows(ax, rows, points) if show_arrows else {"fwd": False, "bwd": False}
+    markers = _draw_markers(ax, rows, points, zeros, lo)
+    _draw_axes(ax, rows, metric, lo, hi, rows_height_in)
+    handles = _legend_handles(metric, show_error_bars, bool(zeros), set(markers), arrows)
+    legend = ax.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0 + 0.45 / max(rows_height_in, 1.0)),
+        ncol=5,
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
+    for text in legend.get_texts():
+        if text.get_text() == _PARAMETER_LABEL:
+            text.set_color("darkgreen")
+    heading = f"{title}: {metric}" if title else metric
+    # Counted as the command's summary counts: one per tensor and direction.
+    records = sum((row.fwd is not None) + (row.bwd is not None) for row in rows)
+    ax.figure.suptitle(
+        f"{heading}  ({records} values and gradients of {len(rows)} tensors)",
+        fontsize=10,
+        y=1 - 0.15 / height_in,
+        va="top",
+    )
+    return ax
 
+
+def _value(row: TensorRow, direction: str, metric: str) -> float | None:
+    rec = row.record(direction)
+    return None if rec is None else float(rec.metrics[metric])
+
+
+def _values(row: TensorRow, metric: str) -> tuple[float | None, float | None]:
+    return _value(row, "fwd", metric), _value(row, "bwd", metric)
+
+
+def _new_axes(rows: list[TensorRow]) -> tuple[Axes, float, float]:
+    """Axes on a new Agg figure sized for ``rows`` (taller with more rows, a left margin
+    wide enough for the longest label), its height and the height of its rows, in inches."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import FancyArrowPatch
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     n = max(len(rows), 1)
-    labels = [r.label for r in rows]
-    longest = max((len(s) for s in labels), default=10)
+    longest = max((len(r.label) for r in rows), default=10)
     width_in = 11.0
     left_in = min(0.3 + 0.055 * longest, 4.5)
     top_in, bottom_in, right_in = 1.5, 0.6, 0.3
@@ -141,14 +174,19 @@ def plot(
         top=1 - top_in / height_in,
         bottom=bottom_in / height_in,
     )
-    ax = fig.add_subplot()
+    return fig.add_subplot(), height_in, height_in - top_in - bottom_in
 
-    # Points (log2) per row and direction.
+
+def _points(
+    rows: list[TensorRow], metric: str
+) -> tuple[dict[tuple[str, str], tuple[float, float]], list[tuple[float, str]]]:
+    """The ``(log2 value, y)`` of each row and direction, and the ``(y, direction)`` of the
+    values that are exactly 0 (drawn at the left edge)."""
     points: dict[tuple[str, str], tuple[float, float]] = {}
     zeros: list[tuple[float, str]] = []
     for i, row in enumerate(rows):
         for direction in ("fwd", "bwd"):
-            v = value(row, direction)
+            v = _value(row, direction, metric)
             if v is None:
                 continue
             lv = _log2(v)
@@ -157,10 +195,19 @@ def plot(
                     zeros.append((i + _OFFSET[direction], direction))
                 continue
             points[(row.node, direction)] = (lv, i + _OFFSET[direction])
+    return points, zeros
 
-    # Axis limits: the data (including error bars) and every guide line.
+
+def _x_range(
+    rows: list[TensorRow],
+    points: dict[tuple[str, str], tuple[float, float]],
+    error_bars: bool,
+    xmin: float | None,
+    xmax: float | None,
+) -> tuple[float, float]:
+    """Axis limits: the data (including error bars) and every guide line, unless given."""
     candidates = [p[0] for p in points.values()]
-    if show_error_bars:
+    if error_bars:
         for row in rows:
             for rec in (row.fwd, row.bwd):
                 if rec is not None:
@@ -173,62 +220,85 @@ def plot(
     hi = math.ceil(max(candidates + guides)) + 1 if xmax is None else xmax
     if lo >= hi:
         raise AnalysisError(f"plot: empty x range [{lo}, {hi}]; pass a smaller xmin or larger xmax")
+    return lo, hi
 
+
+def _draw_guides(ax: Axes) -> None:
+    """Vertical lines at each format's smallest subnormal, smallest normal and largest value."""
     for sub, normal, top, colour in FORMAT_GUIDES.values():
         for v, style in ((sub, "--"), (normal, ":"), (top, "-")):
             ax.axvline(math.log2(v), color=colour, linestyle=style, linewidth=0.8, alpha=0.55)
 
-    if show_error_bars:
-        for i, row in enumerate(rows):
-            for direction in ("fwd", "bwd"):
-                rec = row.record(direction)
-                if rec is None:
-                    continue
-                a = _log2(rec.metrics["abs_min"])
-                b = _log2(rec.metrics["abs_max"])
-                if b is None:
-                    continue
-                a = lo if a is None else a
-                ax.hlines(
-                    i + _OFFSET[direction],
-                    max(a, lo),
-                    min(b, hi),
-                    color=_COLOURS[direction],
-                    linewidth=0.6,
-                    alpha=0.45,
-                )
 
-    arrows = {"fwd": False, "bwd": False}  # which directions drew an arrow (for the legend)
-    if show_arrows:
-        weights = {r.node for r in rows if r.weight}
-        for row in rows:
-            if row.weight:
+def _draw_error_bars(ax: Axes, rows: list[TensorRow], lo: float, hi: float) -> None:
+    """A bar from ``abs_min`` to ``abs_max`` per row and direction, clipped to the axis."""
+    for i, row in enumerate(rows):
+        for direction in ("fwd", "bwd"):
+            rec = row.record(direction)
+            if rec is None:
                 continue
-            # Arrows from parameters would cross the whole figure; their row sits just above
-            # the op that reads them instead.
-            for source in (s for s in row.sources if s not in weights):
-                for direction in ("fwd", "bwd"):
-                    start = points.get((source, direction))
-                    end = points.get((row.node, direction))
-                    if start is None or end is None:
-                        continue
-                    if direction == "bwd":  # gradients flow from a node back to its inputs
-                        start, end = end, start
-                    arrows[direction] = True
-                    ax.add_patch(
-                        FancyArrowPatch(
-                            start,
-                            end,
-                            arrowstyle="-|>",
-                            mutation_scale=5,
-                            linewidth=0.4,
-                            color=_COLOURS[direction],
-                            alpha=0.3,
-                            shrinkA=2,
-                            shrinkB=2,
-                        )
-                    )
+            a = _log2(rec.metrics["abs_min"])
+            b = _log2(rec.metrics["abs_max"])
+            if b is None:
+                continue
+            a = lo if a is None else a
+            ax.hlines(
+                i + _OFFSET[direction],
+                max(a, lo),
+                min(b, hi),
+                color=_COLOURS[direction],
+                linewidth=0.6,
+                alpha=0.45,
+            )
 
+
+def _draw_arrows(
+    ax: Axes, rows: list[TensorRow], points: dict[tuple[str, str], tuple[float, float]]
+) -> dict[str, bool]:
+    """Data-flow arrows between rows; returns which directions drew one (for the legend)."""
+    from matplotlib.patches import FancyArrowPatch
+
+    arrows = {"fwd": False, "bwd": False}
+    weights = {r.node for r in rows if r.weight}
+    for row in rows:
+        if row.weight:
+            continue
+        # Arrows from parameters would cross the whole figure; their row sits just above
+        # the op that reads them instead.
+        for source in (s for s in row.sources if s not in weights):
+            for direction in ("fwd", "bwd"):
+                start = points.get((source, direction))
+                end = points.get((row.node, direction))
+                if start is None or end is None:
+                    continue
+                if direction == "bwd":  # gradients flow from a node back to its inputs
+                    start, end = end, start
+                arrows[direction] = True
+                ax.add_patch(
+                    FancyArrowPatch(
+                        start,
+                        end,
+                        arrowstyle="-|>",
+                        mutation_scale=5,
+                        linewidth=0.4,
+                        color=_COLOURS[direction],
+                        alpha=0.3,
+                        shrinkA=2,
+                        shrinkB=2,
+                    )
+                )
+    return arrows
+
+
+def _draw_markers(
+    ax: Axes,
+    rows: list[TensorRow],
+    points: dict[tuple[str, str], tuple[float, float]],
+    zeros: list[tuple[float, str]],
+    lo: float,
+) -> list[str]:
+    """One scatter per marker kind and direction, and the zeros at the left edge; returns
+    each row's marker (see :func:`parameter_marker`)."""
     markers = [parameter_marker(r) for r in rows]
     for direction in ("fwd", "bwd"):
         for marker in ("o", "D", "s"):
@@ -258,13 +328,22 @@ def plot(
             color=[_COLOURS[d] for _, d in zeros],
             zorder=3,
         )
+    return markers
 
-    # Rows: top to bottom in graph order; thin the labels when rows are denser than the font.
+
+def _draw_axes(
+    ax: Axes, rows: list[TensorRow], metric: str, lo: float, hi: float, rows_height_in: float
+) -> None:
+    """Rows top to bottom in graph order, their labels thinned when rows are denser than the
+    font (parameters' in green); the x-axis in powers of two, on top and bottom."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    n = max(len(rows), 1)
     ax.set_ylim(n - 0.5, -0.5)
-    row_pt = (height_in - top_in - bottom_in) * 72 / n
+    row_pt = rows_height_in * 72 / n
     step = max(1, math.ceil((_LABEL_PT + 1.5) / row_pt))
     ticks = list(range(0, len(rows), step))
-    ax.set_yticks(ticks, labels=[labels[i] for i in ticks], fontsize=_LABEL_PT)
+    ax.set_yticks(ticks, labels=[rows[i].label for i in ticks], fontsize=_LABEL_PT)
     for i, tick in zip(ticks, ax.get_yticklabels(), strict=True):
         if rows[i].weight:
             tick.set_color("darkgreen")
@@ -276,30 +355,6 @@ def plot(
     ax.grid(axis="x", color="0.92", linewidth=0.6)
     ax.set_axisbelow(True)
     ax.set_xlabel(f"{metric} (log2 scale)", fontsize=9)
-
-    handles = _legend_handles(metric, show_error_bars, bool(zeros), set(markers), arrows)
-    legend = ax.legend(
-        handles=handles,
-        loc="lower left",
-        bbox_to_anchor=(0.0, 1.0 + 0.45 / max(height_in - top_in - bottom_in, 1.0)),
-        ncol=5,
-        fontsize=7,
-        frameon=False,
-        borderaxespad=0.2,
-    )
-    for text in legend.get_texts():
-        if text.get_text() == _PARAMETER_LABEL:
-            text.set_color("darkgreen")
-    heading = f"{title}: {metric}" if title else metric
-    # Counted as the command's summary counts: one per tensor and direction.
-    records = sum((row.fwd is not None) + (row.bwd is not None) for row in rows)
-    fig.suptitle(
-        f"{heading}  ({records} values and gradients of {len(rows)} tensors)",
-        fontsize=10,
-        y=1 - 0.15 / height_in,
-        va="top",
-    )
-    return ax
 
 
 #: The legend entry whose text is green, like the labels of parameter rows.
