@@ -105,11 +105,7 @@ def run(args: argparse.Namespace) -> int:
         check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
-    import pandas as pd
-
-    from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
     from ..experiments.data import example_batch
-    from ..transforms import prune_same_scale_tensors
     from ._models import quiet_transformers
 
     out = check_out_folder(args.out)
@@ -120,8 +116,28 @@ def run(args: argparse.Namespace) -> int:
     progress(f"building {args.model} model(s)")
     with quiet_transformers(enabled=args.model != "builtin"):
         tables = _track_models(args, batch, progress)
-    graphs = {entry.name: graph for entry, _, _, graph, _ in tables}
+    written = _write_tables_and_figures(args, out, tables, progress)
+    lines, summaries = _summary_lines(args, tables)
+    written.append(out / "summary.txt")
+    lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
+    lines.append(conclusion(summaries))
+    text = "\n".join(lines) + "\n"
+    written[-1].write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    progress("done")
+    return 0
 
+
+def _write_tables_and_figures(
+    args: argparse.Namespace, out: Path, tables: list[Any], progress: Progress
+) -> list[Path]:
+    """Write the CSV of every table, a figure per model, the side-by-side image and the HTML
+    report into ``out``; return the files written."""
+    import pandas as pd
+
+    from ..analysis import plot, write_report
+
+    graphs = {entry.name: graph for entry, _, _, graph, _ in tables}
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     csv_path = out / "scales.csv"
@@ -142,6 +158,16 @@ def run(args: argparse.Namespace) -> int:
     title = f"unitscale analyse: {args.model}"
     noise = {entry.name: structural for entry, _, _, _, structural in tables}
     written.append(write_report(graphs, out / "report.html", title=title, structural_zeros=noise))
+    return written
+
+
+def _summary_lines(
+    args: argparse.Namespace, tables: list[Any]
+) -> tuple[list[str], list[tuple[str, Any]]]:
+    """The summary's lines (a row of format risks per model, the worst tensors) and each
+    model's risk summary."""
+    from ..analysis import graph_to_dataframe, risk_summary
+    from ..transforms import prune_same_scale_tensors
 
     lines = [
         f"unitscale analyse --model {args.model}: batch {args.batch_size} x {args.seq_len}, "
@@ -174,14 +200,7 @@ def run(args: argparse.Namespace) -> int:
             if worst:
                 lines.append(f"worst in {key.upper()}, {name}:")
                 lines += [f"  {w}" for w in worst]
-    written.append(out / "summary.txt")
-    lines += ["", f"wrote {len(written)} files to {out}/: " + ", ".join(p.name for p in written)]
-    lines.append(conclusion(summaries))
-    text = "\n".join(lines) + "\n"
-    written[-1].write_text(text, encoding="utf-8")
-    sys.stdout.write(text)
-    progress("done")
-    return 0
+    return lines, summaries
 
 
 def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> list[Any]:
