@@ -119,6 +119,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "u-μP runs unitscale.optim.AdamW at u-μP's documented default rate."
         ),
     )
+    _add_size_options(parser)
+    _add_schedule_options(parser)
+    _add_run_options(parser)
+    _add_output_options(parser)
+    parser.set_defaults(run=run)
+    if isinstance(parser, Parser):
+        parser.load_help_defaults = _load_help_defaults
+    return parser  # fmt: skip
+
+
+def _add_size_options(parser: argparse.ArgumentParser) -> None:
+    """``--steps``, ``--batch-size``, ``--seq-len`` and the model's size."""
     parser.add_argument(
         "--steps",
         type=positive_int,
@@ -161,6 +173,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="attention heads (default %(default)s)",
     )
+
+
+def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """The learning rates, the warm-up and the evaluations."""
     parser.add_argument(
         "--lr-plain",
         type=positive_float,
@@ -206,6 +222,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="batches per evaluation (default %(default)s)",
     )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Which runs, with which seeds, monitored or compiled, with which FP8 recipe."""
     parser.add_argument(
         "--seed",
         type=int,
@@ -252,6 +272,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "output in E5M2; 'all-operands': the gradient of every matmul input, weights "
         "included, in E5M2",
     )
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Where the files go, progress, threads and processes."""
     parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
@@ -272,10 +296,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="data-parallel over N local processes (gloo; each a share of every batch, "
         "which --batch-size must divide); under torchrun, its ranks are used instead",
     )
-    parser.set_defaults(run=run)
-    if isinstance(parser, Parser):
-        parser.load_help_defaults = _load_help_defaults
-    return parser  # fmt: skip
 
 
 def set_threads(threads: int | None) -> int:
