@@ -297,109 +297,168 @@ def _build(
     """Build the joined graph of ``trace`` and read its statistics; ``parallel`` is
     ``(process group,)`` under data parallelism (the group None for the default one), None
     otherwise. Returns the graph and its plan (see :class:`_Joined`)."""
-    graph = fx.Graph()
-    distributed = parallel is not None
-    group = parallel[0] if parallel is not None else None
-    module_names = {id(m): name for name, m in module.module.named_modules(remove_duplicate=False)}
-    trainable = {n for n, p in named_params.items() if p.requires_grad}
-    replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
-    reduced_grads = _distributed.reduce_replicated_grads(trace, group) if distributed else {}
-    shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
-    outputs: list[list[fx.Node | None]] = []  # per invocation, the node of each output
-    pending: list[tuple[fx.Node, str, _Stats]] = []  # (node, "fwd"/"bwd", statistics)
-    plan: list[_PlanEntry] = []
-    last_outputs: Any = ()
-    input_names: set[str] = set()
-    function_names: set[str] = set()  # names of ops of inlined functions, kept unique
-
+    joiner = _Joiner(module, track, trace, named_params, parallel)
     for k, invocation in enumerate(trace):
-        piece = invocation.piece
-        slots: dict[str, int] = piece.data.get("slots", {})
-        adjust = _replication(k, piece, reduced_grads, replicated) if distributed else None
-        fwd, bwd = _resolved(invocation, adjust)
-        # Shapes of this call (a graph captured with dynamic sizes serves several).
-        shapes: dict[int, tuple[int, ...]] = invocation.data.get("shape", {})
-        env: dict[fx.Node, Any] = {}  # a node, or an int standing for a symbolic size
-        lookup = env.__getitem__
-        kinds = all_kinds[k]
-        relocate = _module_relocation(piece.placeholders, kinds)
-        inputs = iter(zip(kinds, invocation.input_ids, invocation.sources, strict=True))
-        for node in piece.data.get("tracked_graph", piece.graph).nodes:
-            if node.op == "placeholder":
-                (kind, name), input_id, source = next(inputs)
-                slot = slots.get(node.name)
-                example = example_value(node)
-                if isinstance(example, torch.SymInt):
-                    # A size Dynamo passes to a graph captured with dynamic sizes: not a
-                    # model input; the joined graph shows its example value instead.
-                    env[node] = _hint(example)
-                    continue
-                if kind in ("param", "buffer"):
-                    new = shared.get(name)
-                    if new is None:
-                        new = _new_placeholder(graph, identifier(name), name, node, k)
-                        new.meta["module_path"] = name.rpartition(".")[0]
-                        new.meta["requires_grad"] = kind == "param" and name in trainable
-                        shared[name] = new
-                        plan.append(("param", new, dict(new.meta), k, slot, input_id))
-                        grad = track._param_grads.get(input_id)
-                        if distributed and name in named_params:
-                            # The reduced gradient exists once backward() has returned.
-                            grad, same = _distributed.parameter_grad_stats(named_params[name])
-                            if same and grad is not None:
-                                replicated.add(id(grad))
-                        if distributed and slot in fwd:
-                            replicated.add(id(fwd[slot]))
-                        _queue(pending, new, fwd.get(slot), grad)
-                    env[node] = new
-                    continue
-                produced = outputs[source[0]][source[1]] if source is not None else None
-                if produced is not None:
-                    env[node] = produced
-                    continue
-                clean = name if name not in input_names else f"{name}_{k}"
-                input_names.add(clean)
-                new = _new_placeholder(graph, identifier(clean), clean, node, k)
-                new.meta["module_path"] = ""
-                new.meta["requires_grad"] = False
-                # A tensor entering a later piece that no earlier piece returned was computed
-                # by code Dynamo ran eagerly: say so rather than pretend it is a model input.
-                new.meta["outside_graph"] = k > 0
-                plan.append(("input", new, dict(new.meta), k, slot, input_id))
-                if slot in shapes:
-                    new.meta["shape"] = shapes[slot]
-                env[node] = new
-                grad = bwd.get(slot) or track._param_grads.get(input_id)
-                _queue(pending, new, fwd.get(slot), grad)
-            elif node.op == "output":
-                outs = node.args[0]
-                flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-                outputs.append([env[a] if isinstance(a, fx.Node) else None for a in flat])
-                last_outputs = fx.node.map_arg(outs, lookup)
-            else:
-                new = graph.node_copy(node, lookup)
-                # An op of a submodule's own frame (Dynamo compiled its forward alone, around
-                # a graph break) has no module stack: it belongs to that frame's module.
-                path = module_path_of(node, module_names) or piece.frame_module or ""
-                _set_meta(new, node, k, relocate(path))
-                new.meta["clean_name"] = _function_scoped(node, new.name, function_names)
-                new.meta["requires_grad"] = False
-                env[node] = new
-                slot = slots.get(node.name)
-                plan.append(("node", new, dict(new.meta), k, slot, 0))
-                if slot in shapes:
-                    new.meta["shape"] = shapes[slot]
-                _queue(pending, new, fwd.get(slot), bwd.get(slot))
-        if len(outputs) <= k:  # a piece whose graph has no output node
-            outputs.append([])
-    graph.output(last_outputs)
+        joiner.add_piece(k, invocation, all_kinds[k])
+    graph = joiner.graph
+    graph.output(joiner.last_outputs)
 
     # Nodes with float outputs get Metrics (bwd stays None where no gradient flowed).
     for node in graph.nodes:
         if node.op != "output":
             node.meta["metrics"] = Metrics() if node.meta.get("outputs_float_tensor") else None
-    _read_stats(pending, (group, replicated) if distributed else None)
-    return graph, plan
+    distributed = joiner.distributed
+    _read_stats(joiner.pending, (joiner.group, joiner.replicated) if distributed else None)
+    return graph, joiner.plan
+
+
+class _PieceRun:
+    """What joining one invocation of a piece reads: its statistics, shapes and names."""
+
+    def __init__(
+        self,
+        k: int,
+        invocation: Invocation,
+        fwd: dict[Any, _Stats],
+        bwd: dict[Any, _Stats],
+        relocate: Callable[[str], str],
+    ) -> None:
+        self.k = k
+        self.piece = invocation.piece
+        self.slots: dict[str, int] = self.piece.data.get("slots", {})
+        self.fwd, self.bwd = fwd, bwd
+        # Shapes of this call (a graph captured with dynamic sizes serves several).
+        self.shapes: dict[int, tuple[int, ...]] = invocation.data.get("shape", {})
+        self.env: dict[fx.Node, Any] = {}  # a node, or an int standing for a symbolic size
+        self.relocate = relocate
+
+
+class _Joiner:
+    """One join in progress: the joined graph, its plan, the statistics to read, and what
+    the pieces joined so far have produced and named."""
+
+    def __init__(
+        self,
+        module: TransformedModule,
+        track: TrackScalesState,
+        trace: Sequence[Invocation],
+        named_params: dict[str, nn.Parameter],
+        parallel: tuple[Any] | None,
+    ) -> None:
+        self.graph = fx.Graph()
+        self.track = track
+        self.named_params = named_params
+        self.distributed = parallel is not None
+        self.group = parallel[0] if parallel is not None else None
+        self.module_names = {
+            id(m): name for name, m in module.module.named_modules(remove_duplicate=False)
+        }
+        self.trainable = {n for n, p in named_params.items() if p.requires_grad}
+        self.replicated: set[int] = set()  # ids of statistics equal on every rank (parameters)
+        self.reduced_grads = (
+            _distributed.reduce_replicated_grads(trace, self.group) if self.distributed else {}
+        )
+        self.shared: dict[str, fx.Node] = {}  # parameter/buffer name -> placeholder
+        self.outputs: list[list[fx.Node | None]] = []  # per invocation, each output's node
+        self.pending: list[tuple[fx.Node, str, _Stats]] = []  # (node, "fwd"/"bwd", statistics)
+        self.plan: list[_PlanEntry] = []
+        self.last_outputs: Any = ()
+        self.input_names: set[str] = set()
+        self.function_names: set[str] = set()  # names of ops of inlined functions, kept unique
+
+    def add_piece(self, k: int, invocation: Invocation, kinds: list[tuple[str, str]]) -> None:
+        """Copy the nodes of the ``k``-th invocation's piece into the joined graph."""
+        piece = invocation.piece
+        adjust = (
+            _replication(k, piece, self.reduced_grads, self.replicated)
+            if self.distributed
+            else None
+        )
+        fwd, bwd = _resolved(invocation, adjust)
+        run = _PieceRun(k, invocation, fwd, bwd, _module_relocation(piece.placeholders, kinds))
+        lookup = run.env.__getitem__
+        inputs = iter(zip(kinds, invocation.input_ids, invocation.sources, strict=True))
+        for node in piece.data.get("tracked_graph", piece.graph).nodes:
+            if node.op == "placeholder":
+                (kind, name), input_id, source = next(inputs)
+                example = example_value(node)
+                if isinstance(example, torch.SymInt):
+                    # A size Dynamo passes to a graph captured with dynamic sizes: not a
+                    # model input; the joined graph shows its example value instead.
+                    run.env[node] = _hint(example)
+                elif kind in ("param", "buffer"):
+                    run.env[node] = self._state(run, node, kind, name, input_id)
+                else:
+                    produced = self.outputs[source[0]][source[1]] if source is not None else None
+                    if produced is None:
+                        produced = self._input(run, node, name, input_id)
+                    run.env[node] = produced
+            elif node.op == "output":
+                outs = node.args[0]
+                flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+                self.outputs.append([run.env[a] if isinstance(a, fx.Node) else None for a in flat])
+                self.last_outputs = fx.node.map_arg(outs, lookup)
+            else:
+                run.env[node] = self._op(run, node)
+        if len(self.outputs) <= k:  # a piece whose graph has no output node
+            self.outputs.append([])
+
+    def _state(self, run: _PieceRun, node: fx.Node, kind: str, name: str, input_id: int) -> fx.Node:
+        """The shared placeholder of parameter or buffer ``name`` (made at its first use)."""
+        new = self.shared.get(name)
+        if new is not None:
+            return new
+        k, slot = run.k, run.slots.get(node.name)
+        new = _new_placeholder(self.graph, identifier(name), name, node, k)
+        new.meta["module_path"] = name.rpartition(".")[0]
+        new.meta["requires_grad"] = kind == "param" and name in self.trainable
+        self.shared[name] = new
+        self.plan.append(("param", new, dict(new.meta), k, slot, input_id))
+        grad = self.track._param_grads.get(input_id)
+        if self.distributed and name in self.named_params:
+            # The reduced gradient exists once backward() has returned.
+            grad, same = _distributed.parameter_grad_stats(self.named_params[name])
+            if same and grad is not None:
+                self.replicated.add(id(grad))
+        if self.distributed and slot in run.fwd:
+            self.replicated.add(id(run.fwd[slot]))
+        _queue(self.pending, new, run.fwd.get(slot), grad)
+        return new
+
+    def _input(self, run: _PieceRun, node: fx.Node, name: str, input_id: int) -> fx.Node:
+        """A placeholder for a tensor no earlier piece returned: a model input, or (in a
+        later piece) a value computed by code Dynamo ran eagerly."""
+        k, slot = run.k, run.slots.get(node.name)
+        clean = name if name not in self.input_names else f"{name}_{k}"
+        self.input_names.add(clean)
+        new = _new_placeholder(self.graph, identifier(clean), clean, node, k)
+        new.meta["module_path"] = ""
+        new.meta["requires_grad"] = False
+        # A tensor entering a later piece that no earlier piece returned was computed
+        # by code Dynamo ran eagerly: say so rather than pretend it is a model input.
+        new.meta["outside_graph"] = k > 0
+        self.plan.append(("input", new, dict(new.meta), k, slot, input_id))
+        if slot in run.shapes:
+            new.meta["shape"] = run.shapes[slot]
+        grad = run.bwd.get(slot) or self.track._param_grads.get(input_id)
+        _queue(self.pending, new, run.fwd.get(slot), grad)
+        return new
+
+    def _op(self, run: _PieceRun, node: fx.Node) -> fx.Node:
+        """A copy of op ``node``, named and placed in its module, with its statistics queued."""
+        new = self.graph.node_copy(node, run.env.__getitem__)
+        # An op of a submodule's own frame (Dynamo compiled its forward alone, around
+        # a graph break) has no module stack: it belongs to that frame's module.
+        path = module_path_of(node, self.module_names) or run.piece.frame_module or ""
+        _set_meta(new, node, run.k, run.relocate(path))
+        new.meta["clean_name"] = _function_scoped(node, new.name, self.function_names)
+        new.meta["requires_grad"] = False
+        slot = run.slots.get(node.name)
+        self.plan.append(("node", new, dict(new.meta), run.k, slot, 0))
+        if slot in run.shapes:
+            new.meta["shape"] = run.shapes[slot]
+        _queue(self.pending, new, run.fwd.get(slot), run.bwd.get(slot))
+        return new
 
 
 def _function_scoped(node: fx.Node, name: str, taken: set[str]) -> str:
