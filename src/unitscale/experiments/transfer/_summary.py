@@ -103,7 +103,7 @@ def _seeds_text(config: TransferConfig) -> str:
 
 
 def _losses_note(config: TransferConfig) -> str:
-    over = f", averaged over {config.seeds} seeds," if config.seeds > 1 else ""
+    over = f" (means over {config.seeds} seeds)" if config.seeds > 1 else ""
     return (
         f"losses{over}: mean next-byte cross-entropy (nats) over "
         f"{config.eval_batches} fixed held-out batches after the last step; * best of the row; "
