@@ -283,6 +283,29 @@ def test_parameters_take_the_cpu_path(mode: str, monkeypatch: pytest.MonkeyPatch
         assert_agrees(metrics.tensor_stats(weight.t()).tolist(), truth(weight.t()))
 
 
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_nothing_is_compiled_for_cpu_tensors(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the CPU tensor (a Tensor subclass, float64, NaN: what the native kernel does
+    not read), its statistics never go to torch.compile: only UNITSCALE_STATS=compiled
+    compiles on a CPU."""
+
+    def compiled_kernel(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the compiled kernel ran for a CPU tensor")
+
+    monkeypatch.setenv("UNITSCALE_STATS", mode)
+    monkeypatch.setattr(metrics, "_kernel", compiled_kernel)
+    for x in (
+        torch.randn(30, 7).as_subclass(_Tagged),
+        torch.randn(50, dtype=torch.float64),
+        torch.tensor([1.0, math.nan]),
+    ):
+        assert_agrees(metrics.tensor_stats(x).tolist(), truth(x))
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_repeated_call_path_gives_the_first_calls_values(
