@@ -33,11 +33,12 @@ path it replaced (pieces, per-thread buffers, a batch for small tensors): that p
 partial results on the host after every piece, a device synchronisation per tensor on an
 accelerator, so the device kernel was needed anyway; both gave float64 arithmetic's values
 on every edge case the tests hold (within 1e-6; extremes and counts exactly). The cost of
-the choice falls only where the install built no native kernel: measured with one thread
-against one read of the tensor (``x.abs().sum()``), the eager kernel takes 58-78x for
-2**11-2**15 float32 elements (the CPU path 10-11x, 2.5-6.6x batched), 89x for 2**20
-(5.8x) and 140-270x for 2**22-2**24 (2.2-4.4x): about one ms per million elements. Such an
-install warns that its statistics are slower.
+the choice falls only where the install built no native kernel (and on the tensors it
+declines): measured with one thread against one read of the tensor (``x.abs().sum()``), two
+runs on a loaded 2-core machine, the eager kernel takes 58-84x for 2**11-2**15 float32
+elements (the replaced path 7-14x, 2.5-8.6x batched), 84-90x for 2**17, 89-149x for 2**20
+(6-9x) and 113-274x for 2**22-2**24 (2-4x): 12-21 ms per million elements. Such an install
+warns once that the PyTorch paths run instead.
 """
 
 from __future__ import annotations
