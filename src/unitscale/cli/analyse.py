@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from ..analysis import graph_to_dataframe, plot, risk_summary, write_report
-    from ..experiments.data import example_batch
+    from ..data import example_batch
     from ..transforms import prune_same_scale_tensors
     from ._models import quiet_transformers
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from ..data import Batch
+from ...data import Batch
 from ..runner import evaluation_batches, train_loop, training_batches
 from ._config import (
     TransferConfig,
