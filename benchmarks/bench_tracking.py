@@ -31,10 +31,8 @@ It is what a user starting a run waits for: TorchDynamo's one-time start-up coun
 
 Also reported (``statistics_vs_read``): the cost of one tensor's statistics against one read
 of it (``x.abs().sum()``), interleaved, for float32 tensors of 2**11 to 2**22 elements, on
-each CPU path: the native kernel (the default) and PyTorch ops (``UNITSCALE_STATS=eager``,
-what runs without a C compiler); the target is 3x. With it (``batched_small``): the PyTorch
-path as tracking runs it for tensors of at most 2**15 elements, 64 of them queued and read
-in batches, against 64 reads.
+each CPU path: the native kernel (the default; the target is 3x) and the PyTorch kernel run
+eagerly (``UNITSCALE_STATS=eager``, what runs without a C compiler).
 
 Also reported (``variable_lengths``): ``bert2`` on batches whose sequence length changes every
 step (16 to 128 in steps of 8, shuffled), tracked and untracked alternating, two passes over
@@ -352,8 +350,8 @@ def statistics_vs_read(rounds: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"target": 3.0, "sizes": {}}
     # What tracking calls per tensor: the native kernel's CPython extension where it is
-    # built (one call: layout, statistics, the host list); tensor_stats (the ctypes path or
-    # PyTorch ops, and a tensor of the values) otherwise and for the other two paths.
+    # built (one call: layout, statistics, the host list); tensor_stats (the general native
+    # path or the PyTorch kernel, and a tensor of the values) otherwise and for the others.
     fast = metrics.fast_stats(load=True)
     paths = [("native", "auto"), ("pytorch", "eager")]
     if fast is not None:
@@ -380,40 +378,6 @@ def statistics_vs_read(rounds: int) -> dict[str, Any]:
         out["sizes"][str(2**exponent)] = {
             path: round(statistics.median(values), 3) for path, values in ratios.items()
         }
-    out["batched_small"] = small_batch_vs_read(rounds)
-    return out
-
-
-def small_batch_vs_read(rounds: int, count: int = 64) -> dict[str, float]:
-    """The PyTorch path as tracking runs it for small tensors: ``count`` tensors queued in
-    one batch and read together, against ``count`` reads (``x.abs().sum()``), per size."""
-    from unitscale.tracking import _cpu_stats, metrics
-
-    out: dict[str, float] = {}
-    for exponent in (8, 11, 13, 15):
-        xs = [torch.randn(2**exponent) for _ in range(count)]
-
-        def read_batch(xs: list[torch.Tensor] = xs) -> None:
-            batch = _cpu_stats.SmallBatch(metrics._UNDERFLOW_BELOW, metrics._OVERFLOW_ABOVE)
-            pending = [batch.add(x) for x in xs]
-            batch.flush()
-            for entry in pending:
-                entry.values()
-
-        ratios = []
-        for _ in range(rounds):
-            read_batch()  # warm
-            start = time.perf_counter()
-            for _ in range(5):
-                read_batch()
-            stats = time.perf_counter() - start
-            start = time.perf_counter()
-            for _ in range(5):
-                for x in xs:
-                    x.abs().sum()
-            read = time.perf_counter() - start
-            ratios.append(stats / read)
-        out[str(2**exponent)] = round(statistics.median(ratios), 3)
     return out
 
 

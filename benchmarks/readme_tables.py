@@ -693,6 +693,12 @@ def _loss(value: float | None) -> str:
     return "diverged" if value is None else f"{value:.4f}"
 
 
+def _mean_loss(runs: list[dict[str, Any]]) -> float | None:
+    """The mean final held-out loss over seeds (None where a seed diverged)."""
+    losses = [r["final_heldout_loss"] for r in runs]
+    return None if any(v is None for v in losses) else sum(losses) / len(losses)
+
+
 def _transfer_cost(groups: dict[tuple[str, int, int], dict[int, dict[str, Any]]], size: str) -> str:
     """How much worse than the widest size's best point the narrowest size's best learning
     rate ends at the widest size, per parametrisation."""
@@ -720,26 +726,35 @@ def _transfer_cost(groups: dict[tuple[str, int, int], dict[int, dict[str, Any]]]
 
 
 def transfer_table(path: Path = TRANSFER) -> str:
-    """The final held-out loss of every run of the committed ``unitscale transfer`` run (best
-    of each row in bold, as ``best_points`` picks it: lowest loss, ties to the smaller
-    learning rate), u-muP's FP8 run at its best learning rate, then the claims as the
-    command evaluated them, and the time and load of the run."""
+    """The final held-out loss of every grid point of the committed ``unitscale transfer`` run
+    (the mean over its seeds; best of each row in bold, as ``best_points`` picks it: lowest
+    loss, ties to the smaller learning rate), u-muP's FP8 run at its best learning rate, then
+    the claims as the command evaluated them, and the time and load of the run."""
     document = json.loads(path.read_text())
     config = document["config"]
     size = config["vary"]
     steps = config["lr_steps"]
-    fp32 = [r for r in document["runs"] if r["precision"] == "fp32"]
-    fp8 = {(r["width"], r["depth"]): r for r in document["runs"] if r["precision"] == "fp8"}
+    seeds = config.get("seeds", 1)
+    by_point: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
+    for run in document["runs"]:
+        key = (run["parametrisation"], run["precision"], run["width"], run["depth"])
+        by_point.setdefault((*key, run["lr_step"]), []).append(run)
+    # one mean run per grid point (the JSON's runs are per seed)
+    points = {
+        key: {**runs[0], "final_heldout_loss": _mean_loss(runs)} for key, runs in by_point.items()
+    }
+    fp8 = {(w, d): r for (_, precision, w, d, _), r in points.items() if precision == "fp8"}
+    over = f" (mean of {seeds} seeds)" if seeds > 1 else ""
     lines = [
         f"| parametrisation | {size} | "
         + " | ".join(f"lr x 2^{k}" if k else "lr x 1 (default)" for k in steps)
-        + " | best lr | FP8 at best lr (vs FP32) |",
+        + f" | best lr | FP8 at best lr (vs FP32){over} |",
         "|---|--:|" + "--:|" * len(steps) + "--:|--:|",
     ]
     groups: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
-    for run in fp32:
-        key = (run["parametrisation"], run["width"], run["depth"])
-        groups.setdefault(key, {})[run["lr_step"]] = run
+    for (parametrisation, precision, width, depth, k), run in points.items():
+        if precision == "fp32":
+            groups.setdefault((parametrisation, width, depth), {})[k] = run
     for (parametrisation, width, depth), runs in groups.items():
         finite = [(r["final_heldout_loss"], k) for k, r in runs.items()]
         finite = [(loss, k) for loss, k in finite if loss is not None]
@@ -772,9 +787,11 @@ def transfer_table(path: Path = TRANSFER) -> str:
         )
     load = [document.get("load_average_before"), document.get("load_average_after")]
     load_text = " / ".join("n/a" if v is None else f"{v:.1f}" for v in load)
+    first = config["seed"]
+    seed_text = f"seeds {first}-{first + seeds - 1}" if seeds > 1 else f"seed {first}"
     lines.append("")
     lines.append(
-        f"Run `{path.relative_to(ROOT)}` ({document['date'][:10]}, seed {config['seed']}, torch "
+        f"Run `{path.relative_to(ROOT)}` ({document['date'][:10]}, {seed_text}, torch "
         f"{document['torch']}): {len(document['runs'])} runs in {document['seconds']:.0f} s on "
         f"{document['threads']} thread(s), 1-minute load average {load_text} (before / after)."
     )

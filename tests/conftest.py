@@ -1,9 +1,9 @@
 """Shared test fixtures: every test starts from a fixed random seed.
 
 Scale tracking computes CPU statistics with a small native kernel (built by ``pip install``)
-or, with ``UNITSCALE_STATS=eager`` or where the install built none, with PyTorch ops; the
-suite runs on the default and ``tests/tracking/test_metrics*.py`` and ``test_cpu_stats.py``
-check every path, the compiled device kernel included, against float64 arithmetic and
+or, with ``UNITSCALE_STATS=eager`` or where the install built none, with the PyTorch kernel
+that accelerators compile; the suite runs on the default and ``tests/tracking/test_metrics*.py``
+and ``test_stats_paths.py`` check both, compiled and not, against float64 arithmetic and
 against each other.
 """
 

@@ -255,29 +255,56 @@ def scaled_parameters(
         [(0.0625, 1), (1.0, 1)]
     """
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for group in _named(params):
-        options = {k: v for k, v in group.items() if k != "params"}
-        base_lr = options.pop("lr", lr)
+    defaults = {"lr": lr, "weight_decay": weight_decay}
+    for options, scale, group_params in _scaled_groups(
+        params, lr_scale_func, allow_untagged, defaults
+    ):
+        base_lr = options.pop("lr")
         if base_lr is None:
             raise ValueError("unitscale.optim.scaled_parameters: pass lr= (the base rate)")
-        base_decay = options.pop("weight_decay", weight_decay)
+        decay = float(options.pop("weight_decay"))
+        if independent_weight_decay and decay:
+            rate = float(base_lr) * scale
+            decay = decay / rate if rate else 0.0
+        group_lr = _scaled_rate(base_lr, scale)
+        # Groups of the same rate and options are one (whatever their base rates).
+        rate_key = (id(base_lr), scale) if isinstance(base_lr, Tensor) else group_lr
+        key = (rate_key, decay, *_options_key(options))
+        if key not in out:
+            out[key] = {"params": [], "lr": group_lr, "weight_decay": decay, **options}
+        out[key]["params"].extend(group_params)
+    return list(out.values())
+
+
+def _options_key(options: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Group options as a hashable key (a tensor option by identity)."""
+    return sorted((k, id(v) if isinstance(v, Tensor) else repr(v)) for k, v in options.items())
+
+
+def _scaled_groups(
+    params: Iterable[Any],
+    lr_scale_func: LRScaleFunc,
+    allow_untagged: bool,
+    defaults: dict[str, Any],
+) -> list[tuple[dict[str, Any], float, list[Tensor]]]:
+    """The parameters of ``params`` (as :func:`scaled_parameters` takes them) grouped by
+    their group's options (``defaults`` where the group sets none) and their u-μP factor
+    ``lr_scale_func(p)`` (1 for an untagged one with ``allow_untagged``; else an error
+    naming it): ``(options, factor, parameters)`` in first-seen order, each its own dict."""
+    out: dict[tuple[Any, ...], tuple[dict[str, Any], float, list[Tensor]]] = {}
+    for group in _named(params):
+        options = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
         for name, param in group["params"]:
             if has_mup_tags(param):
-                scale = lr_scale_func(param)
+                scale = float(lr_scale_func(param))
             elif allow_untagged:
                 scale = 1.0
             else:
                 raise _untagged(param, None if name.startswith("#") else name)
-            group_lr = _scaled_rate(base_lr, scale)
-            decay = float(base_decay)
-            if independent_weight_decay and decay:
-                rate = float(base_lr) * scale
-                decay = decay / rate if rate else 0.0
-            rate_key = (id(base_lr), float(scale)) if isinstance(base_lr, Tensor) else group_lr
-            key = (rate_key, decay, *sorted((k, repr(v)) for k, v in options.items()))
+            key = (scale, *_options_key(options))
             if key not in out:
-                out[key] = {"params": [], "lr": group_lr, "weight_decay": decay, **options}
-            out[key]["params"].append(param)
+                out[key] = (dict(options), scale, [])
+            out[key][2].append(param)
     return list(out.values())
 
 
@@ -287,33 +314,6 @@ def _scaled_rate(base_lr: Any, scale: float) -> Any:
     if isinstance(base_lr, Tensor):
         return base_lr.detach() * scale
     return float(base_lr) * scale
-
-
-def _mup_groups(
-    params: Iterable[Any],
-    lr_scale_func: LRScaleFunc,
-    lr: Any,
-    weight_decay: Any,
-    independent_weight_decay: bool,
-    allow_untagged: bool,
-) -> list[dict[str, Any]]:
-    """Groups of one factor each: ``"lr"`` the base rate, ``"lr_scale"`` the factor."""
-    out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for group in _named(params):
-        options = {k: v for k, v in group.items() if k != "params"}
-        options.setdefault("independent_weight_decay", independent_weight_decay)
-        for name, param in group["params"]:
-            if has_mup_tags(param):
-                scale = float(lr_scale_func(param))
-            elif allow_untagged:
-                scale = 1.0
-            else:
-                raise _untagged(param, None if name.startswith("#") else name)
-            key = (scale, *sorted((k, repr(v)) for k, v in options.items()))
-            if key not in out:
-                out[key] = {"params": [], **options, "lr_scale": scale}
-            out[key]["params"].append(param)
-    return list(out.values())
 
 
 def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -345,14 +345,14 @@ class _ScaledOptimizer:
         lr, weight_decay = options.pop("lr"), options.pop("weight_decay")
         if independent_weight_decay and weight_decay and "decoupled_weight_decay" in options:
             options["decoupled_weight_decay"] = True  # Adam: see its docstring
-        groups = _mup_groups(
-            params,
-            type(self)._rule,
-            lr,
-            weight_decay,
-            independent_weight_decay,
-            allow_untagged,
-        )
+        # Groups of one factor each: "lr" the base rate, "lr_scale" the factor.
+        defaults = {"independent_weight_decay": independent_weight_decay}
+        groups = [
+            {"params": group_params, **options, "lr_scale": scale}
+            for options, scale, group_params in _scaled_groups(
+                params, type(self)._rule, allow_untagged, defaults
+            )
+        ]
         self._torch_class.__init__(self, groups, lr=lr, weight_decay=weight_decay, **options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

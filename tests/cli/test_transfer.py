@@ -42,6 +42,8 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--vary", "heads"], 2, r"argument --vary: invalid choice: 'heads'"),
         (["--steps", "0"], 2, r"argument --steps: '0' must be at least 1"),
         (["--threads", "0"], 2, r"argument --threads: '0' must be at least 1"),
+        (["--seeds", "0"], 2, r"argument --seeds: '0' must be at least 1"),
+        (["--seed", "-1"], 2, r"seed=-1 must be a non-negative integer"),
         (["--model", "hf:gpt9"], 2, r"argument --model: invalid choice: 'hf:gpt9'"),
     ],
 )

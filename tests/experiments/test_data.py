@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unitscale.errors import UnitScaleError
-from unitscale.experiments.data import (
+from unitscale.data import (
     VOCAB_SIZE,
     Batch,
     ByteTokenizer,
@@ -19,6 +18,7 @@ from unitscale.experiments.data import (
     load_corpus,
     train_heldout_split,
 )
+from unitscale.errors import UnitScaleError
 
 
 def test_bundled_corpus_is_real_text_without_download() -> None:
@@ -119,3 +119,20 @@ def test_train_and_heldout_are_disjoint_and_batches_stay_in_their_split() -> Non
     assert not torch.equal(first[0], first[1])
     with pytest.raises(CorpusError, match=r"heldout_fraction=1.5 must be in \(0, 1\)"):
         train_heldout_split(tokens, 1.5)
+
+
+def test_experiments_data_is_another_name_for_unitscale_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``unitscale.experiments.data`` looks every name up in :mod:`unitscale.data`: the same
+    objects, and a name the home gains is there too (the two cannot drift apart)."""
+    import unitscale.data as home
+    import unitscale.experiments.data as alias
+
+    assert alias.__all__ == home.__all__
+    for name in home.__all__:
+        assert getattr(alias, name) is getattr(home, name)
+    monkeypatch.setattr(home, "added_later", object(), raising=False)
+    assert alias.added_later is home.added_later
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        _ = alias.missing

@@ -28,11 +28,6 @@ TINY = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def eager_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNITSCALE_STATS", "eager")  # same statistics, no kernel compile
-
-
 def test_fp16_runs_are_selectable_but_not_default() -> None:
     assert not set(FP16_RUNS) & set(DEFAULT_RUNS)
     names = train_command._run_list("plain-fp32,plain-fp16-loss-scaling,unit-scaled-fp16")

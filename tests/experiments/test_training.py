@@ -37,11 +37,6 @@ TINY = ["--steps", "4", "--width", "16", "--heads", "2", "--depth", "1", "--batc
         "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def eager_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNITSCALE_STATS", "eager")  # same statistics, no kernel compile
-
-
 def test_config_validation() -> None:
     with pytest.raises(TrainConfigError, match=r"steps=0 must be a positive integer"):
         TrainConfig(steps=0)
@@ -216,7 +211,7 @@ def test_bad_options_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) ->
 
 
 def _unitscale(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "UNITSCALE_DEBUG": "", "UNITSCALE_STATS": "eager"}
+    env = {**os.environ, "UNITSCALE_DEBUG": ""}
     return subprocess.Popen(
         [*COMMAND, *args], cwd=cwd, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -161,7 +161,62 @@ def test_claims_across_depth_name_the_depth() -> None:
         ("u-muP", "fp32", 64, d, k, 0.5 * 2.0**k, 2.0 + abs(k)) for d in (1, 4) for k in (-1, 0, 1)
     ]
     one = evaluate_claims(pd.DataFrame(rows, columns=COLUMNS))[0]
-    assert "largest depth" in one.statement and "depth 4: k=+0" in one.detail
+    assert "every depth" in one.statement and "depth 4: k=+0" in one.detail
+
+
+def test_claim_one_is_judged_at_every_size_not_only_the_largest() -> None:
+    # The largest width's optimum matches the smallest's, a width between moves 2 steps.
+    curves = {
+        ("u-muP", 32): [2.6, 2.3, 2.20, 2.25, 2.5],  # best k=0
+        ("u-muP", 64): [2.6, 2.3, 2.25, 2.25, 2.1],  # best k=+2
+        ("u-muP", 128): [2.6, 2.3, 2.25, 2.2, 2.25],  # best k=+1
+        ("u-muP", 256): [2.0, 1.85, 1.80, 1.83, 2.2],  # best k=0
+    }
+    one = evaluate_claims(table(curves))[0]
+    assert one.held is None and "width 64 is on the grid's edge" in one.detail
+    curves[("u-muP", 64)] = [2.6, 2.3, 2.25, 2.1, 2.15]  # best k=+1: within one step
+    curves[("u-muP", 128)] = [2.0, 1.9, 2.25, 2.3, 2.35]  # best k=-1: within one step
+    one = evaluate_claims(table(curves))[0]
+    assert one.held is True
+    assert "from the smallest width's optimum: width 64 +1, width 128 -1, width 256 +0" in (
+        one.detail
+    )
+    curves[("u-muP", 256)] = [2.6, 2.1, 2.25, 2.3, 2.5]  # k=-1
+    curves[("u-muP", 32)] = [2.6, 2.1, 2.25, 2.3, 2.5]  # k=-1: the largest is 0 away, 64 +2
+    one = evaluate_claims(table(curves))[0]
+    assert one.held is False and "moves +0 steps" in one.detail and "width 64 +2" in one.detail
+
+
+def _seeded(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    return pd.concat([t.assign(seed=i) for i, t in enumerate(tables)], ignore_index=True)
+
+
+def test_claims_over_seeds_use_the_mean_and_show_each_seed_s_optimum() -> None:
+    # Seed 0 puts width 64's optimum at k=-1, seed 1 at k=+1; their mean at k=0.
+    seed0 = {("u-muP", 32): [2.6, 2.3, 2.2, 2.3, 2.6], ("u-muP", 64): [2.6, 2.1, 2.2, 2.4, 2.6]}
+    seed1 = {("u-muP", 32): [2.6, 2.3, 2.2, 2.3, 2.6], ("u-muP", 64): [2.6, 2.4, 2.2, 2.1, 2.6]}
+    final = _seeded([table(seed0, fp8={32: 2.2, 64: 2.2}), table(seed1, fp8={32: 2.2, 64: 2.2})])
+    one, _, three, _ = evaluate_claims(final)
+    assert one.held is True and "optima of the mean over seeds" in one.detail
+    assert "width 64: k=+0" in one.detail  # the mean: 2.2 at k=0 against 2.25 at k=+-1
+    assert "seed 0: 32 k=+0, 64 k=-1; seed 1: 32 k=+0, 64 k=+1" in one.detail
+    assert "held on its own by 2 of 2 seeds" in one.detail
+    assert three.held is True and "width 64: +0.00%" in three.detail
+    # A diverged seed makes the point diverged in the mean, whatever the other seed's loss.
+    seed1[("u-muP", 64)] = [2.6, 2.4, math.nan, 2.1, 2.6]
+    three = evaluate_claims(_seeded([table(seed0), table(seed1)]))[2]
+    assert three.held is False and "width 64: n/a (diverged)" in three.detail
+
+
+def test_seed_mean_averages_each_grid_point_over_seeds() -> None:
+    from unitscale.experiments.transfer import seed_mean
+
+    a = table({("u-muP", 32): [2.0, 3.0, 4.0, 5.0, 6.0]})
+    b = table({("u-muP", 32): [4.0, 5.0, 6.0, 7.0, math.nan]})
+    mean = seed_mean(_seeded([a, b]))
+    assert mean["heldout_loss"].tolist()[:4] == [3.0, 4.0, 5.0, 6.0]
+    assert math.isnan(mean["heldout_loss"].iloc[4]) and set(mean["seeds"]) == {2}
+    assert seed_mean(a.assign(seed=0)) is not None and len(seed_mean(a.assign(seed=0))) == 5
 
 
 def test_a_diverged_default_fails_claim_three() -> None:
@@ -224,6 +279,36 @@ def test_the_transfer_plot_labels_every_axis() -> None:
 
 # -- sweeps (train) --------------------------------------------------------------------------
 TINY = {"steps": 4, "eval_every": 2, "eval_batches": 1, "batch_size": 2, "seq_len": 16}
+
+
+@pytest.mark.slow
+def test_a_sweep_over_seeds_runs_each_seed_and_fp8_at_the_mean_s_best(
+    single_thread: None,
+) -> None:
+    config = default_config(quick=True, **TINY, seed=5, seeds=2, widths=(32, 64), lr_steps=(0, 1))
+    assert command_line(config).endswith("--seed 5 --seeds 2")
+    result = run_transfer(config)
+    frame = runs_frame(result.runs)
+    # 2 seeds x 2 parametrisations x 2 widths x 2 learning rates, then 2 seeds x 2 FP8 runs.
+    assert len(result.runs) == 2 * 2 * 2 * 2 + 2 * 2
+    assert [r.seed for r in result.runs[:8]] == [5] * 8 and result.runs[8].seed == 6
+    # each seed its own batches (one digest per seed) and its own initial weights
+    assert frame.groupby("seed")["data_digest"].nunique().tolist() == [1, 1]
+    assert frame["data_digest"].nunique() == 2
+    seed5 = [r for r in result.runs if r.seed == 5 and r.precision == "fp32"]
+    seed6 = [r for r in result.runs if r.seed == 6 and r.precision == "fp32"]
+    pairs = zip(seed5, seed6, strict=True)
+    assert all(a.final_heldout_loss != b.final_heldout_loss for a, b in pairs)
+    # The FP8 runs of both seeds use the learning rate best on the mean over seeds.
+    final = final_frame(frame)
+    best = best_points(final).set_index(["parametrisation", "width"])
+    for r in result.runs[-4:]:
+        assert r.precision == "fp8" and r.lr_step == best.loc[("u-muP", r.width), "lr_step"]
+    text = summary_text(result)
+    assert "seeds 5-6 (losses: means over seeds)" in text and "per seed" in text
+    # A one-seed sweep of seed 6 gives seed 6's runs of the two-seed sweep, loss for loss.
+    alone = run_transfer(replace(config, seed=6, seeds=1, fp8=False))
+    assert [r.final_heldout_loss for r in alone.runs] == [r.final_heldout_loss for r in seed6]
 
 
 @pytest.mark.slow
@@ -314,13 +399,20 @@ def _weight_matrices(model: torch.nn.Module) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("family", ["builtin", "hf:llama"])
 @pytest.mark.parametrize("width", [32, 256])
 def test_both_parametrisations_are_the_same_decoder(family: str, width: int) -> None:
-    """Same weight matrices (shapes, order), heads and depth; no position embedding. Biases
-    and norm parameters are the standard side's own (u-muP's default decoder has none)."""
+    """Same heads, depth, embedding and readout; no position embedding; hf:llama's weight
+    matrices the same (the built-in sides differ in their block: a GPT-2 block against the
+    library's Llama-style one). Biases and norm parameters are the standard side's own
+    (u-muP's default decoder has none)."""
     if family == "hf:llama":
         pytest.importorskip("transformers")
     config = replace(DEFAULT_CONFIG, model=family)
     standard, mup = (build_model(p, width, 2, config) for p in ("standard", "u-muP"))
-    assert _weight_matrices(standard) == _weight_matrices(mup)
+    if family == "hf:llama":
+        assert _weight_matrices(standard) == _weight_matrices(mup)
+    else:  # embedding first, readout last, one attention and one MLP pair per block
+        ends = [_weight_matrices(m)[i] for m in (standard, mup) for i in (0, -1)]
+        assert ends == [(256, width), (256, width)] * 2
+        assert len(_weight_matrices(standard)) == len(_weight_matrices(mup))
     assert len(_weight_matrices(mup)) == 2 + 2 * (4 if family == "builtin" else 7)
     assert not any("position" in name for name, _ in standard.named_parameters())
     if family == "builtin":
@@ -345,12 +437,11 @@ def test_both_parametrisations_are_the_same_decoder(family: str, width: int) -> 
         assert standard.lm.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
-def test_the_u_mup_side_is_the_library_decoder_with_the_gpt_block() -> None:
-    # the block of the committed transfer results (the default is the Llama-style block)
+def test_the_u_mup_side_is_the_library_default_decoder_without_rope() -> None:
     from unitscale import TransformerDecoder
 
     torch.manual_seed(DEFAULT_CONFIG.seed)
-    default = TransformerDecoder(64, 2, 2, 256, block="gpt")
+    default = TransformerDecoder(64, 2, 2, 256, rope=False)  # the Llama-style block
     built = build_model("u-muP", 64, 2, DEFAULT_CONFIG)
     assert built.state_dict().keys() == default.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(
@@ -404,5 +495,5 @@ def test_depth_sweep_reports_claims_across_depth(single_thread: None) -> None:
     assert {(r.width, r.depth) for r in result.runs} == {(32, 1), (32, 2)}
     text = summary_text(result)
     assert "sweeps across depth (1, 2; width 32)" in text
-    assert "claim (1) u-muP's best learning rate at the largest depth" in text
+    assert "claim (1) u-muP's best learning rate at every depth" in text
     assert "claim (4)" in text and "not evaluated: no FP8 run at some depth" in text

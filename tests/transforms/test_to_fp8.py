@@ -333,6 +333,25 @@ def test_bad_scaling_is_refused() -> None:
         to_fp8(nn.Linear(4, 4), scaling="rowwise")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("op", ["addmm", "unit_addmm"])
+def test_addmm_is_the_linear_op_of_the_transposed_matrix(op: str) -> None:
+    """``addmm(b, x, w)`` is ``linear(x, w.t(), b)``, values and gradients bit for bit (one
+    path); ``beta`` or ``alpha`` other than 1 are refused, not ignored."""
+    x, w, b = torch.randn(5, 8), torch.randn(8, 3), torch.randn(3)
+    as_addmm, as_linear = getattr(_fp8_gemm, op), getattr(_fp8_gemm, op.replace("addmm", "linear"))
+    results = []
+    for call in (lambda a, m, v: as_addmm(v, a, m), lambda a, m, v: as_linear(a, m.t(), v)):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        out = call(*leaves)
+        out.square().sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    for kwargs in ({"beta": 0.5}, {"alpha": 2.0}):
+        with pytest.raises(FormatError, match=f"unitscale.transforms.{op}: beta="):
+            as_addmm(b, x, w, **kwargs)
+
+
 def test_a_build_or_device_without_float8_gemms_gets_a_format_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

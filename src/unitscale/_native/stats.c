@@ -1,7 +1,7 @@
 /* The scale statistics of CPU float32/bfloat16 tensors, in one pass: the CPython extension
    unitscale._native._stats, which tracking calls once per tensor (tracking/metrics.py's
-   fast_stats, tracking/_native.py). Its values are those of the PyTorch path
-   (tracking/_cpu_stats.py's cpu_stats), which tests/tracking/test_cpu_stats.py checks. */
+   fast_stats, tracking/_native.py). Its values are those of the PyTorch kernel
+   (tracking/metrics.py's _stats_kernel), which tests/tracking/test_stats_paths.py checks. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>

@@ -1,11 +1,18 @@
 """Data-parallel processes for the command: ``--nproc N`` locally, or ranks started by torchrun.
 
-``launch(target, nproc, *args)`` starts ``nproc`` local processes (``spawn``), joins them in
-a gloo process group on a free local port, and runs ``target(*args)`` in each. When one
-rank fails, the others are stopped (they would wait for it in a collective) and the
-launch raises :class:`~unitscale.cli.CommandError` with that rank's error: the command exits
-non-zero instead of hanging. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set),
-:func:`init_from_environment` joins the group torchrun describes instead.
+``launch(target, nproc, *args)`` starts ``nproc`` local processes through torch's elastic
+launcher (:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun`` runs:
+one node, rendezvous ``c10d`` on a free local port, no restarts), each of which joins the gloo
+process group it describes (:func:`init_from_environment`) and runs ``target(*args)``. When
+one rank fails, the launcher stops the others (they would wait for it in a collective) and
+:func:`launch` raises :class:`~unitscale.cli.CommandError` with the error of the rank that
+failed first: the command exits non-zero instead of hanging. Under ``torchrun``
+(``RANK``/``WORLD_SIZE`` set), :func:`init_from_environment` joins the group torchrun
+describes instead.
+
+Measured on a 2-core machine (2 ranks that join the group, pass one barrier and leave it; 3
+launches each, medians): 3.6 s with ``elastic_launch`` and rendezvous ``c10d``, 3.6 s with the
+``torch.multiprocessing.spawn`` launcher this replaced, 4.7 s with rendezvous ``static``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,19 +37,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(
-    rank: int, nproc: int, port: int, errors: str, target: Callable[..., Any], args: Any
-) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-    )
-    dist.init_process_group("gloo", rank=rank, world_size=nproc)
+def _rank_main(errors: str, target: Callable[..., Any], args: Any) -> None:
+    """One rank of :func:`launch`: join the group the launcher describes, run ``target``."""
+    rank = os.environ.get("RANK", "?")
+    init_from_environment()
     try:
         target(*args)
     except BaseException as exc:
@@ -70,30 +69,39 @@ def _first_failure(errors: str) -> tuple[int, str] | None:
 def launch(target: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run ``target(*args)`` in ``nproc`` local gloo ranks; raise if any rank fails.
 
+    ``target`` and ``args`` are pickled to the ranks (started by ``spawn``).
+
     Raises:
         CommandError: a rank raised (its error, first line) or exited abnormally.
     """
-    import torch.multiprocessing as mp
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from . import CommandError
 
     with tempfile.TemporaryDirectory(prefix="unitscale-ranks-") as errors:
-        spawn_args = (nproc, _free_port(), errors, target, args)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"unitscale-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+            # The launcher's own files (each rank's error file) go with the notes.
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(errors) / "launcher")),
+        )
         try:
-            mp.spawn(_rank_main, args=spawn_args, nprocs=nproc, join=True)
-        except mp.ProcessRaisedException as exc:
+            elastic_launch(config, _rank_main)(errors, target, args)
+        except ChildFailedError as exc:
             first = _first_failure(errors)
-            if first is None:
-                message = str(exc).strip().splitlines()
-                first = (exc.error_index, message[-1] if message else str(exc))
+            if first is None:  # no rank raised: one exited abnormally (killed, os._exit)
+                rank, failure = exc.get_first_failure()
+                first = (rank, f"exited with {failure.exitcode}")
             raise CommandError(f"rank {first[0]} of {nproc} failed: {first[1]}") from None
-        except mp.ProcessExitedException as exc:
-            first = _first_failure(errors)
-            if first is not None:
-                raise CommandError(f"rank {first[0]} of {nproc} failed: {first[1]}") from None
-            raise CommandError(
-                f"rank {exc.error_index} of {nproc} exited with {exc.exit_code}"
-            ) from None
 
 
 def init_from_environment() -> bool:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..experiments.data import Batch
+from ..data import Batch
 from ..experiments.models import GPTConfig
 from . import CommandError, OptionError
 

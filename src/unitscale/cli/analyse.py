@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
-    from ..experiments.data import example_batch
+    from ..data import example_batch
     from ._models import quiet_transformers
 
     out = check_out_folder(args.out)

@@ -63,6 +63,7 @@ def _load_help_defaults(parser: argparse.ArgumentParser) -> None:
     values = {
         "steps": str(DEFAULT_CONFIG.steps),
         "seed": str(DEFAULT_CONFIG.seed),
+        "seeds": str(DEFAULT_CONFIG.seeds),
         "threads": str(DEFAULT_CONFIG.threads),
         "models": ",".join(MODELS),
     }
@@ -121,7 +122,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=None,
-        help="initialisation, data order and evaluation seed (default {seed})",
+        help="initialisation, data order and evaluation seed (default {seed}); the first "
+        "of --seeds",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="run every sweep over N seeds (--seed, --seed + 1, ...; default {seeds}): tables, "
+        "figure and claims use the mean over seeds, and the claims show each seed's optimum "
+        "(N times the runs and the time)",
     )
     parser.add_argument(
         "--quick",
@@ -171,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             depths=args.depths,
             steps=args.steps,
             seed=args.seed,
+            seeds=args.seeds,
             threads=args.threads,
             model=args.model,
             fp8=False if args.no_fp8 else None,
@@ -179,10 +191,12 @@ def run(args: argparse.Namespace) -> int:
         raise usage_error("transfer", str(exc).removeprefix("TransferConfig: ")) from None
     out = check_out_folder(args.out)
     sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
-    runs = sweeps + (len(config.sizes) if config.fp8 else 0)
+    runs = (sweeps + (len(config.sizes) if config.fp8 else 0)) * config.seeds
     progress(
         f"{runs} runs of {config.steps} steps of model {config.model} across {config.vary} "
-        f"(sizes {[w if config.vary == 'width' else d for w, d in config.sizes]}) "
+        f"(sizes {[w if config.vary == 'width' else d for w, d in config.sizes]}"
+        + (f", seeds {config.seed_list}" if config.seeds > 1 else "")
+        + ") "
         "on the bundled CPython documentation text"
     )
     result = sweep.run_transfer(config, progress=None if args.no_progress else progress)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..data import Batch
 from ..tracking import NonFiniteReport, ScaleMonitor
 from . import _train_config
 from ._train_config import (
@@ -24,7 +25,6 @@ from ._train_config import (
     _is_fp8,
     _kind,
 )
-from .data import Batch
 from .models import plain_gpt
 from .runner import (
     data_parallel,

@@ -35,8 +35,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from ..data import Batch, batches
 from ..errors import UnitScaleError
-from .data import Batch, batches
 
 __all__ = [  # noqa: RUF022 (grouped by kind)
     # data

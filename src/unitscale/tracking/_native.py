@@ -23,9 +23,10 @@ device kernel (:func:`unitscale.tracking.metrics._stats_kernel`) does:
 - the under/overflow counts exactly, as integer comparisons of the bit patterns with the
   thresholds' bit patterns: ``0 < |x| <= t`` and ``t < |x| <= Inf`` (NaN is neither).
 
-Nothing here is required: where the extension was not built, the PyTorch path of
-:mod:`unitscale.tracking._cpu_stats` runs instead (same statistics, one warning), and
-``UNITSCALE_STATS=eager`` selects that path explicitly.
+Nothing here is required: where the extension was not built, the PyTorch kernel
+(:func:`unitscale.tracking.metrics._stats_kernel`, run eagerly) reads CPU tensors instead
+(same statistics, one warning), and ``UNITSCALE_STATS=eager`` selects it explicitly. It also
+reads what the native kernel declines: float64 tensors, and tensors holding NaN or Inf.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from .. import _native
 
-__all__ = ["NativeStats", "float_of_bits", "native"]
+__all__ = ["PIECE", "NativeStats", "float_of_bits", "native", "native_stats"]
 
 #: Thresholds of each kind the kernel takes (US_NT in stats.c).
 THRESHOLDS = 4
@@ -154,3 +155,142 @@ class NativeStats:
 
 
 native = NativeStats()
+
+
+#: Elements per piece of a strided (or float16) tensor that :func:`native_stats` copies into
+#: a contiguous float32/bfloat16 buffer for the kernel: 4 MiB of float32, so that no copy of
+#: the whole tensor is made.
+PIECE = 1 << 20
+
+
+# The native kernel sums around an element of the tensor in float64: only where the variance
+# is below 1e-4 of the second moment about that element do its float64 digits run short.
+_NATIVE_CANCELLATION = 1e-4
+
+
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if dtype == torch.float64 else torch.int32
+
+
+_BITS: dict[tuple[float, torch.dtype], int] = {}
+
+
+def _bits_of(value: float, dtype: torch.dtype) -> int:
+    """The bit pattern of the non-negative ``value`` in ``dtype`` (float32 or float64)."""
+    key = (value, dtype)
+    if key not in _BITS:
+        _BITS[key] = int(torch.tensor(value, dtype=dtype).view(_bits_dtype(dtype)).item())
+    return _BITS[key]
+
+
+def _fills_its_span(x: Tensor) -> bool:
+    """True when the elements of ``x`` occupy exactly ``x.numel()`` consecutive memory slots
+    from ``x.data_ptr()`` (no gaps, no overlaps), in whatever order: its strides, ordered,
+    are those of a contiguous tensor of the permuted shape."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _pieces(x: Tensor) -> list[Tensor]:
+    """Views of ``x`` that cover each element once, each at most :data:`PIECE` elements
+    where the layout allows it without a copy."""
+    if x.numel() <= PIECE:
+        return [x]
+    if x.is_contiguous():
+        return list(x.view(-1).split(PIECE))
+    # Strided: split along the outermost dimension longer than 1, then split each slice.
+    dim = next(d for d in range(x.dim()) if x.shape[d] > 1)
+    per_slice = x.numel() // x.shape[dim]
+    step = max(1, PIECE // per_slice)
+    return [p for block in x.split(step, dim=dim) for p in _pieces(block)]
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _readable(piece: Tensor) -> Tensor:
+    """``piece`` as the kernel reads it: contiguous float32 or bfloat16."""
+    if piece.dtype == torch.float16:
+        return piece.float()  # contiguous, whatever the piece's strides
+    return piece if piece.is_contiguous() else piece.contiguous()
+
+
+_THRESHOLD_BITS: dict[tuple[tuple[float, ...], tuple[float, ...]], Any] = {}
+# The thresholds of the last call (the same tuple objects at every call from tracking), their
+# kernel form and the kernel that took them: a contiguous float32/bfloat16 tensor with those
+# thresholds, for that kernel, skips every other check.
+_last_thresholds: tuple[Any, Any, Any, Any] = (None, None, None, None)
+_ONE_CALL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_stats(
+    x: Tensor, under: tuple[float, ...], over: tuple[float, ...]
+) -> list[float] | None:
+    """The statistics of the non-empty CPU tensor ``x`` by the native kernel (see
+    :mod:`._native`), or None where it does not apply (no kernel, float64, too many
+    thresholds) or ``x`` holds NaN or Inf (whose IEEE semantics the PyTorch path keeps)."""
+    global _last_thresholds
+    last = _last_thresholds
+    if (
+        under is last[0]
+        and over is last[1]
+        and native is last[3]
+        and x.dtype in _ONE_CALL_DTYPES
+        and x.is_contiguous()
+    ):
+        # The common case, shortest: it runs for every tracked tensor at every call.
+        return native.summary(x, last[2], _NATIVE_CANCELLATION)
+    if x.dtype not in _NATIVE_DTYPES or not native.available():
+        return None
+    entry = _THRESHOLD_BITS.get((under, over))
+    if entry is None:
+        if len(under) > THRESHOLDS or len(over) > THRESHOLDS:
+            return None
+        under_bits = tuple(_bits_of(bound, torch.float32) for bound in under)
+        over_bits = tuple(_bits_of(bound, torch.float32) for bound in over)
+        entry = _THRESHOLD_BITS[(under, over)] = (
+            (under_bits, over_bits),
+            native.thresholds(under_bits, over_bits),
+        )
+    _last_thresholds = (under, over, entry[1], native)
+    if x.dtype != torch.float16 and (x.is_contiguous() or _fills_its_span(x)):
+        # One call does it all (the common case: the fixed cost is what small tensors pay).
+        # A tensor whose elements fill its memory span in another order (a transpose or
+        # permute of a contiguous tensor: attention's heads) is read in memory order, as
+        # if contiguous: the statistics do not depend on the order, and no copy is made.
+        return native.summary(x, entry[1], _NATIVE_CANCELLATION)
+    if x.numel() <= PIECE:
+        # One piece (a slice, float16): its contiguous float32/bfloat16 copy in one call.
+        return native.summary(_readable(x), entry[1], _NATIVE_CANCELLATION)
+    bits = entry[0]
+    n = x.numel()
+    # Strided tensors (and float16, which the kernel does not read) are copied piece by
+    # piece, so that no copy of the whole tensor is made.
+    x = x.detach()
+    shift = float(x[(0,) * x.dim()].item())
+    pieces = _pieces(x)
+    parts = [native.stats(_readable(piece), shift, *bits) for piece in pieces]
+    if any(part is None for part in parts):
+        return None
+    found = [part for part in parts if part is not None]
+    values = [sum(part[k] for part in found) for k in range(len(found[0]))]
+    values[3] = max(part[3] for part in found)
+    values[4] = min(part[4] for part in found)
+    sum_abs, shifted, squares = values[0], values[1], values[2]
+    mean = shift + shifted / n
+    var = squares / n - (shifted / n) ** 2
+    if var <= _NATIVE_CANCELLATION * squares / n and squares > 0:
+        # The shift lies far from the mean against the spread: sum around the mean.
+        centred = squares = 0.0
+        for piece in pieces:
+            part, part_sq = native.centred(_readable(piece), mean)
+            centred += part
+            squares += part_sq
+        var = squares / n - (centred / n) ** 2
+    return [sum_abs, mean, var, values[3], values[4], 0.0, 0.0, *values[5:]]

@@ -4,7 +4,7 @@
 captures it inserts, after each node whose value is a floating-point tensor, one call to
 :meth:`TrackScalesPass.record` with the node's slot number. At run time ``record`` computes the
 tensor's statistics (:func:`~unitscale.tracking.metrics.deferred_stats`: on an accelerator, on its
-device and asynchronously; on the CPU, small tensors batched) and, when a
+device and asynchronously; on the CPU, at once) and, when a
 gradient will flow, registers a tensor hook that does the same for the gradient. Nothing is
 copied to the host until :func:`~unitscale.tracking._join.build_scales_graph` joins the pieces
 of the call (:mod:`unitscale.tracking._join`) and reads the whole call at once

@@ -3,26 +3,42 @@
 Design constraints (this is the hot path of tracking):
 
 - statistics come as one small float64 vector per tensor (:func:`tensor_stats`), computed
-  under ``no_grad`` by a path chosen for the device (:func:`deferred_stats`):
+  under ``no_grad`` by one of two implementations, chosen by device (:func:`deferred_stats`):
 
-  - on an accelerator, by one kernel compiled with ``torch.compile`` on the tensor's own
-    device, which reads the tensor twice (its largest magnitude first, which scales the
-    sums so that they stay finite) and allocates nothing of its size; counts are int64;
-    nothing is copied to the host until the whole graph is read, so tracking costs no
-    host-device synchronisation per op;
-  - on the CPU, where a host read costs nothing, by a native one-pass kernel or, where
-    the install built none, by PyTorch ops that batch small tensors (:mod:`._cpu_stats`); nothing
-    waits for a compiler;
+  - on the CPU, where a host read costs nothing, by the native one-pass kernel
+    (:mod:`._native`, built by ``pip install``), a few microseconds of fixed cost;
+  - elsewhere, and on the CPU where the install built no native extension (or for what it
+    declines: float64, NaN or Inf), by :func:`_stats_kernel` in PyTorch ops: on an
+    accelerator compiled with ``torch.compile`` on the tensor's own device, one kernel that
+    reads the tensor twice (its largest magnitude first, which scales the sums so that they
+    stay finite), allocates nothing of its size, counts in int64, and is copied to the host
+    only when the whole graph is read, so tracking costs no host-device synchronisation
+    per op; on the CPU run eagerly, so nothing waits for a compiler.
 
-- the input is never modified, so tracking cannot change the numerics (the CPU batch reads
-  a copy of each small tensor, so that a later in-place change cannot alter its record);
+  Tests check the two value for value on the same tensors.
+- the input is never modified, so tracking cannot change the numerics (on the CPU the
+  statistics are computed before the recording call returns, so a later in-place change
+  cannot alter its record);
 - empty tensors, NaN and Inf give well-defined values, never an exception: statistics follow
   IEEE arithmetic over all elements (a NaN makes ``std`` NaN, an Inf makes ``abs_max`` Inf),
   an empty tensor gives zeros, and ``nan_count``/``inf_count`` say what happened.
 
 ``UNITSCALE_STATS`` selects the paths: ``auto`` (the default, as above), ``eager`` (nothing
-compiled: PyTorch ops on the CPU, the device kernel uncompiled elsewhere) or ``compiled``
-(the compiled device kernel on every device, the CPU included).
+compiled, no native kernel: :func:`_stats_kernel` run eagerly on every device) or
+``compiled`` (:func:`_stats_kernel` compiled on every device, the CPU included, which needs a
+C++ compiler there; only on request).
+
+Why the PyTorch implementation kept is the device kernel rather than the CPU-tuned PyTorch
+path it replaced (pieces, per-thread buffers, a batch for small tensors): that path read
+partial results on the host after every piece, a device synchronisation per tensor on an
+accelerator, so the device kernel was needed anyway; both gave float64 arithmetic's values
+on every edge case the tests hold (within 1e-6; extremes and counts exactly). The cost of
+the choice falls only where the install built no native kernel (and on the tensors it
+declines): measured with one thread against one read of the tensor (``x.abs().sum()``), two
+runs on a loaded 2-core machine, the eager kernel takes 58-84x for 2**11-2**15 float32
+elements (the replaced path 7-14x, 2.5-8.6x batched), 84-90x for 2**17, 89-149x for 2**20
+(6-9x) and 113-274x for 2**22-2**24 (2-4x): 12-21 ms per million elements. Such an install
+warns once that the PyTorch paths run instead.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._compat import dynamo_recompile_limit
 from ..formats import PRESETS
-from ._cpu_stats import SMALL, Pending, SmallBatch, cpu_stats, native_stats
+from ._native import native_stats
 
 __all__ = [
     "FORMAT_KEYS",
@@ -170,8 +186,10 @@ def _mode() -> str:
 class _Kernel:
     """Runs :func:`_stats_kernel` compiled (one fused pass), or eagerly where that fails.
 
-    ``UNITSCALE_STATS=eager`` in the environment selects the eager path (same statistics,
-    more memory traffic; useful where compile time matters more than run time).
+    For accelerator tensors (CPU tensors only with ``UNITSCALE_STATS=compiled``: see
+    :func:`deferred_stats`). ``UNITSCALE_STATS=eager`` in the environment selects the eager
+    path (same statistics, more memory traffic; useful where compile time matters more than
+    run time).
     Only a compilation failure (see :func:`_compile_errors`) falls back, and only for that
     call and later tensors of the same kind (device type, dtype, number of dimensions): other
     kinds still use the compiled kernel. Any other error, an out-of-memory error included,
@@ -226,23 +244,19 @@ def tensor_stats(x: Tensor) -> Tensor:
         >>> stats_to_data(tensor_stats(x).tolist(), x.numel()).mean_abs
         2.0
     """
-    stats = deferred_stats(x, batch=False)
-    if isinstance(stats, Pending):  # pragma: no cover - not batched
-        stats = stats.values()
+    stats = deferred_stats(x)
     if isinstance(stats, list):
         return torch.tensor(stats, dtype=torch.float64)
     return stats
 
 
-#: Where tracking records statistics: a Tensor on the tensor's device, a list of floats
-#: (computed on the host), or a :class:`Pending` entry of the small-tensor batch.
-Stats = Union[Tensor, list[float], Pending]  # noqa: UP007 (a runtime alias)
+#: Where tracking records statistics: a Tensor on the tensor's device, or a list of floats
+#: (computed on the host by the native kernel).
+Stats = Union[Tensor, list[float]]  # noqa: UP007 (a runtime alias)
 
-_batch = SmallBatch(_UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
-_BATCHED = (torch.float32, torch.float16, torch.bfloat16)
-# Tensor types read by the CPU paths. Other subclasses of Parameter (unitscale.Parameter,
+# Tensor types read by the native kernel. Other subclasses of Parameter (unitscale.Parameter,
 # u-muP's tagged weights) have ordinary storage too; wrapper subclasses (DTensor, and
-# parameters holding one) take the device kernel.
+# parameters holding one) take the PyTorch kernel.
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
@@ -252,41 +266,34 @@ def _has_plain_storage(x: Tensor) -> bool:
     )
 
 
-def deferred_stats(x: Tensor, batch: bool = True, mode: str | None = None) -> Stats:
+def deferred_stats(x: Tensor, mode: str | None = None) -> Stats:
     """The statistics of ``x`` in the form cheapest to produce now (see :data:`Stats`).
 
-    On the CPU (unless ``UNITSCALE_STATS=compiled``): by the native kernel where it is
-    available (and not ``UNITSCALE_STATS=eager``); else, with ``batch``, small tensors are
-    copied into a batch read together when a value is first needed (cheaper where many
-    are recorded), others read at once by PyTorch ops. On other devices the compiled kernel
-    runs asynchronously. Same values whichever path runs. ``mode`` is ``UNITSCALE_STATS``
-    as the caller read it (tracking reads it once per call: reading the environment costs
-    a third of a small tensor's statistics); None reads it here.
+    On the CPU: by the native kernel where it is available and reads ``x`` (not with
+    ``UNITSCALE_STATS=eager``), else by :func:`_stats_kernel` run eagerly (compiled only with
+    ``UNITSCALE_STATS=compiled``). On other devices the compiled kernel runs
+    asynchronously. Same values whichever path runs. ``mode`` is ``UNITSCALE_STATS`` as the
+    caller read it (tracking reads it once per call: reading the environment costs a third
+    of a small tensor's statistics); None reads it here.
     """
-    n = x.numel()
-    if n == 0:
+    if x.numel() == 0:
         return torch.zeros(_N_STATS, dtype=torch.float64, device=x.device)
+    if mode is None:
+        mode = _mode()
     # No autograd anywhere below: every path reads a detached tensor (or its memory).
-    if x.is_cpu and _has_plain_storage(x):
-        if mode is None:
-            mode = _mode()
-        if mode == "auto":
+    if x.is_cpu and mode != "compiled":
+        if mode == "auto" and _has_plain_storage(x):
             values = native_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
             if values is not None:
                 return values
-        if mode != "compiled":
-            x = x.detach()
-            if batch and n <= SMALL and x.dtype in _BATCHED:
-                return _batch.add(x)
-            return cpu_stats(x, _UNDERFLOW_BELOW, _OVERFLOW_ABOVE)
+        with torch.no_grad():
+            return _stats_kernel(x.detach())
     with torch.no_grad():
         return _kernel(x.detach())
 
 
 def host_stats(stats: Stats) -> list[float] | None:
-    """The values of ``stats`` if they are on the host (None for a device tensor)."""
-    if isinstance(stats, Pending):
-        return stats.values()
+    """The values of ``stats`` if they are on the host (None for a tensor)."""
     if isinstance(stats, list):
         return stats
     return None
@@ -425,8 +432,7 @@ def fast_stats(load: bool = False) -> Any:
     extension, is not warned about it."""
     if _fast_module:
         return _fast_module[0]
-    from ._cpu_stats import _NATIVE_CANCELLATION, _bits_of
-    from ._native import THRESHOLDS, native
+    from ._native import _NATIVE_CANCELLATION, THRESHOLDS, _bits_of, native
 
     if not (load or native.loaded()):
         return None  # looked for again at the next call

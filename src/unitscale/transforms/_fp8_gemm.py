@@ -268,6 +268,41 @@ def _matmul(
     return out
 
 
+def _linear(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    factors: U.LinearFactors | None,
+    scaling: str,
+    histories: Histories | None,
+) -> Tensor:
+    """The one path of every op here: ``input @ weight.T + bias`` as float8 GEMMs; with the
+    ``factors`` of a unit-scaled op, the output factor on the accumulator and the input- and
+    weight-gradient factors where the op applies them."""
+    if factors is None:
+        return add_bias(_matmul(input, weight, 1.0, 1.0, scaling, histories), bias)
+    out = _matmul(
+        scale_bwd(input, factors.input_grad),
+        weight,
+        factors.output,
+        factors.weight_grad,
+        scaling,
+        histories,
+    )
+    return add_bias(out, bias, factors.weight_grad)
+
+
+def _addmm_weight(op: str, mat2: Tensor, beta: float, alpha: float) -> Tensor:
+    """``addmm``'s second matrix as the linear op's weight (``mat2.t()``); ``beta`` and
+    ``alpha`` other than 1 are refused (``to_fp8`` converts no other addmm)."""
+    if beta != 1 or alpha != 1:
+        raise FormatError(
+            f"unitscale.transforms.{op}: beta={beta!r}, alpha={alpha!r} are not supported "
+            "(only 1, as to_fp8 converts); scale the operands, or call torch.addmm"
+        )
+    return mat2.t()
+
+
 def linear(
     input: Tensor,
     weight: Tensor,
@@ -283,7 +318,7 @@ def linear(
         >>> linear(torch.ones(1, 2), w).item()  # 448 (E4M3's max) + 0.3125
         448.3125
     """
-    return add_bias(_matmul(input, weight, 1.0, 1.0, scaling, histories), bias)
+    return _linear(input, weight, bias, None, scaling, histories)
 
 
 def addmm(
@@ -296,30 +331,10 @@ def addmm(
     scaling: str = "none",
     histories: Histories | None = None,
 ) -> Tensor:
-    """``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``) as float8 GEMMs; ``beta``
-    and ``alpha`` are 1 (``to_fp8`` converts no other)."""
-    return add_bias(_matmul(mat1, mat2.t(), 1.0, 1.0, scaling, histories), input)
-
-
-def _unit(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    factors: U.LinearFactors,
-    scaling: str,
-    histories: Histories | None,
-) -> Tensor:
-    """A unit-scaled linear op with the factors it would apply: the output factor on the
-    accumulator, the input-gradient factor and the weight-gradient factor as the op does."""
-    out = _matmul(
-        scale_bwd(input, factors.input_grad),
-        weight,
-        factors.output,
-        factors.weight_grad,
-        scaling,
-        histories,
-    )
-    return add_bias(out, bias, factors.weight_grad)
+    """``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``) as float8 GEMMs:
+    :func:`linear` of ``(mat1, mat2.t(), input)``; ``beta`` and ``alpha`` must be 1."""
+    weight = _addmm_weight("addmm", mat2, beta, alpha)
+    return _linear(mat1, weight, input, None, scaling, histories)
 
 
 def unit_linear(
@@ -333,7 +348,7 @@ def unit_linear(
 ) -> Tensor:
     """:func:`unitscale.functional.linear` as float8 GEMMs."""
     factors = U.linear_factors(input, weight, constraint)
-    return _unit(input, weight, bias, factors, scaling, histories)
+    return _linear(input, weight, bias, factors, scaling, histories)
 
 
 def unit_linear_readout(
@@ -348,7 +363,7 @@ def unit_linear_readout(
 ) -> Tensor:
     """:func:`unitscale.functional.linear_readout` as float8 GEMMs."""
     factors = U.linear_readout_factors(input, weight, constraint, mup=mup)
-    return _unit(input, weight, bias, factors, scaling, histories)
+    return _linear(input, weight, bias, factors, scaling, histories)
 
 
 def unit_addmm(
@@ -362,6 +377,7 @@ def unit_addmm(
     scaling: str = "none",
     histories: Histories | None = None,
 ) -> Tensor:
-    """The unit-scaled ``addmm`` of ``unit_scale`` (``linear(mat1, mat2.t(), input)``) as
-    float8 GEMMs; ``beta`` and ``alpha`` are 1 (``to_fp8`` converts no other)."""
-    return unit_linear(mat1, mat2.t(), input, constraint, scaling=scaling, histories=histories)
+    """The unit-scaled ``addmm`` of ``unit_scale`` (:func:`unit_linear` of ``(mat1,
+    mat2.t(), input)``) as float8 GEMMs; ``beta`` and ``alpha`` must be 1."""
+    weight = _addmm_weight("unit_addmm", mat2, beta, alpha)
+    return unit_linear(mat1, weight, input, constraint, scaling=scaling, histories=histories)

@@ -64,7 +64,7 @@ from ._config import (
     default_config,
 )
 from ._config import HEAD_SIZE as HEAD_SIZE
-from ._frames import CSV_COLUMNS, best_points, final_frame, runs_frame
+from ._frames import CSV_COLUMNS, best_points, final_frame, runs_frame, seed_mean
 from ._models import LLAMA_MLP_RATIO as LLAMA_MLP_RATIO
 from ._models import (
     PARAMETRISATION_SPECS,
@@ -108,6 +108,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "runs_frame",
     "final_frame",
     "best_points",
+    "seed_mean",
     "evaluate_claims",
     # presentation
     "sweep_tables",

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ._frames import _size_column, best_points
+from ._frames import _size_column, best_points, seed_mean
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -62,8 +62,8 @@ def evaluate_claims(
 ) -> list[Claim]:
     """The four claims of the README, evaluated from a table of final losses.
 
-    1. u-μP's best learning rate at the largest size is within one grid step of its best at
-       the smallest.
+    1. u-μP's best learning rate at every size is within one grid step of its best at the
+       smallest (judged size by size, not only at the largest).
     2. How far the standard parametrisation's best learning rate moves over the same sizes
        (a measurement: ``held`` is None).
     3. u-μP at its default learning rate (grid step 0) ends within ``tolerance`` of the best
@@ -77,6 +77,10 @@ def evaluate_claims(
     still fails when the default is already too far from the grid's best), and with
     ``quick`` no claim is judged, held or not (every verdict is ``not judged``: a smoke
     run's numbers are shown, but they are no evidence either way).
+
+    Over several seeds (a ``seed`` column with more than one value), every claim is judged
+    on the mean over seeds of each grid point's loss (:func:`seed_mean`); claims 1 and 2 also
+    state each seed's optimum per size, and how many seeds would hold claim 1 on their own.
 
     Args:
         final: :func:`final_frame`, or any table with its columns.
@@ -96,12 +100,14 @@ def evaluate_claims(
         ['held', 'not evaluated', 'held', 'not evaluated']
     """
     size = _size_column(final)
+    per_seed = _per_seed_best(final, size)
+    final = seed_mean(final)
     best = best_points(final).sort_values(["parametrisation", size], kind="stable")
     mup = best[best["parametrisation"] == "u-muP"]
     standard = best[best["parametrisation"] == "standard"]
     claims = [
-        _claim_transfer(mup, size),
-        _claim_standard_moves(standard, size),
+        _claim_transfer(mup, size, per_seed),
+        _claim_standard_moves(standard, size, per_seed),
         _claim_default(mup, size, tolerance),
         _claim_fp8(final, mup, size, tolerance),
     ]
@@ -124,30 +130,87 @@ def _moved(best: pd.DataFrame) -> int | None:
     return int(best["lr_step"].iloc[-1] - best["lr_step"].iloc[0])
 
 
-def _claim_transfer(mup: pd.DataFrame, size: str) -> Claim:
+def _offsets(best: pd.DataFrame) -> list[int] | None:
+    """Grid steps from the smallest size's best to each larger size's (None: a size is
+    missing or diverged)."""
+    if len(best) < 2 or not best["lr_step"].notna().all():
+        return None
+    steps = [int(k) for k in best["lr_step"]]
+    return [k - steps[0] for k in steps[1:]]
+
+
+def _per_seed_best(final: pd.DataFrame, size: str) -> dict[int, pd.DataFrame]:
+    """Each seed's best points, sorted like the mean's ({} for a table of one seed)."""
+    if "seed" not in final.columns or final["seed"].nunique() <= 1:
+        return {}
+    return {
+        int(seed): best_points(group).sort_values(["parametrisation", size], kind="stable")
+        for seed, group in final.groupby("seed", sort=True)
+    }
+
+
+def _seed_optima(per_seed: dict[int, pd.DataFrame], parametrisation: str, size: str) -> str:
+    """Each seed's optimum per size, as text ("" for one seed)."""
+    parts = []
+    for seed, best in per_seed.items():
+        chosen = best[best["parametrisation"] == parametrisation]
+        steps = ", ".join(
+            f"{int(r[size])} " + (f"k={int(r['lr_step']):+d}" if math.isfinite(r["lr_step"])
+                                  else "diverged")
+            for _, r in chosen.iterrows()
+        )  # fmt: skip
+        parts.append(f"seed {seed}: {steps}")
+    return f"; per seed ({size} and best step): {'; '.join(parts)}" if parts else ""
+
+
+def _transfers(best: pd.DataFrame) -> bool | None:
+    """Claim 1 on one table: every size's optimum within one step of the smallest's (None:
+    not measurable, or an optimum on the grid's edge)."""
+    offsets = _offsets(best)
+    if offsets is None or best["at_edge"].astype(bool).any():
+        return None
+    return all(abs(k) <= 1 for k in offsets)
+
+
+def _claim_transfer(mup: pd.DataFrame, size: str, per_seed: dict[int, pd.DataFrame]) -> Claim:
     statement = (
-        f"u-muP's best learning rate at the largest {size} is within one grid step (2x) of its "
-        f"best at the smallest"
+        f"u-muP's best learning rate at every {size} is within one grid step (2x) of its best "
+        f"at the smallest"
     )
-    moved = _moved(mup)
-    if moved is None:
+    offsets = _offsets(mup)
+    if offsets is None:
         return Claim(1, statement, None, "not evaluated: a size is missing or diverged")
-    detail = f"moves {moved:+d} steps; {_steps_text(mup, size)}"
+    of_mean = "optima of the mean over seeds; " if per_seed else ""
+    sizes = [int(v) for v in mup[size]]
+    moves = ", ".join(f"{size} {s} {k:+d}" for s, k in zip(sizes[1:], offsets, strict=True))
+    detail = (
+        f"{of_mean}moves {offsets[-1]:+d} steps (from the smallest {size}'s optimum: {moves}); "
+        f"{_steps_text(mup, size)}"
+    )
+    if per_seed:
+        verdicts = [_transfers(b[b["parametrisation"] == "u-muP"]) for b in per_seed.values()]
+        held_seeds = sum(v is True for v in verdicts)
+        detail += (
+            f"{_seed_optima(per_seed, 'u-muP', size)}; held on its own by {held_seeds} of "
+            f"{len(verdicts)} seeds"
+        )
     edges = _edges(mup, size)
     if edges:
         return Claim(1, statement, None, f"inconclusive: the optimum at {edges} is on the "
                      f"grid's edge (it may lie beyond); {detail}")  # fmt: skip
-    return Claim(1, statement, abs(moved) <= 1, detail)
+    return Claim(1, statement, all(abs(k) <= 1 for k in offsets), detail)
 
 
-def _claim_standard_moves(standard: pd.DataFrame, size: str) -> Claim:
+def _claim_standard_moves(
+    standard: pd.DataFrame, size: str, per_seed: dict[int, pd.DataFrame]
+) -> Claim:
     statement = f"how far the standard parametrisation's best learning rate moves over the {size}s"
     moved = _moved(standard)
     if moved is None:
         return Claim(2, statement, None, "not evaluated: a size is missing or diverged")
     detail = (
         f"moves {moved:+d} steps ({2.0**moved:g}x) from the smallest to the largest {size}; "
-        f"{_steps_text(standard, size)}"
+        f"{_steps_text(standard, size)}{_seed_optima(per_seed, 'standard', size)}"
     )
     return Claim(2, statement, None, detail)
 

@@ -69,7 +69,12 @@ class TransferConfig:
         eval_every: held-out loss every this many steps, and at the end.
         eval_batches: held-out batches per evaluation (and training batches for the final
             training loss).
-        seed: initialisation, data order and evaluation sample.
+        seed: initialisation, data order and evaluation sample (the first seed).
+        seeds: how many seeds to run, ``seed``, ``seed + 1``, ...: the whole FP32 sweep once
+            per seed, then the FP8 runs once per seed at the learning rate best on the mean
+            over seeds. Tables, figure and claims use the mean over seeds of each grid
+            point's final loss (a point where a seed diverged counts as diverged); the
+            claims also show each seed's optimum.
         fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
         model: the model family, a :data:`MODELS` entry: ``"builtin"`` (the library's
@@ -105,6 +110,7 @@ class TransferConfig:
     eval_every: int = 40
     eval_batches: int = 8
     seed: int = 0
+    seeds: int = 1
     fp8: bool = True
     fp8_recipe: str = "hardware"
     model: str = "builtin"
@@ -150,7 +156,11 @@ class TransferConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise TransferConfigError(f"TransferConfig: {name}={value!r} must be positive")
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise TransferConfigError(
+                f"TransferConfig: seed={self.seed!r} must be a non-negative integer"
+            )
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "seeds"):
             check_positive_int("TransferConfig", name, getattr(self, name), TransferConfigError)
         check_warmup("TransferConfig", self.warmup_steps, TransferConfigError)
         from ...transforms import FP8_RECIPES
@@ -173,6 +183,16 @@ class TransferConfig:
     def schedule(self) -> Schedule:
         """The learning-rate schedule of every run (``unitscale train``'s: the runner's)."""
         return Schedule(self.steps, self.warmup_steps)
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The seeds of the sweep: ``seed`` to ``seed + seeds - 1``.
+
+        Example:
+            >>> TransferConfig(seed=3, seeds=2).seed_list
+            [3, 4]
+        """
+        return list(range(self.seed, self.seed + self.seeds))
 
     @property
     def sizes(self) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 CSV_COLUMNS: tuple[str, ...] = (
     "parametrisation",
     "precision",
+    "seed",
     "width",
     "depth",
     "lr_step",
@@ -37,7 +38,7 @@ def runs_frame(runs: Sequence[TransferRun]) -> pd.DataFrame:
 
     rows: list[tuple[Any, ...]] = []
     for r in runs:
-        head = (r.parametrisation, r.precision, r.width, r.depth, r.lr_step, r.lr)
+        head = (r.parametrisation, r.precision, r.seed, r.width, r.depth, r.lr_step, r.lr)
         evals = list(r.evals)
         if r.stopped_at is not None:
             evals.append((r.stopped_at, math.nan, math.nan))
@@ -51,6 +52,30 @@ def final_frame(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["final"].astype(bool)].reset_index(drop=True)
 
 
+def seed_mean(final: pd.DataFrame) -> pd.DataFrame:
+    """The final rows of a sweep over several seeds as one row per grid point: the mean over
+    seeds of each loss, NaN where a seed diverged (a point is as good as its worst seed
+    allows), and ``seeds``, how many seeds ran the point. A table of one seed (or without a
+    ``seed`` column) is returned as it is.
+
+    Example:
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"parametrisation": "u-muP", "precision": "fp32", "seed": [0, 1],
+        ...                   "width": 32, "depth": 2, "lr_step": 0, "lr": 0.5,
+        ...                   "train_loss": [2.0, 3.0], "heldout_loss": [2.0, 2.5]})
+        >>> seed_mean(t)[["lr_step", "heldout_loss", "seeds"]].values.tolist()
+        [[0.0, 2.25, 2.0]]
+    """
+    if "seed" not in final.columns or final["seed"].nunique() <= 1:
+        return final
+    keys = ["parametrisation", "precision", "width", "depth", "lr_step", "lr"]
+    losses = [c for c in ("train_loss", "heldout_loss") if c in final.columns]
+    grouped = final.groupby(keys, sort=False)
+    out = grouped[losses].agg(lambda v: v.mean(skipna=False)).reset_index()
+    out["seeds"] = grouped.size().to_numpy()
+    return out
+
+
 def _size_column(frame: pd.DataFrame) -> str:
     """The column that varies across the sweep's sizes (``width`` unless only depth does)."""
     return "depth" if frame["width"].nunique() == 1 and frame["depth"].nunique() > 1 else "width"
@@ -61,7 +86,8 @@ def best_points(final: pd.DataFrame) -> pd.DataFrame:
 
     Args:
         final: :func:`final_frame` (any table with ``parametrisation``, ``precision``,
-            ``width``, ``depth``, ``lr_step``, ``lr`` and ``heldout_loss``).
+            ``width``, ``depth``, ``lr_step``, ``lr`` and ``heldout_loss``); over several
+            seeds, the mean over seeds (:func:`seed_mean`).
 
     Returns:
         One row per parametrisation and size: ``lr_step`` and ``lr`` of the lowest finite
@@ -79,7 +105,7 @@ def best_points(final: pd.DataFrame) -> pd.DataFrame:
     """
     import pandas as pd
 
-    fp32 = final[final["precision"] == "fp32"]
+    fp32 = seed_mean(final[final["precision"] == "fp32"])
     rows = []
     for (p, width, depth), group in fp32.groupby(["parametrisation", "width", "depth"], sort=False):
         steps = sorted(group["lr_step"])

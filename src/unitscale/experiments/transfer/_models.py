@@ -37,8 +37,9 @@ def _standard_model(width: int, depth: int, config: TransferConfig) -> nn.Module
 def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        # the GPT-style block (LayerNorm, GELU MLP) of the committed transfer results
-        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False, block="gpt")
+        # the default (Llama-style) block, without rotary embeddings: like the standard model,
+        # no positional information of its own
+        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False)
 
 
 class _CausalLMLoss(nn.Module):
@@ -91,16 +92,10 @@ def _llama(width: int, depth: int, config: TransferConfig) -> nn.Module:
 
 
 def _llama_mup(width: int, depth: int, config: TransferConfig) -> nn.Module:
-    from ...transforms import ResidualTau, unit_scale
+    from ...transforms import unit_scale
 
-    # Pinned to unit_scale's scheme of the committed results (benchmarks/results/
-    # transfer-llama): equal residual shares and trainable norms, since then unit_scale's
-    # defaults became u-muP's residual rule and fixed norms (docs/guide/experiments.rst).
-    return unit_scale(
-        _llama(width, depth, config),
-        residual_tau=ResidualTau(rule="equal_shares"),
-        trainable_norms=True,
-    )
+    # unit_scale's defaults: the paper's residual rule, norms without trainable weights
+    return unit_scale(_llama(width, depth, config))
 
 
 def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -143,7 +138,7 @@ PARAMETRISATION_SPECS: tuple[Parametrisation, ...] = (
     ),
     Parametrisation(
         "u-muP", _mup_model, _mup_adamw, "mup_lr", "builtin",
-        "unitscale.TransformerDecoder (u-muP default) + unitscale.optim.AdamW",
+        "unitscale.TransformerDecoder (u-muP default, rope=False) + unitscale.optim.AdamW",
     ),
     Parametrisation(
         "standard", _llama, _torch_adamw, "standard_lr", "hf:llama",
@@ -177,22 +172,23 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
     Every model has ``width / 32`` heads of 32, ``depth`` pre-norm blocks, a final norm, an
     untied readout, a 256-byte vocabulary and no learned position embedding, and takes
     ``model(input_ids, labels=targets)`` (``Batch.targets``, already shifted) and returns the
-    mean cross-entropy. The weight matrices of the two parametrisations of a model family have
-    the same shapes; what differs is the parametrisation:
+    mean cross-entropy. The two parametrisations of ``hf:llama`` are the same model (same
+    weight shapes); those of ``builtin`` are a plain GPT and the library's decoder:
 
     - ``builtin``: ``standard`` is :class:`unitscale.models.PlainGPT`
       (``position_embedding=False``: LayerNorms with weight and bias, biased linear layers,
       a 4x GELU MLP, GPT-2's N(0, 0.02) initialisation); ``u-muP`` is the library's decoder
-      with its GPT-style block (LayerNorm, GELU MLP, as ``standard``; the default block
-      before the Llama-style one) and without its rotary embeddings,
-      ``unitscale.TransformerDecoder(width, depth, heads, 256, rope=False, block="gpt")`` (so
+      with its default, Llama-style block (RMSNorm, SwiGLU MLP) and without its rotary
+      embeddings, ``unitscale.TransformerDecoder(width, depth, heads, 256, rope=False)`` (so
       that neither model has positional information of its own): the paper's recommended
       scheme (Blake et al., ICLR 2025, arXiv 2407.17465), so no biases and norms without
-      trainable parameters.
+      trainable parameters. (The sweeps compare each parametrisation with itself across
+      sizes; the two blocks differ, as a user's plain GPT and u-μP decoder would.)
     - ``hf:llama``: a randomly initialised ``transformers.LlamaForCausalLM`` (RMSNorm, RoPE,
       SwiGLU MLP of ``4 x width``, no biases; no download); ``standard`` as transformers
-      initialises it, ``u-muP`` through :func:`~unitscale.transforms.unit_scale` (u-μP
-      readout, every parameter tagged; its RMSNorm weights stay, tagged ``"norm"``).
+      initialises it, ``u-muP`` through :func:`~unitscale.transforms.unit_scale` with its
+      defaults (u-μP readout, every parameter tagged, the paper's residual rule, RMSNorm
+      weights fixed at 1).
 
     Example:
         >>> ids = torch.zeros(2, 16, dtype=torch.long)
@@ -215,7 +211,8 @@ def build_optimiser(
         >>> m = build_model("u-muP", 64, 2, TransferConfig())
         >>> groups = build_optimiser("u-muP", m, 1.0).param_groups
         >>> rates = sorted({g["lr"] * g["lr_scale"] for g in groups})
-        >>> [round(r * math.sqrt(2), 4) for r in rates[:2]]  # 1/sqrt(fan_in * depth)
-        [0.0625, 0.125]
+        >>> # 1/sqrt(fan_in * depth), fan-ins 170 (SwiGLU's down projection) and 64
+        >>> [round(r * math.sqrt(2), 4) for r in rates[:2]]
+        [0.0767, 0.125]
     """
     return _spec(parametrisation, family).optimiser(model, lr)

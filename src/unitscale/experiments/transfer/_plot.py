@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._config import TransferConfig
-from ._frames import _size_column, best_points
+from ._frames import _size_column, best_points, seed_mean
 from ._models import PARAMETRISATIONS, _spec
 
 if TYPE_CHECKING:
@@ -17,11 +17,12 @@ if TYPE_CHECKING:
 def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
     """Final held-out loss against learning rate: one panel per parametrisation, one curve
     per size, each curve's optimum starred; u-μP's FP8 runs as crosses; the default learning
-    rate (grid step 0) dotted."""
+    rate (grid step 0) dotted. Over several seeds, the means over seeds."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    final = seed_mean(final)
     size = _size_column(final)
     best = best_points(final)
     fig = Figure(figsize=(11.0, 4.6))
@@ -61,7 +62,8 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
     fig.suptitle(
         f"unitscale transfer (model {config.model}): {config.steps} steps, batch "
         f"{config.batch_size} x "
-        f"{config.seq_len}, seed {config.seed}",
+        f"{config.seq_len}, "
+        + (f"seed {config.seed}" if config.seeds == 1 else f"mean of {config.seeds} seeds"),
         fontsize=11,
     )
     fig.tight_layout()

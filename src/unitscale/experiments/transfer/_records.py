@@ -19,6 +19,7 @@ class TransferRun:
         width, depth: the model's size.
         lr_step: its grid step ``k`` (learning rate ``centre * 2**k``).
         lr: its peak learning rate (u-μP: the base rate each parameter's rule scales).
+        seed: the seed of its weights, data order and evaluation sample.
         evals: ``(step, mean training loss since the previous evaluation, held-out loss)``
             at every evaluation; the last one is at ``steps``.
         final_train_loss: mean loss over the fixed training evaluation batches at the end.
@@ -33,6 +34,7 @@ class TransferRun:
     depth: int
     lr_step: int
     lr: float
+    seed: int = 0
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     final_train_loss: float = math.nan
     stopped_at: int | None = None
@@ -51,7 +53,7 @@ class TransferResult:
 
     Attributes:
         config: the sweep.
-        runs: every run, FP32 sweeps first, then the FP8 runs.
+        runs: every run: the FP32 sweep of each seed in turn, then the FP8 runs.
         seconds: wall time of the whole sweep.
         load_average: the 1-minute load average before and after (None where unknown).
     """

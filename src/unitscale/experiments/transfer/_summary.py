@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ._claims import Claim, evaluate_claims
 from ._config import TransferConfig
-from ._frames import _size_column, best_points, final_frame, runs_frame
+from ._frames import _size_column, best_points, final_frame, runs_frame, seed_mean
 from ._models import PARAMETRISATIONS, _spec
 from ._records import TransferResult
 
@@ -25,7 +25,8 @@ def sweep_tables(
 ) -> list[tuple[str, list[str], list[list[str]]]]:
     """The final held-out loss of every run, one table per parametrisation: its title, its
     header and one row per size (a column per grid step, the best marked ``*``, the best
-    learning rate, then the FP8 run's loss)."""
+    learning rate, then the FP8 run's loss); over several seeds, the means over seeds."""
+    final = seed_mean(final)
     size = _size_column(final)
     best = best_points(final)
     steps = list(config.lr_steps)
@@ -86,7 +87,7 @@ def _header_lines(result: TransferResult) -> list[str]:
     lines = [
         f"unitscale transfer: learning-rate sweeps across {config.vary} ({sizes}; {fixed}), "
         f"model {config.model}, {config.steps} steps, batch {config.batch_size} x "
-        f"{config.seq_len} bytes, seed {config.seed}",
+        f"{config.seq_len} bytes, {_seeds_text(config)}",
         f"standard: {standard}; u-muP: {mup} (default lr {config.mup_lr:g}, every mult 1); "
         f"fp8: u-muP under simulate_fp8 ({config.fp8_recipe!r} recipe, no loss scaling) at "
         "its best lr",
@@ -94,9 +95,17 @@ def _header_lines(result: TransferResult) -> list[str]:
     return [*lines, _quick_note(config)] if config.quick else lines
 
 
+def _seeds_text(config: TransferConfig) -> str:
+    """``seed 0``, or ``seeds 0-2 (losses: means over seeds)``."""
+    if config.seeds == 1:
+        return f"seed {config.seed}"
+    return f"seeds {config.seed}-{config.seed + config.seeds - 1} (losses: means over seeds)"
+
+
 def _losses_note(config: TransferConfig) -> str:
+    over = f" (means over {config.seeds} seeds)" if config.seeds > 1 else ""
     return (
-        "losses: mean next-byte cross-entropy (nats) over "
+        f"losses{over}: mean next-byte cross-entropy (nats) over "
         f"{config.eval_batches} fixed held-out batches after the last step; * best of the row; "
         "div.: diverged (non-finite loss)"
     )

@@ -7,11 +7,12 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
-from ..data import Batch
+from ...data import Batch
 from ..runner import evaluation_batches, train_loop, training_batches
 from ._config import (
     TransferConfig,
@@ -68,7 +69,7 @@ def train_one(
         )
     lr = dict(config.grid(parametrisation))[lr_step]
     start = time.perf_counter()
-    run = TransferRun(parametrisation, precision, width, depth, lr_step, lr)
+    run = TransferRun(parametrisation, precision, width, depth, lr_step, lr, config.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = build_model(parametrisation, width, depth, config)
@@ -112,8 +113,9 @@ def run_transfer(
     config: TransferConfig, progress: Callable[[str], None] | None = None
 ) -> TransferResult:
     """Run the whole sweep of ``config``: every parametrisation, size and grid step in FP32,
-    then (``config.fp8``) u-μP in simulated FP8 at each size's best FP32 learning rate, on
-    ``config.threads`` threads.
+    once per seed of :attr:`TransferConfig.seed_list`, then (``config.fp8``) u-μP in
+    simulated FP8 at each size's best FP32 learning rate (on the mean over seeds), once per
+    seed, on ``config.threads`` threads.
 
     Args:
         config: the sweep.
@@ -139,36 +141,41 @@ def run_transfer(
 def _run_transfer(config: TransferConfig, progress: Callable[[str], None] | None) -> TransferResult:
     start = time.perf_counter()
     load_before = _load()
-    data = _train_data(config)
-    heldout, train_eval = _eval_data(config, "heldout"), _eval_data(config, "train")
+    # one configuration per seed: its data, evaluation samples and initial weights
+    seeds = [replace(config, seed=seed, seeds=1) for seed in config.seed_list]
+    data = {
+        c.seed: (_train_data(c), _eval_data(c, "heldout"), _eval_data(c, "train")) for c in seeds
+    }
     plan = [
-        (p, width, depth, k, "fp32")
+        (c, p, width, depth, k, "fp32")
+        for c in seeds
         for p in PARAMETRISATIONS
         for width, depth in config.sizes
         for k, _ in config.grid(p)
     ]
-    total = len(plan) + (len(config.sizes) if config.fp8 else 0)
+    total = len(plan) + (len(config.sizes) * len(seeds) if config.fp8 else 0)
     runs: list[TransferRun] = []
 
-    def one(p: str, width: int, depth: int, k: int, precision: str) -> None:
-        run = train_one(p, width, depth, k, config, data, heldout, train_eval, precision)
+    def one(c: TransferConfig, p: str, width: int, depth: int, k: int, precision: str) -> None:
+        run = train_one(p, width, depth, k, c, *data[c.seed], precision)
         runs.append(run)
         if progress is not None:
             loss = run.final_heldout_loss
             shown = f"{loss:.4f}" if math.isfinite(loss) else f"diverged at step {run.stopped_at}"
+            seed = f"seed {c.seed} " if config.seeds > 1 else ""
             progress(
-                f"[{len(runs)}/{total}] {p} {precision} width {width} depth {depth} "
+                f"[{len(runs)}/{total}] {seed}{p} {precision} width {width} depth {depth} "
                 f"lr {run.lr:g}: held-out {shown} ({run.seconds:.1f}s)"
             )
 
     for item in plan:
         one(*item)
     if config.fp8:
-        best = best_points(final_frame(runs_frame(runs)))
-        for width, depth in config.sizes:
-            row = best[
-                (best.parametrisation == "u-muP") & (best.width == width) & (best.depth == depth)
-            ]
-            if len(row) and row.lr_step.notna().all():
-                one("u-muP", width, depth, int(row.lr_step.iloc[0]), "fp8")
+        best = best_points(final_frame(runs_frame(runs)))  # on the mean over seeds
+        for c in seeds:
+            for width, depth in config.sizes:
+                mup = best[best.parametrisation == "u-muP"]
+                row = mup[(mup.width == width) & (mup.depth == depth)]
+                if len(row) and row.lr_step.notna().all():
+                    one(c, "u-muP", width, depth, int(row.lr_step.iloc[0]), "fp8")
     return TransferResult(config, runs, time.perf_counter() - start, (load_before, _load()))

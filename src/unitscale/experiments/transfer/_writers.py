@@ -40,8 +40,8 @@ def command_line(config: TransferConfig) -> str:
     """The ``unitscale transfer`` options that give ``config`` (without ``--out``).
 
     Example:
-        >>> command_line(default_config("depth", model="hf:llama", seed=3))
-        'unitscale transfer --vary depth --model hf:llama --seed 3'
+        >>> command_line(default_config("depth", model="hf:llama", seed=3, seeds=3))
+        'unitscale transfer --vary depth --model hf:llama --seed 3 --seeds 3'
     """
     parts = ["unitscale transfer"]
     if config.vary != "width":
@@ -51,7 +51,7 @@ def command_line(config: TransferConfig) -> str:
     if config.quick:
         parts.append("--quick")
     base = default_config(config.vary, quick=config.quick)
-    for name in ("widths", "depths", "steps", "seed", "threads"):
+    for name in ("widths", "depths", "steps", "seed", "seeds", "threads"):
         value = getattr(config, name)
         if value != getattr(base, name):
             shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -81,6 +81,7 @@ def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) ->
             {
                 "parametrisation": r.parametrisation,
                 "precision": r.precision,
+                "seed": r.seed,
                 "width": r.width,
                 "depth": r.depth,
                 "lr_step": r.lr_step,

@@ -1,5 +1,6 @@
-"""The CPU statistics paths (native kernel, PyTorch pieces, small-tensor batch) against float64
-arithmetic and against each other: same statistics, whichever path runs."""
+"""The two implementations of the scale statistics (the native CPU kernel, and the PyTorch
+kernel of accelerators and of CPUs without the native build) against float64 arithmetic and
+against each other on the same tensors: same statistics, whichever path runs."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ import torch
 
 import unitscale
 from unitscale import _native as native_build
-from unitscale.tracking import _cpu_stats, _native, metrics
-from unitscale.tracking._cpu_stats import SmallBatch, cpu_stats, native_stats
+from unitscale.tracking import _native, metrics
+from unitscale.tracking._native import native_stats
 from unitscale.tracking.metrics import _OVERFLOW_ABOVE, _UNDERFLOW_BELOW, _stats_kernel
 
 UNDER, OVER = _UNDERFLOW_BELOW, _OVERFLOW_ABOVE
-# The cases below are sized against this piece size: the ``layout`` fixture runs them with
-# it (many pieces, each written into the per-thread buffers) and with the module's own
-# (a million elements a piece: most cases in one piece).
+# Sizes of the cases below (several of these are still one piece of the native kernel's).
 PIECE = 1 << 14
 needs_native = pytest.mark.skipif(
     not _native.native.available(), reason="the native extension was not built at install"
@@ -102,21 +101,10 @@ def cases() -> dict[str, torch.Tensor]:
 CASES = cases()
 
 
-@pytest.fixture(params=["small pieces", "module's pieces"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PyTorch path with :data:`PIECE`-element pieces whose temporaries all go to the
-    per-thread buffers, or with the module's piece size and buffer threshold."""
-    if request.param == "small pieces":
-        monkeypatch.setattr(_cpu_stats, "PIECE", PIECE)
-        monkeypatch.setattr(_cpu_stats, "SCRATCH_FROM", 1)
-        # Buffers and views made under other settings must not leak into these.
-        monkeypatch.setattr(_cpu_stats, "_scratch_buffers", _cpu_stats._Scratch())
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_pytorch_path_matches_float64(name: str, layout: None) -> None:
+def test_pytorch_kernel_matches_float64(name: str) -> None:
     x = CASES[name]
-    assert_agrees(cpu_stats(x, UNDER, OVER), truth(x))
+    assert_agrees(_stats_kernel(x).tolist(), truth(x))
 
 
 @needs_native
@@ -126,16 +114,6 @@ def test_native_kernel_matches_float64(name: str) -> None:
     got = native_stats(x, UNDER, OVER)
     assert got is not None
     assert_agrees(got, truth(x), rel=1e-9)
-
-
-@pytest.mark.parametrize("name", [n for n, x in CASES.items() if x.numel() <= _cpu_stats.SMALL])
-def test_small_batch_matches_float64(name: str, layout: None) -> None:
-    batch = SmallBatch(UNDER, OVER)
-    x = CASES[name]
-    pending = [batch.add(x), batch.add(torch.randn(x.shape)), batch.add(x.detach().clone())]
-    assert_agrees(pending[0].values(), truth(x))
-    assert pending[2].values() == pending[0].values()  # same size, same values: same row
-    assert batch.elements == 0 and not batch.groups  # read, copies released
 
 
 @pytest.mark.parametrize(
@@ -149,78 +127,14 @@ def test_small_batch_matches_float64(name: str, layout: None) -> None:
     ],
     ids=["nan", "inf", "both infs", "nan in one piece", "inf in one piece"],
 )
-def test_nan_and_inf_follow_the_device_kernel(x: torch.Tensor, layout: None) -> None:
-    """IEEE semantics: the device kernel's values, NaN where it has NaN (the native kernel
-    hands such tensors to the PyTorch path)."""
+def test_nan_and_inf_follow_ieee(x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """IEEE semantics: NaN where float64 arithmetic has NaN; the native kernel hands such
+    tensors to the PyTorch kernel, so tracking's values are its values."""
     want = _stats_kernel(x).tolist()
-    assert_agrees(cpu_stats(x, UNDER, OVER), want)
+    assert_agrees(want, truth(x))
     assert native_stats(x, UNDER, OVER) is None
-    batch = SmallBatch(UNDER, OVER)
-    if x.numel() <= _cpu_stats.SMALL:
-        assert_agrees(batch.add(x).values(), want)
-
-
-def test_buffers_are_per_thread_and_bounded(layout: None) -> None:
-    """Threads reading at once each write their own buffers (same results as one thread),
-    and no buffer grows beyond a piece, whatever the tensor's size."""
-    import threading
-
-    xs = [torch.randn(3 * PIECE + 5, generator=torch.Generator().manual_seed(k)) for k in range(4)]
-    want = [cpu_stats(x, UNDER, OVER) for x in xs]
-    got: dict[int, list[list[float]]] = {}
-
-    def read(k: int) -> None:
-        got[k] = [cpu_stats(xs[(k + i) % 4], UNDER, OVER) for i in range(8)]
-
-    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for k in range(4):
-        assert got[k] == [want[(k + i) % 4] for i in range(8)]
-    for buffer in _cpu_stats._scratch_buffers.buffers:
-        assert buffer is None or buffer.numel() <= _cpu_stats.PIECE
-
-
-def test_buffers_made_in_inference_mode_are_written_outside_it(
-    layout: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tracking runs under torch.inference_mode() too: a buffer first made there must stay
-    writable by later reads outside it (an inference tensor would not)."""
-    monkeypatch.setattr(_cpu_stats, "_scratch_buffers", _cpu_stats._Scratch())
-    x = torch.randn(2 * PIECE + 3)
-    with torch.inference_mode():
-        inside = cpu_stats(x, UNDER, OVER)
-    assert_agrees(inside, truth(x))
-    assert cpu_stats(x, UNDER, OVER) == inside
-    batch = SmallBatch(UNDER, OVER)
-    rows = [batch.add(torch.randn(_cpu_stats.SMALL)) for _ in range(8)]
-    with torch.inference_mode():
-        batch.flush()
-    assert all(pending.values() for pending in rows)
-    batch.add(torch.randn(_cpu_stats.SMALL))
-    batch.add(torch.randn(_cpu_stats.SMALL))
-    batch.flush()  # the rows' buffer, made in inference mode, written outside it
-
-
-def test_the_batch_reads_a_copy() -> None:
-    """A tensor changed in place after it was recorded keeps the statistics it had."""
-    batch = SmallBatch(UNDER, OVER)
-    x = torch.randn(100)
-    want = truth(x)
-    pending = batch.add(x)
-    x.mul_(1000)
-    assert_agrees(pending.values(), want)
-
-
-def test_the_batch_is_read_when_it_holds_enough() -> None:
-    batch = SmallBatch(UNDER, OVER)
-    size = _cpu_stats.SMALL
-    first = [batch.add(torch.randn(size)) for _ in range(_cpu_stats.FLUSH_ELEMENTS // size - 1)]
-    assert batch.elements > 0 and all(p._values is None for p in first)
-    batch.add(torch.randn(size))
-    assert batch.elements == 0 and all(p._values is not None for p in first)
+    monkeypatch.setenv("UNITSCALE_STATS", "auto")
+    assert_agrees(metrics.tensor_stats(x).tolist(), want)
 
 
 @needs_native
@@ -245,7 +159,7 @@ def test_native_kernel_reads_a_permuted_dense_tensor_in_place(
     def no_pieces(_: torch.Tensor) -> list[torch.Tensor]:
         raise AssertionError("a dense tensor was split into pieces")
 
-    monkeypatch.setattr(_cpu_stats, "_pieces", no_pieces)
+    monkeypatch.setattr(_native, "_pieces", no_pieces)
     got = native_stats(x, UNDER, OVER)
     assert got is not None and want is not None
     assert got[3:] == want[3:]  # extremes and counts exactly
@@ -262,7 +176,7 @@ def test_native_kernel_reads_a_permuted_dense_tensor_in_place(
         torch.randn(8, 6)[::2],
         (torch.randn(2, 4, 16, 16) * 1e3 + 7)[..., 8:],  # rotate_half's slice
         torch.randn(4, 4, dtype=torch.float16).t(),
-        torch.randn(_cpu_stats.PIECE + 8, 2)[:, 0],  # more than a piece
+        torch.randn(_native.PIECE + 8, 2)[:, 0],  # more than a piece
     ],
     ids=["slice", "expand", "step", "far from zero", "float16", "pieces"],
 )
@@ -293,8 +207,8 @@ def test_native_kernel_gives_the_same_result_on_any_number_of_threads() -> None:
 def test_tracked_statistics_are_the_same_on_every_path(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tracked model's statistics, read by the native kernel or by PyTorch ops (small
-    tensors batched), agree with float64 arithmetic on the values the model computed."""
+    """A tracked model's statistics, read by the native kernel or by the PyTorch kernel,
+    agree with float64 arithmetic on the values the model computed."""
     from unitscale.transforms import track_scales
 
     monkeypatch.setenv("UNITSCALE_STATS", mode)
@@ -332,7 +246,7 @@ def test_without_the_extension_the_pytorch_path_runs(monkeypatch: pytest.MonkeyP
         warnings.simplefilter("error")
         assert not kernel.available()  # once: no second warning, no second attempt
         assert not _native.NativeStats().available()  # one warning for every kernel
-    monkeypatch.setattr(_cpu_stats, "native", kernel)
+    monkeypatch.setattr(_native, "native", kernel)
     x = torch.randn(1000)
     assert native_stats(x, UNDER, OVER) is None
     assert_agrees(metrics.tensor_stats(x).tolist(), truth(x))
@@ -369,6 +283,29 @@ def test_parameters_take_the_cpu_path(mode: str, monkeypatch: pytest.MonkeyPatch
         assert_agrees(metrics.tensor_stats(weight.t()).tolist(), truth(weight.t()))
 
 
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["auto", "eager"])
+def test_nothing_is_compiled_for_cpu_tensors(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the CPU tensor (a Tensor subclass, float64, NaN: what the native kernel does
+    not read), its statistics never go to torch.compile: only UNITSCALE_STATS=compiled
+    compiles on a CPU."""
+
+    def compiled_kernel(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the compiled kernel ran for a CPU tensor")
+
+    monkeypatch.setenv("UNITSCALE_STATS", mode)
+    monkeypatch.setattr(metrics, "_kernel", compiled_kernel)
+    for x in (
+        torch.randn(30, 7).as_subclass(_Tagged),
+        torch.randn(50, dtype=torch.float64),
+        torch.tensor([1.0, math.nan]),
+    ):
+        assert_agrees(metrics.tensor_stats(x).tolist(), truth(x))
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_repeated_call_path_gives_the_first_calls_values(
@@ -379,12 +316,12 @@ def test_the_repeated_call_path_gives_the_first_calls_values(
     and a kernel swapped in later (unbuilt here) is asked as the general path would ask it."""
     x = torch.randn(33, 17).to(dtype)
     for tensor in (x, x.t(), x[:, 1:]):
-        monkeypatch.setattr(_cpu_stats, "_last_thresholds", (None,) * 4)
+        monkeypatch.setattr(_native, "_last_thresholds", (None,) * 4)
         general = native_stats(tensor, UNDER, OVER)
-        assert _cpu_stats._last_thresholds[0] is UNDER  # noted for the next call
+        assert _native._last_thresholds[0] is UNDER  # noted for the next call
         assert general is not None and native_stats(tensor, UNDER, OVER) == general
-    monkeypatch.setattr(_cpu_stats, "native", _native.NativeStats())
-    monkeypatch.setattr(_cpu_stats.native, "available", lambda: False)
+    monkeypatch.setattr(_native, "native", _native.NativeStats())
+    monkeypatch.setattr(_native.native, "available", lambda: False)
     assert native_stats(x, UNDER, OVER) is None
 
 
@@ -418,14 +355,14 @@ _FAST_CASES = {
 @needs_extension
 @pytest.mark.parametrize("name", list(_FAST_CASES))
 def test_the_extension_gives_the_kernels_statistics(name: str) -> None:
-    """``summary(x)`` is ``(x.numel(), statistics)`` with the statistics of the ctypes/PyTorch
+    """``summary(x)`` is ``(x.numel(), statistics)`` with the statistics of the general native
     path value for value, strided tensors read as that path reads them."""
     x = _FAST_CASES[name]
     got = metrics.fast_stats().summary(x)
     assert got is not None
     numel, values = got
     assert numel == x.numel()
-    assert values == metrics.deferred_stats(x, batch=False)
+    assert values == metrics.deferred_stats(x)
     assert_agrees(values, truth(x), rel=1e-5)
 
 
@@ -476,7 +413,7 @@ def test_tracking_without_the_extension_gives_the_same_graph(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The extension changes the cost of tracking, not its statistics: every node's records
-    are those of the ctypes path."""
+    are those of the general path."""
     import unitscale.tracking._recorder as recorder
     from unitscale.transforms import track_scales
 
@@ -535,12 +472,15 @@ _EDGE = {
 }
 
 
+_BOTH = {**_EDGE, **CASES}
+
+
 @needs_native
-@pytest.mark.parametrize("name", list(_EDGE))
-def test_native_and_pytorch_paths_agree_on_edge_cases(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    x = _EDGE[name]
+@pytest.mark.parametrize("name", list(_BOTH))
+def test_native_and_pytorch_kernels_agree(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two implementations on the same tensors: edge cases, float16/bfloat16, strided
+    and large tensors."""
+    x = _BOTH[name]
     monkeypatch.setenv("UNITSCALE_STATS", "auto")
     native_values = metrics.tensor_stats(x).tolist()
     monkeypatch.setenv("UNITSCALE_STATS", "eager")
