@@ -744,11 +744,10 @@ def transfer_table(path: Path = TRANSFER) -> str:
         key: {**runs[0], "final_heldout_loss": _mean_loss(runs)} for key, runs in by_point.items()
     }
     fp8 = {(w, d): r for (_, precision, w, d, _), r in points.items() if precision == "fp8"}
-    over = f" (mean of {seeds} seeds)" if seeds > 1 else ""
     lines = [
         f"| parametrisation | {size} | "
         + " | ".join(f"lr x 2^{k}" if k else "lr x 1 (default)" for k in steps)
-        + f" | best lr | FP8 at best lr (vs FP32){over} |",
+        + " | best lr | FP8 at best lr (vs FP32) |",
         "|---|--:|" + "--:|" * len(steps) + "--:|--:|",
     ]
     groups: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
@@ -788,7 +787,11 @@ def transfer_table(path: Path = TRANSFER) -> str:
     load = [document.get("load_average_before"), document.get("load_average_after")]
     load_text = " / ".join("n/a" if v is None else f"{v:.1f}" for v in load)
     first = config["seed"]
-    seed_text = f"seeds {first}-{first + seeds - 1}" if seeds > 1 else f"seed {first}"
+    seed_text = (
+        f"seeds {first}-{first + seeds - 1}, every loss the mean over the {seeds} seeds"
+        if seeds > 1
+        else f"seed {first}"
+    )
     lines.append("")
     lines.append(
         f"Run `{path.relative_to(ROOT)}` ({document['date'][:10]}, {seed_text}, torch "

@@ -91,6 +91,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "and summary.txt."
         ),
     )
+    _add_size_options(parser)
+    _add_run_options(parser)
+    parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines")
+    parser.set_defaults(run=run)
+    if isinstance(parser, Parser):
+        parser.load_help_defaults = _load_help_defaults
+    return parser
+
+
+def _add_size_options(parser: argparse.ArgumentParser) -> None:
+    """What is swept: ``--vary``, ``--widths``, ``--depths``."""
     parser.add_argument(
         "--vary",
         choices=("width", "depth"),
@@ -111,6 +126,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LIST",
         help="comma-separated depths (one depth with --vary width)",
     )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """How each run trains: steps, seeds, quick, threads, model."""
     parser.add_argument(
         "--steps",
         type=positive_int,
@@ -157,15 +176,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plain-PyTorch GPT) or hf:llama (a transformers Llama config at each width, random "
         "weights, plain against unit_scale)",
     )
-    parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines")
-    parser.set_defaults(run=run)
-    if isinstance(parser, Parser):
-        parser.load_help_defaults = _load_help_defaults
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
