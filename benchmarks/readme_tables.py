@@ -235,8 +235,9 @@ def tracking_rows(device: str = "cpu") -> list[str]:
     if reads:
         labels = (
             ("extension", "native kernel as tracking calls it (CPython extension)"),
-            ("native", "native kernel through `tensor_stats` (ctypes)"),
-            ("pytorch", "PyTorch ops"),
+            ("native", "native kernel through `tensor_stats`"),
+            ("pytorch", "PyTorch kernel run eagerly (`UNITSCALE_STATS=eager`; what runs "
+             "without the native build)"),
         )
         for key, label in labels:
             if key not in next(iter(reads["sizes"].values())):

@@ -161,12 +161,7 @@ def test_no_tracking_module_imports_analysis() -> None:
 
 # -- no circles of imports between unitscale's modules -----------------------------------------
 #: Circles left on purpose: frozenset of the modules on the circle -> the reason.
-ALLOWED_CIRCLES: dict[frozenset[str], str] = {
-    frozenset(
-        {"unitscale.experiments.transfer._config", "unitscale.experiments.transfer._models"}
-    ): "another branch was rewriting experiments/transfer when this test was written; "
-    "make it one direction and delete this entry",
-}
+ALLOWED_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -28,9 +28,9 @@ parametrisations, its grid, its claims and its tables.
 To add a model family, add its name to :data:`MODELS` and append one
 :class:`Parametrisation` per parametrisation (``standard`` and ``u-muP``) to
 :data:`PARAMETRISATION_SPECS`: its name, how it builds the model at a width and depth, its
-optimiser, the configuration field holding the centre of its learning-rate grid, the family
-and a short description. The sweep, the tables, the CSV, the figure and ``--model`` pick it
-up.
+optimiser, the family and a short description (the centre of each parametrisation's
+learning-rate grid is a configuration field, :data:`CENTRE_FIELDS`). The sweep, the
+tables, the CSV, the figure and ``--model`` pick it up.
 
 Design constraints:
 
@@ -55,10 +55,12 @@ from __future__ import annotations
 
 from ._claims import Claim, evaluate_claims
 from ._config import (
+    CENTRE_FIELDS,
     DEFAULT_CONFIG,
     DEFAULT_MUP_LR,
     DEFAULT_STANDARD_LR,
     MODELS,
+    PARAMETRISATIONS,
     TransferConfig,
     TransferConfigError,
     default_config,
@@ -68,7 +70,6 @@ from ._frames import CSV_COLUMNS, best_points, final_frame, runs_frame, seed_mea
 from ._models import LLAMA_MLP_RATIO as LLAMA_MLP_RATIO
 from ._models import (
     PARAMETRISATION_SPECS,
-    PARAMETRISATIONS,
     Parametrisation,
     build_model,
     build_optimiser,
@@ -89,6 +90,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "Parametrisation",
     "PARAMETRISATION_SPECS",
     "PARAMETRISATIONS",
+    "CENTRE_FIELDS",
     "MODELS",
     "DEFAULT_MUP_LR",
     "DEFAULT_STANDARD_LR",

@@ -28,6 +28,14 @@ HEAD_SIZE = 32
 MODELS: tuple[str, ...] = ("builtin", "hf:llama")
 
 
+#: The parametrisations' names (every model family has one of each), in the order they are
+#: run and shown.
+PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
+
+#: The :class:`TransferConfig` field holding the centre of each parametrisation's grid.
+CENTRE_FIELDS: dict[str, str] = {"standard": "standard_lr", "u-muP": "mup_lr"}
+
+
 class TransferConfigError(UnitScaleError, ValueError):
     """A transfer sweep's configuration is invalid."""
 
@@ -201,11 +209,12 @@ class TransferConfig:
 
     def grid(self, parametrisation: str) -> list[tuple[int, float]]:
         """``(k, learning rate)`` for each grid step ``k`` of ``parametrisation``."""
-        # The registry of parametrisations is built on this module (its builders take a
-        # TransferConfig), so it is looked up when called rather than imported above.
-        from ._models import _spec
-
-        centre = getattr(self, _spec(parametrisation, self.model).centre_field)
+        if parametrisation not in CENTRE_FIELDS:
+            raise TransferConfigError(
+                f"unknown parametrisation {parametrisation!r}; choose from "
+                f"{', '.join(PARAMETRISATIONS)}"
+            )
+        centre = getattr(self, CENTRE_FIELDS[parametrisation])
         return [(k, centre * 2.0**k) for k in self.lr_steps]
 
     def lr_factor(self, step: int) -> float:

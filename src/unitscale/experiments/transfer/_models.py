@@ -14,7 +14,7 @@ from torch import nn
 from ... import modules as us
 from ... import optim as us_optim
 from ..models import GPTConfig, plain_gpt
-from ._config import HEAD_SIZE, MODELS, TransferConfig, TransferConfigError
+from ._config import HEAD_SIZE, MODELS, PARAMETRISATIONS, TransferConfig, TransferConfigError
 
 #: ``hf:llama``'s MLP (SwiGLU) intermediate size over its width: 4, the built-in decoder's
 #: ratio, rather than Llama's usual ~8/3, so that every width gives an integer size and the
@@ -115,7 +115,6 @@ class Parametrisation:
         build: ``build(width, depth, config)``, the model seeded by ``config.seed``; it takes
             ``model(input_ids, labels=labels)`` and returns the mean cross-entropy.
         optimiser: ``optimiser(model, lr)`` at peak ``lr``.
-        centre_field: the :class:`TransferConfig` field holding the grid's centre.
         model: the model family it belongs to (:attr:`TransferConfig.model`).
         description: the model and optimiser in a few words, for the summary and the figure.
     """
@@ -123,7 +122,6 @@ class Parametrisation:
     name: str
     build: Callable[[int, int, TransferConfig], nn.Module]
     optimiser: Callable[[nn.Module, float], torch.optim.Optimizer]
-    centre_field: str
     model: str = "builtin"
     description: str = ""
 
@@ -133,25 +131,22 @@ class Parametrisation:
 #: u-μP by :func:`~unitscale.transforms.unit_scale`).
 PARAMETRISATION_SPECS: tuple[Parametrisation, ...] = (
     Parametrisation(
-        "standard", _standard_model, _torch_adamw, "standard_lr", "builtin",
+        "standard", _standard_model, _torch_adamw, "builtin",
         "plain PyTorch decoder (GPT-2 init) + torch.optim.AdamW",
     ),
     Parametrisation(
-        "u-muP", _mup_model, _mup_adamw, "mup_lr", "builtin",
+        "u-muP", _mup_model, _mup_adamw, "builtin",
         "unitscale.TransformerDecoder (u-muP default, rope=False) + unitscale.optim.AdamW",
     ),
     Parametrisation(
-        "standard", _llama, _torch_adamw, "standard_lr", "hf:llama",
+        "standard", _llama, _torch_adamw, "hf:llama",
         "transformers LlamaForCausalLM (HF init) + torch.optim.AdamW",
     ),
     Parametrisation(
-        "u-muP", _llama_mup, _mup_adamw, "mup_lr", "hf:llama",
+        "u-muP", _llama_mup, _mup_adamw, "hf:llama",
         "unit_scale(LlamaForCausalLM) + unitscale.optim.AdamW",
     ),
 )  # fmt: skip
-
-#: The parametrisations' names (every model family has one of each).
-PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
 
 
 def _spec(name: str, model: str = "builtin") -> Parametrisation:
