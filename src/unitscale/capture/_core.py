@@ -433,7 +433,15 @@ class Capture:
 
         args, kwargs, marked = self.varying.mark(args, kwargs)
         try:
-            with dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True):
+            # Inside DistributedDataParallel, Dynamo's DDPOptimizer would split each captured
+            # graph at the gradient buckets' boundaries and hand the passes the pieces: a
+            # residual add whose stream enters a piece as an input is then no longer seen as
+            # one (under unit_scale, a different model than in one process). The passes see
+            # whole graphs; DDP's reducer hooks still all-reduce the gradients.
+            with (
+                dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True),
+                torch._dynamo.config.patch(optimize_ddp=False),
+            ):
                 out = self._compiled_for_state()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = error.inner_exception
