@@ -208,6 +208,29 @@ def test_claims_over_seeds_use_the_mean_and_show_each_seed_s_optimum() -> None:
     assert three.held is False and "width 64: n/a (diverged)" in three.detail
 
 
+def test_a_sweep_logs_each_report_of_a_transformed_model_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The same model built at every grid point reports the same ops each time: once is enough.
+    import logging
+
+    from unitscale.experiments.transfer._sweep import _each_report_once
+
+    with caplog.at_level(logging.WARNING, logger="unitscale"), _each_report_once():
+        for _ in range(3):
+            logging.getLogger("unitscale.unit_scale").warning("left 45 op(s) as they are")
+            logging.getLogger("unitscale").warning("simulate_fp8 rounded 12 operands")
+        logging.getLogger("unitscale.unit_scale").warning("left 3 op(s) as they are")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "left 45 op(s) as they are",
+        "simulate_fp8 rounded 12 operands",
+        "left 3 op(s) as they are",
+    ]
+    logging.getLogger("unitscale").warning("simulate_fp8 rounded 12 operands")  # after: again
+    assert len(caplog.records) == 4
+
+
 def test_seed_mean_averages_each_grid_point_over_seeds() -> None:
     from unitscale.experiments.transfer import seed_mean
 

@@ -3,10 +3,12 @@ on the experiment runner's data, evaluation samples, schedule and loop."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Literal
 
@@ -133,9 +135,41 @@ def run_transfer(
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
-        return _run_transfer(config, progress)
+        with _each_report_once():
+            return _run_transfer(config, progress)
     finally:
         torch.set_num_threads(threads)
+
+
+class _Once(logging.Filter):
+    """Lets each distinct message through once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+@contextmanager
+def _each_report_once() -> Iterator[None]:
+    """unitscale's reports on a transformed model (ops left as they are, FP8 coverage), each
+    logged once per sweep rather than once per run: a sweep builds the same model at one
+    size dozens of times, and the report is the same each time."""
+    once = _Once()
+    loggers = [logging.getLogger(name) for name in ("unitscale", "unitscale.unit_scale")]
+    for logger in loggers:
+        logger.addFilter(once)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(once)
 
 
 def _run_transfer(config: TransferConfig, progress: Callable[[str], None] | None) -> TransferResult:
