@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -470,7 +469,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Not at import: pytest's doctest collection imports this file into the test process,
-    # whose other tests must keep the default statistics path.
-    os.environ.setdefault("UNITSCALE_STATS", "eager")
     main()

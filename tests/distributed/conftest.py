@@ -46,7 +46,7 @@ def spawn(script: str, args: list[str], out: Path, world: int = 2) -> list[dict[
     is killed) with the ranks' output, instead of blocking the suite.
     """
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1", UNITSCALE_STATS="eager")
+    env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     logs = [out / f"rank{rank}.log" for rank in range(world)]
     handles = [log.open("w") for log in logs]
     procs = [
