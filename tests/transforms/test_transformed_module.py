@@ -151,3 +151,90 @@ def test_torch_compile_of_a_transformed_module_matches_eager() -> None:
     model = simulate_fp8(unit_scale(nn.Sequential(nn.Linear(16, 32), nn.GELU())))
     x = torch.randn(4, 16)
     torch.testing.assert_close(torch.compile(model)(x), model(x), rtol=0, atol=0)
+
+
+class _Predictor(nn.Module):
+    """A model whose own methods call it: ``self(...)`` and ``self.forward(...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.linear(x)) + x
+
+    def predict(self, x: Tensor) -> Tensor:
+        return self(x)
+
+    def forward_twice(self, x: Tensor) -> Tensor:
+        return self.forward(self.predict(x))
+
+    def width(self) -> int:
+        return self.linear.in_features
+
+
+@pytest.mark.parametrize("transform", [unit_scale, simulate_fp8, track_scales])
+def test_a_models_own_methods_call_the_transformed_forward(transform: object) -> None:
+    # Methods of the wrapped module (transformers' generate(), a user's predict()) are looked up
+    # on it: what they call of the module itself must run transformed, not as the copy was.
+    torch.manual_seed(0)
+    model = transform(_Predictor())  # type: ignore[operator]
+    x = torch.randn(4, 8) * 3
+    with torch.no_grad():
+        transformed = model(x)
+        if transform is not track_scales:  # tracking keeps the outputs: its calls are counted
+            assert not torch.equal(transformed, model.module(x))  # else this shows nothing
+        calls = model.capture.calls
+        torch.testing.assert_close(model.predict(x), transformed, rtol=0, atol=0)
+        torch.testing.assert_close(model.forward_twice(x), model(model(x)), rtol=0, atol=0)
+        assert model.capture.calls == calls + 1 + 2 + 2
+    assert model.width() == 8 and model.predict.__name__ == "predict"
+    assert "forward" not in model.module.__dict__  # the route is gone after the call
+
+
+def test_an_instance_forward_of_the_wrapped_module_is_kept_through_a_method() -> None:
+    # A forward set on the instance (as accelerate's hooks do) is what the transform runs,
+    # during a method call as outside one, and it is there again after.
+    torch.manual_seed(0)
+    model = track_scales(_Predictor())
+    inner = model.module
+    calls: list[int] = []
+    original = inner.forward
+
+    def forward(x: Tensor) -> Tensor:
+        calls.append(1)
+        return original(x)
+
+    inner.forward = forward
+    x = torch.randn(2, 8)
+    model.predict(x)
+    assert calls and inner.__dict__["forward"] is forward
+    assert len(model.scales_graph().nodes) > 0  # the call was tracked
+
+
+def test_generate_of_a_transformers_model_runs_the_transformed_forward() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    model = unit_scale(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+        greedy = ids
+        for _ in range(4):  # greedy decoding through the transformed forward
+            next_id = model(greedy).logits[:, -1].argmax(-1, keepdim=True)
+            greedy = torch.cat([greedy, next_id], dim=1)
+        copy = model.module.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+        calls = model.capture.calls
+        model.generate(ids, max_new_tokens=4, do_sample=False)  # with a key-value cache
+    assert generated.tolist() == greedy.tolist()
+    assert model.capture.calls == calls + 4  # every step ran the unit-scaled model
+    assert copy.tolist() != greedy.tolist()  # the untransformed copy decodes otherwise

@@ -499,7 +499,8 @@ class TransformedModule(_Wrapper):
     Returned by ``track_scales``, ``unit_scale``, ``simulate_format`` and ``compile`` in
     :mod:`unitscale.transforms`.
     Behaves like the module it wraps: same ``state_dict()`` keys, same attributes (looked up on
-    the wrapped module), deep-copyable and picklable.
+    the wrapped module), deep-copyable and picklable. A method of the wrapped module that calls
+    the module itself (``self(...)``, ``self.forward(...)``: ``generate()``) runs this forward.
     """
 
     def __init__(self, module: nn.Module, passes: Sequence[GraphPass]) -> None:

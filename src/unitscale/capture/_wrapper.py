@@ -9,13 +9,27 @@ module's tensors by their original names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 #: Attributes of the wrapper itself, never looked up on or set into the wrapped module.
 _OWN_ATTRIBUTES = frozenset({"module", "passes", "_capture", "training"})
+#: Marks the forward that :meth:`_Wrapper._routed` puts on the wrapped module.
+_ROUTED = "_unitscale_routed"
+_NO_FORWARD = object()
+
+
+def _set_forward(module: nn.Module, forward: Any) -> None:
+    """Give ``module`` the instance ``forward`` it had (none: its class's)."""
+    if forward is _NO_FORWARD:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = forward
 
 
 class _Wrapper(nn.Module):
@@ -30,7 +44,46 @@ class _Wrapper(nn.Module):
         except AttributeError:
             if name in ("module", "passes", "_capture"):
                 raise
-            return getattr(self._modules["module"], name)
+            inner = self._modules["module"]
+            value = getattr(inner, name)
+            if (
+                isinstance(value, MethodType)
+                and value.__self__ is inner
+                and name != "forward"
+                and not torch.compiler.is_compiling()  # traced: a method is inlined as written
+            ):
+                return self._routed(value)
+            return value
+
+    def _routed(self, method: MethodType) -> Callable[..., Any]:
+        """``method`` of the wrapped module, run so that what it calls of the module itself
+        (``self(...)``, ``self.forward(...)``: transformers' ``generate()``, a user's
+        ``predict()``) runs through this module's forward, not untransformed."""
+        inner: nn.Module = self.module
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = inner.__dict__.get("forward", _NO_FORWARD)
+            if getattr(before, _ROUTED, False):  # a method called by a routed method
+                return method(*args, **kwargs)
+
+            def forward(*forward_args: Any, **forward_kwargs: Any) -> Any:
+                # The wrapped module's own forward (an instance one included) while this
+                # module runs it, then the route again for the method's next call.
+                _set_forward(inner, before)
+                try:
+                    return self(*forward_args, **forward_kwargs)
+                finally:
+                    inner.__dict__["forward"] = forward
+
+            setattr(forward, _ROUTED, True)
+            inner.__dict__["forward"] = forward
+            try:
+                return method(*args, **kwargs)
+            finally:
+                _set_forward(inner, before)
+
+        return call
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A parameter, buffer or submodule of the wrapped module is set there, so that
