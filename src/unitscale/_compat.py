@@ -6,10 +6,14 @@ goes through this module, so that supporting another release means changing one 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-__all__ = ["dynamo_recompile_limit"]
+import torch
+from torch import nn
+
+__all__ = ["compile_module", "dynamo_recompile_limit"]
 
 
 def dynamo_recompile_limit(limit: int, accumulated: bool = False) -> AbstractContextManager[Any]:
@@ -28,3 +32,41 @@ def dynamo_recompile_limit(limit: int, accumulated: bool = False) -> AbstractCon
     if accumulated:
         settings[total] = limit
     return config.patch(settings)
+
+
+def compile_module(module: nn.Module, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(module, **options)``, with a top frame whose code is its own.
+
+    TorchDynamo keeps what it learnt about a frame (compiled code, and a mark to skip the
+    frame when it captured nothing there) on the frame's code object. A module whose
+    ``forward`` Dynamo does not start a frame on (a ``torch.nn`` class: ``Sequential``,
+    ``LSTM``...) is compiled through one wrapper function that every such compiled module
+    shares (``OptimizedModule._initialize``, torch/_dynamo/eval_frame.py). One of them that
+    Dynamo gives up on at the top (an ``nn.LSTM``) marks that shared code to be skipped, and
+    every ``torch.nn`` module compiled after it in the process then runs eagerly: under
+    unitscale, untransformed. Each module compiled here gets a copy of that code instead,
+    as torch does itself where it wants caches apart (``config.debug_force_nested_calls``).
+    """
+    if torch.compiler.is_compiling():  # traced by an outer torch.compile: as torch builds it
+        return torch.compile(module, **options)
+    with _own_top_frame():
+        return torch.compile(module, **options)
+
+
+@contextmanager
+def _own_top_frame() -> Iterator[None]:
+    from torch._dynamo import external_utils
+
+    shared = external_utils.wrap_inline
+
+    def wrap_inline(fn: Callable[..., Any]) -> Callable[..., Any]:
+        wrapped = shared(fn)
+        code = wrapped.__code__
+        wrapped.__code__ = code.replace(co_varnames=code.co_varnames)  # a new code object
+        return wrapped
+
+    external_utils.wrap_inline = wrap_inline
+    try:
+        yield
+    finally:
+        external_utils.wrap_inline = shared

@@ -3,6 +3,10 @@ code that changes a tensor in place runs, and a user's own error comes first."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -238,3 +242,44 @@ def test_generate_of_a_transformers_model_runs_the_transformed_forward() -> None
     assert generated.tolist() == greedy.tolist()
     assert model.capture.calls == calls + 4  # every step ran the unit-scaled model
     assert copy.tolist() != greedy.tolist()  # the untransformed copy decodes otherwise
+
+
+_AFTER_AN_LSTM = textwrap.dedent(
+    """
+    import warnings
+    import torch
+    from torch import nn
+    from unitscale.transforms import unit_scale
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    if {plain_first}:  # the user's own torch.compile of a module Dynamo gives up on
+        torch.compile(nn.LSTM(8, 8), backend="eager")(torch.randn(2, 3, 8))
+    else:
+        unit_scale(nn.LSTM(8, 8), mup=False)(torch.randn(2, 3, 8))  # said: nothing captured
+    mlp = unit_scale(nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 32)), mup=False)
+    out = mlp(torch.randn(64, 32))
+    graphs = []
+    torch.compile(nn.Sequential(nn.Linear(4, 4)), backend=lambda gm, _: graphs.append(gm) or gm)(
+        torch.randn(2, 4)
+    )
+    print(len(mlp.capture.pieces), round(out.std().item(), 1), len(graphs))
+    """
+)
+
+
+@pytest.mark.parametrize("plain_first", [False, True])
+def test_a_module_dynamo_gives_up_on_leaves_later_transforms_whole(plain_first: bool) -> None:
+    # torch.compile runs every torch.nn-class module through one shared wrapper function, and
+    # Dynamo marks its code to be skipped when it captures nothing at the top (an nn.LSTM):
+    # every torch.nn module compiled after that ran eagerly, so unit_scale of an MLP did
+    # nothing. Each transform has a top frame of its own: neither an LSTM it transformed nor
+    # one the user compiled stops later transforms (nor the user's own torch.compile, after
+    # an LSTM unitscale transformed). A fresh process: the user's compile marks torch's code.
+    script = _AFTER_AN_LSTM.format(plain_first=plain_first)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pieces, std, user_graphs = result.stdout.split()
+    assert int(pieces) == 1 and float(std) == 1.0
+    if not plain_first:
+        assert int(user_graphs) == 1

@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._compat import dynamo_recompile_limit
+from .._compat import compile_module, dynamo_recompile_limit
 from ..errors import CaptureError, UnitScaleError
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._signature import signed_forward
@@ -303,7 +303,7 @@ class Capture:
         # inputs and on the pieces' outputs (which enter the resume function after a graph
         # break: unmarked, it would be recompiled for every new size, then, past Dynamo's
         # recompile limit, run eagerly and untracked).
-        self.compiled: Callable[..., Any] = torch.compile(
+        self.compiled: Callable[..., Any] = compile_module(
             owner.module, backend=self.backend, dynamic=False
         )
         # One Dynamo capture per state key of the passes (see GraphPass.state_key); the first
@@ -325,7 +325,7 @@ class Capture:
                 def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
                     return self.backend(gm, example_inputs)
 
-                compiled = torch.compile(self.owner_module, backend=backend, dynamic=False)
+                compiled = compile_module(self.owner_module, backend=backend, dynamic=False)
             self._by_state[key] = compiled
         return compiled
 
