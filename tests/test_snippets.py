@@ -167,7 +167,7 @@ def test_page_snippets_run_in_order(
 ) -> None:
     pytest.importorskip("matplotlib")
     if page.name == "fp8-real.rst":  # real FP8: float8 GEMMs on this CPU and torch
-        from unitscale.transforms._fp8_gemm import float8_device_error
+        from unitscale.transforms.lowp._gemm import float8_device_error
 
         if (reason := float8_device_error("cpu")) is not None:
             pytest.skip(f"real FP8 needs float8 GEMMs: {reason}")

@@ -22,7 +22,7 @@ import pytest
 import unitscale.transforms
 from unitscale.cli import main
 from unitscale.experiments.training import RUN_KINDS, TrainConfig, train_run
-from unitscale.transforms._fp8_gemm import float8_device_error
+from unitscale.transforms.lowp._gemm import float8_device_error
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from unitscale.transforms._fp8_gemm import float8_device_error
+from unitscale.transforms.lowp._gemm import float8_device_error
 
 pytestmark = pytest.mark.slow
 

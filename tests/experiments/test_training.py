@@ -332,10 +332,10 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
 def _has_to_fp8() -> bool:
     """Whether real FP8 runs here: ``to_fp8`` exists and this torch has float8 GEMMs."""
     import unitscale.transforms
-    from unitscale.transforms import _fp8_gemm
+    from unitscale.transforms.lowp import _gemm
 
     return (
-        hasattr(unitscale.transforms, "to_fp8") and _fp8_gemm.float8_device_error("cpu") is None
+        hasattr(unitscale.transforms, "to_fp8") and _gemm.float8_device_error("cpu") is None
     )
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from unitscale.formats import E4M3, E5M2, FP16, FormatError, FPFormat, _kernels, _native, _ops
 from unitscale.transforms import simulate_format
-from unitscale.transforms._simulate_quantise import _format_of, format_spec
+from unitscale.transforms.lowp._quantise import _format_of, format_spec
 
 FP16_INF = dataclasses.replace(FP16, rounding="nearest", overflow="inf")
 E5M2_INF = dataclasses.replace(E5M2, rounding="nearest", overflow="inf")

@@ -91,7 +91,8 @@ def test_a_held_graph_is_copied_and_refilled_not_joined_again(
     # A user's loop holds the last graph (`graph = tracked.scales_graph()`) until the next
     # read: that read copies the held graph's nodes and refills the copy (joining the pieces
     # again costs several times more), equal to a fresh build, the held graph unchanged.
-    from unitscale.tracking import _join, _recorder
+    from unitscale.tracking import _join
+    from unitscale.tracking._recording import _pass as _recorder
 
     builds = []
     build = _join._build

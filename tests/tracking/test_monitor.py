@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import unitscale.tracking._recorder as recorder
+import unitscale.tracking._recording._pass as recorder
 from unitscale.analysis import (
     graph_to_dataframe,
     scale_heatmap,

@@ -414,7 +414,7 @@ def test_tracking_without_the_extension_gives_the_same_graph(
 ) -> None:
     """The extension changes the cost of tracking, not its statistics: every node's records
     are those of the general path."""
-    import unitscale.tracking._recorder as recorder
+    import unitscale.tracking._recording._pass as recorder
     from unitscale.transforms import track_scales
 
     def records() -> list[tuple[str, object, object]]:

@@ -549,7 +549,8 @@ def test_the_statistics_mode_is_read_once_per_call(monkeypatch: pytest.MonkeyPat
     """``UNITSCALE_STATS`` is read at the start of each tracked call, not once per tensor
     (reading the environment costs a third of a small tensor's statistics), and a change
     takes effect at the next call."""
-    from unitscale.tracking import _recorder, metrics
+    from unitscale.tracking import metrics
+    from unitscale.tracking._recording import _pass as _recorder
 
     monkeypatch.delenv("UNITSCALE_STATS", raising=False)  # the default, whatever ran before
     reads: list[str] = []

@@ -18,7 +18,7 @@ from unitscale.errors import CaptureError
 from unitscale.formats import E4M3, E5M2
 from unitscale.models import GPTConfig, plain_gpt
 from unitscale.transforms import compile, simulate_format, simulate_fp8, track_scales, unit_scale
-from unitscale.transforms._simulate_quantise import quantise_operand
+from unitscale.transforms.lowp._quantise import quantise_operand
 
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")

@@ -32,7 +32,6 @@ from torch import nn
 from unitscale.capture import TransformedModule
 from unitscale.parameter import has_mup_tags
 from unitscale.transforms import (
-    _fp8_gemm,
     fp8_summary,
     simulate_fp8,
     to_fp8,
@@ -41,8 +40,9 @@ from unitscale.transforms import (
     unit_scale,
     unit_scale_summary,
 )
-from unitscale.transforms._fp8_ops import looks_matmul_like
-from unitscale.transforms._simulate_operands import matmul_operands
+from unitscale.transforms.lowp import _gemm
+from unitscale.transforms.lowp._operands import matmul_operands
+from unitscale.transforms.lowp._ops import looks_matmul_like
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,7 +286,7 @@ def test_unit_scale_and_fp8_simulation(
     assert not UNSAID["simulate_fp8"](fp8), name
     assert not torch.equal(fp8_loss, loss), name  # the operands were really rounded
     assert abs(fp8_loss - loss) / loss < 0.05, (name, fp8_loss.item(), loss.item())
-    if _fp8_gemm.float8_device_error("cpu") is None:  # real FP8: the linear ops' scope
+    if _gemm.float8_device_error("cpu") is None:  # real FP8: the linear ops' scope
         real = to_fp8(scaled)
         _loss_and_grads(real, inputs)
         assert not UNSAID["to_fp8"](real), name

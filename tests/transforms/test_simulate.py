@@ -14,9 +14,9 @@ from unitscale import UnitScaleError
 from unitscale.errors import CaptureError
 from unitscale.formats import E4M3, E5M2, FormatError, FPFormat
 from unitscale.transforms import simulate_format, simulate_fp8, track_scales
-from unitscale.transforms._simulate_operands import matmul_operands
-from unitscale.transforms._simulate_pass import SimulateFormatPass
-from unitscale.transforms._simulate_quantise import quantise_operand
+from unitscale.transforms.lowp._operands import matmul_operands
+from unitscale.transforms.lowp._pass import SimulateFormatPass
+from unitscale.transforms.lowp._quantise import quantise_operand
 
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")

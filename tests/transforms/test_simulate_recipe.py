@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from unitscale.experiments.training import TrainConfig, TrainConfigError, build_run_model
 from unitscale.formats import E4M3, E5M2, FormatError
 from unitscale.transforms import FP8_RECIPES, FP8Recipe, simulate_fp8, track_scales
-from unitscale.transforms._simulate_quantise import quantise_grad, quantise_operand
+from unitscale.transforms.lowp._quantise import quantise_grad, quantise_operand
 
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")

@@ -19,7 +19,7 @@ from unitscale.transforms import (
     track_scales,
     unit_scale,
 )
-from unitscale.transforms._simulate_quantise import fp8_scale
+from unitscale.transforms.lowp._quantise import fp8_scale
 
 
 def _torchao(module: str) -> Any:

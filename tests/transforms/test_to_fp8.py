@@ -23,7 +23,6 @@ from unitscale.formats import E4M3, E5M2, FormatError
 from unitscale.transforms import (
     FP8_RECIPES,
     FP8Recipe,
-    _fp8_gemm,
     compile,
     fp8_summary,
     scaling_cost,
@@ -32,14 +31,15 @@ from unitscale.transforms import (
     track_scales,
     unit_scale,
 )
-from unitscale.transforms._scaling import amax_scale, tensor_amax
+from unitscale.transforms.lowp import _gemm
+from unitscale.transforms.lowp._scaling import amax_scale, tensor_amax
 
 _E4M3 = dataclasses.replace(E4M3, rounding="nearest")
 _E5M2 = dataclasses.replace(E5M2, rounding="nearest")
 
 pytestmark = pytest.mark.skipif(
-    _fp8_gemm.float8_device_error("cpu") is not None,
-    reason=f"no float8 GEMM on this CPU: {_fp8_gemm.float8_device_error('cpu')}",
+    _gemm.float8_device_error("cpu") is not None,
+    reason=f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}",
 )
 
 
@@ -53,7 +53,7 @@ def _round(x: Tensor, fmt: Any, scaling: str) -> tuple[Tensor, Tensor]:
 
 
 class ReferenceMatmul(torch.autograd.Function):
-    """What :class:`~unitscale.transforms._fp8_gemm.Float8Matmul` computes, from
+    """What :class:`~unitscale.transforms.lowp._gemm.Float8Matmul` computes, from
     ``quantise`` and FP32 matmuls (delayed scaling not covered): each rounded operand times
     its inverse scale (the second times the op's factor), multiplied in FP32."""
 
@@ -82,7 +82,7 @@ class ReferenceMatmul(torch.autograd.Function):
 def reference(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Call it to make the float8 GEMMs of to_fp8 models built afterwards run as
     :class:`ReferenceMatmul`."""
-    return lambda: monkeypatch.setattr(_fp8_gemm, "Float8Matmul", ReferenceMatmul)
+    return lambda: monkeypatch.setattr(_gemm, "Float8Matmul", ReferenceMatmul)
 
 
 def _grads(model: nn.Module, *inputs: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -163,7 +163,7 @@ def test_linear_stack_equals_hand_rounded_fp32_matmuls_bit_for_bit() -> None:
     stack = _stack()
     x = torch.randn(4, 8, 32)
     ours = _grads(to_fp8(stack), x)
-    assert _fp8_gemm.Float8Matmul is not ReferenceMatmul
+    assert _gemm.Float8Matmul is not ReferenceMatmul
     _assert_equal(ours, _grads(HandRounded(copy.deepcopy(stack)), x))
     # and rounding really happens: not the FP32 model's numbers
     assert not torch.equal(ours[0], stack(x))
@@ -283,7 +283,7 @@ def test_composes_with_unit_scale_and_track_scales() -> None:
     x = torch.randn(8, 32)
     model(x).sum().backward()
     targets = {n.target for n in model.scales_graph().nodes}
-    assert _fp8_gemm.unit_linear in targets
+    assert _gemm.unit_linear in targets
     with pytest.raises(CaptureError, match="already simulates"):
         to_fp8(simulate_fp8(mlp))
     with pytest.raises(UnitScaleError, match=r"apply to_fp8 once|already runs"):
@@ -338,7 +338,7 @@ def test_addmm_is_the_linear_op_of_the_transposed_matrix(op: str) -> None:
     """``addmm(b, x, w)`` is ``linear(x, w.t(), b)``, values and gradients bit for bit (one
     path); ``beta`` or ``alpha`` other than 1 are refused, not ignored."""
     x, w, b = torch.randn(5, 8), torch.randn(8, 3), torch.randn(3)
-    as_addmm, as_linear = getattr(_fp8_gemm, op), getattr(_fp8_gemm, op.replace("addmm", "linear"))
+    as_addmm, as_linear = getattr(_gemm, op), getattr(_gemm, op.replace("addmm", "linear"))
     results = []
     for call in (lambda a, m, v: as_addmm(v, a, m), lambda a, m, v: as_linear(a, m.t(), v)):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -356,18 +356,18 @@ def test_a_build_or_device_without_float8_gemms_gets_a_format_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        _fp8_gemm, "float8_build_error", lambda: "torch 2.0 has no torch._scaled_mm"
+        _gemm, "float8_build_error", lambda: "torch 2.0 has no torch._scaled_mm"
     )
     with pytest.raises(FormatError, match=r"_scaled_mm.*simulate_fp8"):
         to_fp8(nn.Linear(4, 4))
     monkeypatch.undo()
-    _fp8_gemm._trial.cache_clear()
-    monkeypatch.setattr(_fp8_gemm, "_scaled_mm", _raise)
+    _gemm._trial.cache_clear()
+    monkeypatch.setattr(_gemm, "_scaled_mm", _raise)
     try:
         with pytest.raises(FormatError, match=r"fails on cpu.*simulate_fp8"):
             to_fp8(nn.Linear(4, 4))
     finally:
-        _fp8_gemm._trial.cache_clear()
+        _gemm._trial.cache_clear()
 
 
 def test_a_device_without_float8_gemms_found_at_the_first_call_gets_a_format_error(
@@ -376,7 +376,7 @@ def test_a_device_without_float8_gemms_found_at_the_first_call_gets_a_format_err
     """A model moved, after to_fp8, to a device without float8 GEMMs: the error comes when
     its graph is rewritten, as the FormatError itself."""
     model = to_fp8(nn.Linear(4, 4))
-    monkeypatch.setattr(_fp8_gemm, "float8_device_error", lambda device: "old device")
+    monkeypatch.setattr(_gemm, "float8_device_error", lambda device: "old device")
     with pytest.raises(FormatError, match=r"old device.*simulate_fp8"):
         model(torch.randn(2, 4))
 
@@ -529,7 +529,7 @@ def test_a_linear_op_the_backend_rejects_runs_as_before_and_is_reported(
     """As a GPU rejects a weight whose dimensions are not multiples of 16."""
     stack = _stack()
     monkeypatch.setattr(
-        _fp8_gemm,
+        _gemm,
         "float8_shape_error",
         lambda fan_in, fan_out, device: "odd" if fan_out == 16 else None,
     )
@@ -548,9 +548,9 @@ def test_a_linear_op_the_backend_rejects_runs_as_before_and_is_reported(
 
 def test_weight_gradient_rows_are_padded_to_16_off_the_cpu() -> None:
     g, x = torch.ones(17, 8, device="meta"), torch.ones(17, 4, device="meta")
-    assert [t.shape for t in _fp8_gemm._pad_rows(g, x)] == [(32, 8), (32, 4)]
+    assert [t.shape for t in _gemm._pad_rows(g, x)] == [(32, 8), (32, 4)]
     cpu = torch.ones(17, 8)
-    assert _fp8_gemm._pad_rows(cpu)[0] is cpu
-    error = _fp8_gemm.float8_shape_error(24, 32, torch.device("cuda"))
+    assert _gemm._pad_rows(cpu)[0] is cpu
+    error = _gemm.float8_shape_error(24, 32, torch.device("cuda"))
     assert error is not None and "in=24" in error
-    assert _fp8_gemm.float8_shape_error(24, 32, torch.device("cpu")) is None
+    assert _gemm.float8_shape_error(24, 32, torch.device("cpu")) is None

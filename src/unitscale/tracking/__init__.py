@@ -6,7 +6,7 @@ This layer collects and returns tables and records; drawing and TensorBoard expo
 
 from ._coverage import TrackingCoverage, tracking_coverage
 from ._join import build_scales_graph
-from ._recorder import TrackScalesPass
+from ._recording import TrackScalesPass
 from .metrics import (
     FORMAT_KEYS,
     FORMAT_RANGES,

@@ -77,7 +77,7 @@ def tracking_coverage(module: nn.Module) -> TrackingCoverage:
         >>> tracking_coverage(tracked).complete
         True
     """
-    from ._recorder import TrackScalesPass
+    from ._recording._pass import TrackScalesPass
 
     track = module.pass_of_type(TrackScalesPass) if isinstance(module, TransformedModule) else None
     if not isinstance(module, TransformedModule) or not isinstance(track, TrackScalesPass):

@@ -5,10 +5,11 @@ the nodes of every piece the last call ran, in execution order, into one ``torch
 parameters and buffers become shared placeholders named by their qualified names, a piece's
 input that an earlier piece returned is wired to that output, ops of inlined functions get
 readable ``function.variable`` names. The statistics the pass recorded
-(:mod:`unitscale.tracking._recorder`) are read onto the nodes by :mod:`unitscale.tracking._read`.
+(:mod:`unitscale.tracking._recording._pass`) are read onto the nodes by
+:mod:`unitscale.tracking._read`.
 The last joined graph is kept and refilled when the next call has the same structure.
 
-Writes the node meta listed in :mod:`unitscale.tracking._recorder`.
+Writes the node meta listed in :mod:`unitscale.tracking._recording._pass`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["build_scales_graph"]
 
 class TrackScalesState(Protocol):
     """What joining reads and keeps on the tracking pass
-    (:class:`unitscale.tracking._recorder.TrackScalesPass`), so that this module does not
+    (:class:`unitscale.tracking._recording._pass.TrackScalesPass`), so that this module does not
     import the pass (the pass imports this module)."""
 
     _joined: _Joined | None  # the last joined graph, refilled when unchanged

@@ -1,7 +1,7 @@
 """Read the statistics of a tracked call: one host transfer per device.
 
-The pass (:mod:`unitscale.tracking._recorder`) leaves, per invocation of a piece, a statistics
-vector per slot (on the device, or already on the host for small CPU tensors).
+The pass (:mod:`unitscale.tracking._recording._pass`) leaves, per invocation of a piece, a
+statistics vector per slot (on the device, or already on the host for small CPU tensors).
 :func:`_resolved` gives each slot its statistics (shared slots and aliases resolved);
 :func:`_read_stats` stacks every pending vector and reads it at once (reducing over the ranks
 first under data parallelism, :mod:`unitscale.tracking._distributed`), then writes

@@ -49,7 +49,7 @@ from ..errors import MonitorError
 from . import _distributed
 from ._monitor_table import LONG_COLUMNS, MonitorRecord, long_table, step_records
 from ._nonfinite import NonFiniteError, NonFiniteReport, NonFiniteWarning, _first_non_finite
-from ._recorder import TrackScalesPass
+from ._recording._pass import TrackScalesPass
 from .records import METRIC_NAMES
 
 if TYPE_CHECKING:

@@ -10,20 +10,25 @@ from ..tracking import (
     tracking_coverage,
 )
 from ._compile import compile
-from ._fp8_summary import FP8Summary, fp8_summary
-from ._simulate import (
+from ._track import track_scales
+from .lowp import (
     FP8_RECIPES,
     FP8Recipe,
+    FP8Summary,
     ScalingCost,
+    fp8_summary,
     scaling_cost,
     simulate_format,
     simulate_fp8,
+    to_fp8,
 )
-from ._to_fp8 import to_fp8
-from ._track import track_scales
-from ._unit_scale import ResidualTau, unit_scale
-from ._unit_scale_replace import UnknownOpError
-from ._unit_scale_summary import UnitScaleSummary, unit_scale_summary
+from .unit_scaling import (
+    ResidualTau,
+    UnitScaleSummary,
+    UnknownOpError,
+    unit_scale,
+    unit_scale_summary,
+)
 
 __all__ = [  # noqa: RUF022 (grouped by concern)
     # scale tracking

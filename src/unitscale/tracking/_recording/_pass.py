@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch._C import _functorch
 
-from ..capture import (
+from ...capture import (
     NOT_INTERCEPTED,
     Capture,
     GraphPass,
@@ -45,12 +45,12 @@ from ..capture import (
     trace_eagerly,
     warn_user,
 )
-from . import _distributed
-from ._join import _Joined, build_scales_graph
-from ._read import _Stats
-from ._recorder_graph import _replicated_slots, _same_values_source, _static_shape
-from ._recorder_tensors import _add_grad_hook, _alias_requiring_grad, _can_alias, _Snapshot
-from .metrics import _mode, deferred_stats, fast_stats
+from .. import _distributed
+from .._join import _Joined, build_scales_graph
+from .._read import _Stats
+from ..metrics import _mode, deferred_stats, fast_stats
+from ._graph import _replicated_slots, _same_values_source, _static_shape
+from ._tensors import _add_grad_hook, _alias_requiring_grad, _can_alias, _Snapshot
 
 __all__ = ["TrackScalesPass", "build_scales_graph"]
 

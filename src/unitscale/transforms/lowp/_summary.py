@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..capture import Piece, TransformedModule, warn_user
-from ..errors import UnitScaleError
+from ...capture import Piece, TransformedModule, warn_user
+from ...errors import UnitScaleError
 
 __all__ = ["FP8Summary", "fp8_summary", "record"]
 

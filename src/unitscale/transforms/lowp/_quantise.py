@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..formats import FPFormat
+from ...formats import FPFormat
 from ._scaling import Scaling, amax_scale, delayed_scale, scaled_round, tensor_amax
 
 __all__ = ["FormatSpec", "format_spec", "fp8_scale", "quantise_grad", "quantise_operand"]
@@ -89,7 +89,7 @@ def fp8_scale(x: Tensor, format_max: float, history: Tensor | None = None) -> Te
 
     Inserted by ``scaling="tensorwise"`` (``history`` None: the amax of ``x``) and
     ``"delayed"`` (the max of ``history``, which is then updated while autograd records;
-    see :mod:`unitscale.transforms._scaling` for the rules and their sources).
+    see :mod:`unitscale.transforms.lowp._scaling` for the rules and their sources).
 
     Example:
         >>> fp8_scale(torch.tensor([0.5, -2.0]), 448.0).item()  # E4M3's max / amax

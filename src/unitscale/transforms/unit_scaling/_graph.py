@@ -2,7 +2,7 @@
 additions of independent operands, matmuls by a weight, masked attention, and the values that
 carry the data-parallel batch (with the hints that tell the unit-scaled ops about the rest).
 
-The rules are stated in the docstring of :mod:`unitscale.transforms._unit_scale`.
+The rules are stated in the docstring of :mod:`unitscale.transforms.unit_scaling._transform`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..capture import Piece, example_value, is_float_node
-from ._rewrite import ancestors, descendants, placeholder_names
+from ...capture import Piece, example_value, is_float_node
+from .._rewrite import ancestors, descendants, placeholder_names
 
 # Additions a residual add can be written with (x + f(x), x += f(x), torch.add(x, f(x))).
 _ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
@@ -59,7 +59,7 @@ def _hint_batch(graph: fx.Graph, batch: set[fx.Node]) -> None:
     ``unitscale.functional.batch_hinted_add``): ids computed without the model's inputs are
     position ids shared by every example; an operand computed without them, added to a value
     computed with them, is shared by every example (counted over the whole batch)."""
-    from .. import functional as U
+    from ... import functional as U
 
     for node in graph.nodes:
         if node.op != "call_function":

@@ -1,8 +1,8 @@
 """The graph pass of ``simulate_format`` and ``simulate_fp8``: :class:`SimulateFormatPass`.
 
 The pass rewrites each captured graph so that every floating-point operand of a matmul-like
-op (:mod:`unitscale.transforms._simulate_operands`) goes through
-:func:`~unitscale.transforms._simulate_quantise.quantise_operand` first: the operand is
+op (:mod:`unitscale.transforms.lowp._operands`) goes through
+:func:`~unitscale.transforms.lowp._quantise.quantise_operand` first: the operand is
 rounded to ``fwd_format`` in the forward pass and, optionally, the gradient with respect to
 it is rounded to ``bwd_format`` in the backward pass. Optionally, the gradient with respect
 to the op's *output* is rounded too (``quantise_grad``, inserted after the op, with the bias
@@ -24,14 +24,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture import Capture, Piece, Stage, example_value, identifier, is_float_node
-from ..formats import FPFormat
-from ._fp8_ops import OpsScope, add_bias, unit_addmm_bias, unit_linear_bias, unit_readout_bias
-from ._fp8_summary import record
-from ._rewrite import RewritePass, insert_call, placeholder_names
+from ...capture import Capture, Piece, Stage, example_value, identifier, is_float_node
+from ...formats import FPFormat
+from .._rewrite import RewritePass, insert_call, placeholder_names
+from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
+from ._ops import OpsScope, add_bias, unit_addmm_bias, unit_linear_bias, unit_readout_bias
+from ._quantise import format_spec, fp8_scale, quantise_grad, quantise_operand
 from ._scaling import DEFAULT_HISTORY_LEN, Scaling, history_buffer
-from ._simulate_operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
-from ._simulate_quantise import format_spec, fp8_scale, quantise_grad, quantise_operand
+from ._summary import record
 
 __all__ = ["SimulateFormatPass"]
 
@@ -93,7 +93,7 @@ class SimulateFormatPass(RewritePass):
         scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
         history_len: amax-history length for ``"delayed"``.
         ops: ``"matmuls"`` (every matmul-like op) or ``"linear"`` (only the ops with a
-            weight parameter, see :mod:`unitscale.transforms._fp8_ops`); the matmul-like
+            weight parameter, see :mod:`unitscale.transforms.lowp._ops`); the matmul-like
             ops left out are recorded for :func:`~unitscale.transforms.fp8_summary`.
         transform: the transform's name in that summary and its log line.
     """
@@ -317,7 +317,7 @@ def _split_bias(
     """Rewrite ``node`` (a linear op or an ``addmm`` with a floating-point bias) to compute
     its product without the bias; return the function that adds the bias to that product
     and its arguments after the product. None (``node`` untouched) for other ops."""
-    from .. import functional as U
+    from ... import functional as U
 
     unit_addmm = U.torch_map[torch.addmm]
     if node.op == "call_function" and node.target in (F.linear, U.linear, U.linear_readout):

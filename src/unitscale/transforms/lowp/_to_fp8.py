@@ -1,10 +1,10 @@
 """``to_fp8``: run every linear op of a model as real float8 GEMMs (``torch._scaled_mm``).
 
 :class:`ToFP8Pass` rewrites each captured graph: every linear op, as
-:mod:`unitscale.transforms._fp8_ops` defines them for ``simulate_fp8(ops="linear")`` too
+:mod:`unitscale.transforms.lowp._ops` defines them for ``simulate_fp8(ops="linear")`` too
 (``F.linear``, :func:`unitscale.functional.linear` and ``linear_readout``, and ``addmm``
 whose second matrix is a parameter, transformers' ``Conv1D``, or ``unit_scale``'s version of
-it), calls its float8 counterpart in :mod:`unitscale.transforms._fp8_gemm` instead, with the
+it), calls its float8 counterpart in :mod:`unitscale.transforms.lowp._gemm` instead, with the
 same arguments. Every other op runs as before, in the model's precision: the matmul-like ops
 that are not linear ops (attention's batched matmuls, ``matmul`` of two activations,
 convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float or
@@ -33,8 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .. import functional as U
-from ..capture import (
+from ... import functional as U
+from ...capture import (
     Capture,
     Piece,
     Stage,
@@ -43,15 +43,15 @@ from ..capture import (
     is_float_node,
     transformed,
 )
-from ..errors import CaptureError
-from ..formats import FormatError
-from . import _fp8_gemm as fp8
-from ._fp8_summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
-from ._rewrite import RewritePass, placeholder_names
+from ...errors import CaptureError
+from ...formats import FormatError
+from .._rewrite import RewritePass, placeholder_names
+from . import _gemm as fp8
+from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
+from ._pass import SimulateFormatPass, _Sites
 from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
-from ._simulate_operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
-from ._simulate_pass import SimulateFormatPass, _Sites
+from ._summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
 
 __all__ = ["ToFP8Pass", "to_fp8"]
 

@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..scale import scale_bwd
+from ...scale import scale_bwd
 
 __all__ = [
     "OPS_SCOPES",
@@ -91,7 +91,7 @@ def _linear_functions() -> tuple[Callable[..., Any], ...]:
     """``F.linear`` and the unit-scaled linear ops (imported lazily: functional is heavier)."""
     global _linear_cache
     if _linear_cache is None:
-        from .. import functional as U
+        from ... import functional as U
 
         _linear_cache = (F.linear, U.linear, U.linear_readout)
     return _linear_cache
@@ -104,7 +104,7 @@ def _addmm_functions() -> tuple[Callable[..., Any], ...]:
     """``torch.addmm`` and the unit-scaled op ``unit_scale`` replaces it with (``Conv1D``)."""
     global _addmm_cache
     if _addmm_cache is None:
-        from .. import functional as U
+        from ... import functional as U
 
         _addmm_cache = (torch.addmm, U.torch_map[torch.addmm])
     return _addmm_cache
@@ -168,7 +168,7 @@ def unit_linear_bias(
 ) -> Tensor:
     """The bias of :func:`unitscale.functional.linear` (``input``, ``weight`` and
     ``constraint`` as it was called), added to its bias-free ``out``."""
-    from .. import functional as U
+    from ... import functional as U
 
     return add_bias(out, bias, U.linear_factors(input, weight, constraint).weight_grad)
 
@@ -182,7 +182,7 @@ def unit_readout_bias(
     mup: bool = True,
 ) -> Tensor:
     """As :func:`unit_linear_bias`, for :func:`unitscale.functional.linear_readout`."""
-    from .. import functional as U
+    from ... import functional as U
 
     factors = U.linear_readout_factors(input, weight, constraint, mup=mup)
     return add_bias(out, bias, factors.weight_grad)

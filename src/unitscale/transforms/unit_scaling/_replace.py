@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnitScaleError
+from ...errors import UnitScaleError
 from ._user_ops import is_user_function
 
 __all__ = ["UnknownOpError"]
@@ -42,7 +42,7 @@ _NAMESPACES: tuple[tuple[str, Any], ...] = (
 
 
 def _torch_map() -> dict[Callable[..., Any], Callable[..., Any]]:
-    from .. import functional as U
+    from ... import functional as U
 
     return dict(U.torch_map)
 

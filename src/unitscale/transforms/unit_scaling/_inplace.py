@@ -21,7 +21,7 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor
 
-from ..capture import example_value
+from ...capture import example_value
 
 __all__ = ["functionalize_inplace"]
 

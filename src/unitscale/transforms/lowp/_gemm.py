@@ -9,7 +9,7 @@ largest become it; NaN stays NaN), as ``unitscale.formats.E4M3.quantise`` does a
 ``to_fp8_saturated`` does, so that on the CPU the result equals rounding the operands with
 ``E4M3``/``E5M2`` (rounded to nearest) and multiplying them in FP32.
 
-Scales (rules in :mod:`unitscale.transforms._scaling`, shared with ``simulate_fp8``):
+Scales (rules in :mod:`unitscale.transforms.lowp._scaling`, shared with ``simulate_fp8``):
 ``"none"`` casts as is (scale 1: no amax is computed), ``"tensorwise"`` multiplies each
 operand by ``format_max / amax`` before its cast and hands the inverse scales to
 ``_scaled_mm`` (torchao's ``addmm_float8_unwrapped`` does exactly this), ``"delayed"`` takes
@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import functional as U
-from ..formats import FormatError
-from ..scale import scale_bwd
-from ._fp8_ops import add_bias
+from ... import functional as U
+from ...formats import FormatError
+from ...scale import scale_bwd
+from ._ops import add_bias
 from ._scaling import amax_scale, delayed_scale, tensor_amax
 
 __all__ = [

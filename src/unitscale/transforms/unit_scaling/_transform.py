@@ -11,7 +11,7 @@
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
    *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`: by default u-μP's rule,
    Appendix G of the paper, over ``n`` branches, ``n`` twice the length of the model's
-   residual stack, found as ``transforms/_residual_tau.py`` says, or else the number of
+   residual stack, found as ``transforms/unit_scaling/_residual_tau.py`` says, or else the number of
    residual adds captured; with ``mup=False``, equal shares). Adds are counted in
    execution order over the whole call, across graph breaks; where Dynamo runs one captured
    graph at several depths (a layer with a graph break inside: the code before the break and
@@ -70,7 +70,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture import (
+from ...capture import (
     Capture,
     Invocation,
     Piece,
@@ -80,19 +80,16 @@ from ..capture import (
     is_float_node,
     transformed,
 )
-from ..functional import masked_scaled_dot_product_attention
-from ..parameter import tag_model
-from ._inplace import functionalize_inplace
-from ._norms import freeze_norms
-from ._residual_tau import ResidualTau, residual_stack_length
-from ._rewrite import (
+from ...functional import masked_scaled_dot_product_attention
+from ...parameter import tag_model
+from .._rewrite import (
     RewritePass,
     ancestors,
     insert_call,
     parameter_nodes,
     placeholder_names,
 )
-from ._unit_scale_graph import (
+from ._graph import (
     _as_residual_add,
     _batch_nodes,
     _has_mask,
@@ -101,15 +98,18 @@ from ._unit_scale_graph import (
     _is_matmul,
     _ResidualAdd,
 )
-from ._unit_scale_init import (
+from ._initialise import (
     _init_unit_scale,
     _mark_conv1d_fan_in,
     _readout_name,
     _unowned_versions,
     _untie_readout,
 )
-from ._unit_scale_replace import _check_replace, _op_name, _torch_map
-from ._unit_scale_summary import classify, log_left_as_is
+from ._inplace import functionalize_inplace
+from ._norms import freeze_norms
+from ._replace import _check_replace, _op_name, _torch_map
+from ._residual_tau import ResidualTau, residual_stack_length
+from ._summary import classify, log_left_as_is
 from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
@@ -288,7 +288,7 @@ class UnitScalePass(RewritePass):
         before: tuple[int, int],
         in_scope: Callable[[fx.Node], bool],
     ) -> list[_ResidualAdd]:
-        from .. import functional as U
+        from ... import functional as U
 
         adds_before, attention_before = before
         layers = self.residual_layers
@@ -405,7 +405,7 @@ class UnitScalePass(RewritePass):
                 parameter.normal_(0.0, 1.0)
 
     def _replace_ops(self, graph: fx.Graph, in_scope: Callable[[fx.Node], bool]) -> list[fx.Node]:
-        from .. import functional as U
+        from ... import functional as U
 
         mapping = self.mapping()
         replaced: list[fx.Node] = []
@@ -438,7 +438,7 @@ class UnitScalePass(RewritePass):
     ) -> list[fx.Node]:
         """The unit-scaled linear whose weight is the output head's becomes u-μP's readout
         (``linear_readout(..., mup=True)``: output multiplier ``1/fan_in``)."""
-        from .. import functional as U
+        from ... import functional as U
 
         if getattr(self, "readout_weight", None) is None:
             return []

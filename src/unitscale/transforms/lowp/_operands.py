@@ -6,7 +6,7 @@ Matmul-like ops (:data:`MATMUL_OPERANDS`): ``F.linear`` (input and weight, not b
 ``einsum`` (every tensor operand), ``conv1d/2d/3d`` and their transposes (input and weight),
 ``F.scaled_dot_product_attention`` (query, key and value, not the mask), the grouped
 matmuls of mixture-of-experts layers (tokens and stacked expert weights, see
-:mod:`unitscale.transforms._fp8_ops`), and their unit-scaled equivalents in
+:mod:`unitscale.transforms.lowp._ops`), and their unit-scaled equivalents in
 :mod:`unitscale.functional` (transformers' ``Conv1D`` ``addmm`` included), so that
 ``simulate_fp8(unit_scale(m))`` quantises the same tensors as ``simulate_fp8(m)``. With
 ``ops="linear"`` only the ops with a weight parameter are rounded; the matmul-like ones left
@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..capture import Capture, Piece, module_path_of
-from ._fp8_ops import OpsScope, grouped_operands, is_linear, looks_matmul_like, target_name
-from ._rewrite import RewritePass, parameter_nodes
+from ...capture import Capture, Piece, module_path_of
+from .._rewrite import RewritePass, parameter_nodes
+from ._ops import OpsScope, grouped_operands, is_linear, looks_matmul_like, target_name
 
 __all__ = [
     "MATMUL_OPERANDS",
@@ -93,7 +93,7 @@ def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
     if _unit_scaled_cache is None:
         table: dict[Callable[..., Any], _Operands] = {}
         try:
-            from .. import functional as U
+            from ... import functional as U
         except ImportError:  # pragma: no cover - functional ships with the package
             U = None  # type: ignore[assignment]
         for name, count in _UNIT_SCALED_OPERANDS.items():
@@ -102,7 +102,7 @@ def _unit_scaled_operands() -> dict[Callable[..., Any], _Operands]:
                 continue
             params = list(inspect.signature(fn).parameters)[:count]
             table[fn] = tuple((i, p) for i, p in enumerate(params))
-        from ..functional import masked_scaled_dot_product_attention, torch_map
+        from ...functional import masked_scaled_dot_product_attention, torch_map
 
         table[masked_scaled_dot_product_attention] = _ATTENTION
         # transformers' Conv1D (``addmm(bias, x, weight)``) once unit_scale replaced it.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import UnitScaleError
+from ...errors import UnitScaleError
 
 __all__ = ["ResidualTau", "residual_stack_length"]
 

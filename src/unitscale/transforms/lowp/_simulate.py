@@ -1,10 +1,10 @@
 """``simulate_format`` and ``simulate_fp8``: run matmul-like ops on low-precision operands.
 
 Both return a copy of a module whose captured graphs are rewritten by
-:class:`~unitscale.transforms._simulate_pass.SimulateFormatPass`: every floating-point
-operand of a matmul-like op (:mod:`unitscale.transforms._simulate_operands`) is rounded to a
+:class:`~unitscale.transforms.lowp._pass.SimulateFormatPass`: every floating-point
+operand of a matmul-like op (:mod:`unitscale.transforms.lowp._operands`) is rounded to a
 format in the forward pass and, optionally, the gradients around the op in the backward pass
-(:mod:`unitscale.transforms._simulate_quantise`). This module holds the user-facing
+(:mod:`unitscale.transforms.lowp._quantise`). This module holds the user-facing
 functions, the checks of their arguments, the FP8 recipes and the count of scaling work.
 
 Which tensors an FP8 run rounds is an :class:`FP8Recipe`. The default, ``"hardware"``, is
@@ -24,12 +24,12 @@ from typing import Any
 import torch  # noqa: F401 (the examples use it)
 from torch import nn
 
-from ..capture import Invocation, TransformedModule, transformed
-from ..errors import UnitScaleError
-from ..formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
-from ._fp8_ops import OPS_SCOPES, OpsScope
+from ...capture import Invocation, TransformedModule, transformed
+from ...errors import UnitScaleError
+from ...formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
+from ._ops import OPS_SCOPES, OpsScope
+from ._pass import SimulateFormatPass
 from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
-from ._simulate_pass import SimulateFormatPass
 
 __all__ = [
     "FP8_RECIPES",
@@ -279,7 +279,7 @@ def simulate_fp8(
     rounding or other formats, pass an :class:`FP8Recipe` or call :func:`simulate_format`.
 
     ``scaling`` says how each tensor the recipe rounds is scaled (rules and their sources in
-    :mod:`unitscale.transforms._scaling`):
+    :mod:`unitscale.transforms.lowp._scaling`):
 
     - ``"none"`` (default): not at all, what a unit-scaled model needs;
     - ``"tensorwise"``: multiplied by ``format_max / amax(tensor)`` before rounding and

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import (
+from ...capture import (
     Capture,
     Piece,
     Stage,
@@ -39,7 +39,7 @@ from ..capture import (
     example_value,
     is_float_node,
 )
-from ..errors import UnitScaleError
+from ...errors import UnitScaleError
 
 __all__ = ["UnitScaleSummary", "classify", "log_left_as_is", "op_label", "unit_scale_summary"]
 

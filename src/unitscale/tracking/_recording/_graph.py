@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..capture import Piece, example_value, is_float_node
+from ...capture import Piece, example_value, is_float_node
 
 
 def _static_shape(value: Tensor) -> bool:
