@@ -68,6 +68,13 @@ def _check_tags(mup_type: object, mup_scaling_depth: object) -> None:
 #: :mod:`unitscale.optim` reads it. Kept by deepcopy and pickle like the tags.
 FAN_IN_DIM = "fan_in_dim"
 
+#: Optional attribute: the depth rule of the residual stack holding the parameter,
+#: ``"depth-mup"`` (the default where unset) or ``"completep"``; set with
+#: ``mup_scaling_depth`` by :class:`unitscale.TransformerDecoder` and
+#: :func:`unitscale.transforms.unit_scale` (``depth_rule=``), read by :mod:`unitscale.optim`
+#: for the depth factor of the learning rate. Kept by deepcopy and pickle like the tags.
+DEPTH_RULE = "mup_depth_rule"
+
 
 def _rebuild(
     data: Tensor,
@@ -83,7 +90,7 @@ def _rebuild(
 
 
 def _extra(param: Tensor) -> dict[str, Any]:
-    return {FAN_IN_DIM: param.__dict__[FAN_IN_DIM]} if FAN_IN_DIM in param.__dict__ else {}
+    return {key: param.__dict__[key] for key in (FAN_IN_DIM, DEPTH_RULE) if key in param.__dict__}
 
 
 class Parameter(nn.Parameter):
