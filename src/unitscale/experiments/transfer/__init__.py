@@ -7,11 +7,11 @@ model family (:attr:`TransferConfig.model`) in two parametrisations, at every si
 - ``standard``: the plain-PyTorch decoder (:class:`unitscale.models.PlainGPT` without a
   position embedding, GPT-2's layout and N(0, 0.02) initialisation), or for ``hf:llama`` a
   transformers Llama as transformers initialises it, with ``torch.optim.AdamW``;
-- ``u-muP``: the library's :class:`unitscale.TransformerDecoder` with its GPT-style block
-  (``block="gpt"``, that of the committed results; the paper's scheme otherwise, every
-  mult 1), or for ``hf:llama`` :func:`~unitscale.transforms.unit_scale` of the
-  same Llama, with :class:`unitscale.optim.AdamW` (per-parameter learning rates from the
-  u-μP tags);
+- ``u-muP``: the library's default :class:`unitscale.TransformerDecoder` (the Llama-style
+  block, RMSNorm and SwiGLU, of the committed results) with ``rope=False`` (the paper's
+  scheme otherwise, every mult 1), or for ``hf:llama``
+  :func:`~unitscale.transforms.unit_scale` of the same Llama, with
+  :class:`unitscale.optim.AdamW` (per-parameter learning rates from the u-μP tags);
 
 then u-μP once more per size in simulated FP8 (:func:`unitscale.transforms.simulate_fp8`,
 the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best in FP32.
