@@ -308,7 +308,11 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         name: (
             param.mup_type,  # type: ignore[attr-defined]
             param.mup_scaling_depth,  # type: ignore[attr-defined]
-            {k: param.__dict__[k] for k in ("fan_in_dim", "mup_depth_rule") if k in param.__dict__},
+            {
+                k: param.__dict__[k]
+                for k in ("fan_in_dim", "mup_depth_rule", "mup_embedding")
+                if k in param.__dict__
+            },
         )
         for name, param in module.named_parameters()
         if has_mup_tags(param)

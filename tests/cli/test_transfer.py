@@ -45,6 +45,8 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--seeds", "0"], 2, r"argument --seeds: '0' must be at least 1"),
         (["--seed", "-1"], 2, r"seed=-1 must be a non-negative integer"),
         (["--model", "hf:gpt9"], 2, r"argument --model: invalid choice: 'hf:gpt9'"),
+        (["--optimizer", "sgd"], 2, r"argument --optimizer: invalid choice: 'sgd'"),
+        (["--depth-rule", "mup"], 2, r"argument --depth-rule: invalid choice: 'mup'"),
     ],
 )
 def test_bad_options_are_one_line_errors(

@@ -10,9 +10,14 @@ from torch import Tensor, nn
 
 from .. import functional as U
 from ..errors import UnsupportedArgumentError
-from ..functional import Constraint, check_mult
-from ..functional._residual import residual_share, share_to_tau
-from ..functional._residual_rule import check_depth_rule, rule_shares
+from ..functional import (
+    Constraint,
+    check_depth_rule,
+    check_mult,
+    residual_share,
+    rule_shares,
+    share_to_tau,
+)
 from ..parameter import DEPTH_RULE
 from ._depth import DepthModuleList
 from ._layers import (
@@ -363,6 +368,23 @@ def _block_share(kind: str, tau: float | None, share: float | None) -> float:
         ) from None
 
 
+def _decoder_shares(
+    depth: int,
+    mup: bool,
+    residual_mult: float | None,
+    residual_attn_ratio: float | None,
+    depth_rule: str,
+) -> list[float]:
+    """Each residual branch's variance share in a :class:`TransformerDecoder`: u-μP's rule
+    (with ``mup`` or a mult given), else the running mean ``1 / (k + 1)``."""
+    if not (mup or residual_mult is not None or residual_attn_ratio is not None):
+        return [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
+    mult = 1.0 if residual_mult is None else residual_mult
+    ratio = 1.0 if residual_attn_ratio is None else residual_attn_ratio
+    U.transformer_residual_scaling_rule(mult, ratio)  # checks the mults
+    return rule_shares(2 * depth, mult, ratio, depth_rule)
+
+
 class TransformerDecoder(nn.Module):
     """Llama-style decoder, u-μP by default: embedding, causal layers, final norm, readout, loss.
 
@@ -503,19 +525,7 @@ class TransformerDecoder(nn.Module):
         self.mup = mup
         self.depth_rule = depth_rule
         self.loss_mult = check_mult("TransformerDecoder", loss_mult)
-        if mup or residual_mult is not None or residual_attn_ratio is not None:
-            U.transformer_residual_scaling_rule(  # checks the mults
-                1.0 if residual_mult is None else residual_mult,
-                1.0 if residual_attn_ratio is None else residual_attn_ratio,
-            )
-            shares = rule_shares(
-                2 * depth,
-                1.0 if residual_mult is None else residual_mult,
-                1.0 if residual_attn_ratio is None else residual_attn_ratio,
-                depth_rule,
-            )
-        else:
-            shares = [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
+        shares = _decoder_shares(depth, mup, residual_mult, residual_attn_ratio, depth_rule)
         fixed_attn = attn_tau is not None or attn_share is not None
         fixed_mlp = mlp_tau is not None or mlp_share is not None
         self.embedding = Embedding(vocab_size, hidden_size, device=device, dtype=dtype)

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...errors import UnitScaleError
-from ...functional._residual import share_to_tau
-from ...functional._residual_rule import DEPTH_RULES, depth_divisor
+from ...functional import DEPTH_RULES, depth_divisor, share_to_tau
 from ...parameter import DEPTH_RULE
 
 __all__ = ["ResidualTau", "mark_depth_rule", "residual_stack_length"]

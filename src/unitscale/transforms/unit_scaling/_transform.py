@@ -83,8 +83,7 @@ from ...capture import (
     is_float_node,
     transformed,
 )
-from ...functional import masked_scaled_dot_product_attention
-from ...functional._residual import share_to_tau
+from ...functional import masked_scaled_dot_product_attention, share_to_tau
 from ...parameter import tag_model
 from .._rewrite import (
     RewritePass,
