@@ -167,9 +167,9 @@ def lr_scale_func_muon(param: Tensor) -> float:
     """u-μP's learning-rate scale of a hidden matrix updated by Muon, for unit-scaled weights.
 
     Rule: ``sqrt(fan_out) / sqrt(d)`` (``d = mup_scaling_depth``; depth factor 1 if None or
-    with CompleteP, as :func:`lr_scale_func_adam`). Only for the matrices
-    :func:`is_muon_matrix` accepts; :class:`~unitscale.optim.Muon` gives every other
-    parameter :func:`lr_scale_func_adam`.
+    with CompleteP, as :func:`lr_scale_func_adam`). Only for hidden matrices (tagged
+    ``"weight"``, 2-D, not an embedding's table); :class:`~unitscale.optim.Muon` gives every
+    other parameter :func:`lr_scale_func_adam`.
 
     Reason (the spectral condition for feature learning, Yang, Simon & Bernstein 2023,
     "A spectral condition for feature learning", Condition 1: a layer's weight update
