@@ -126,4 +126,6 @@ def effective_rates(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
                     "rule": rule_text(param, algorithm),
                 }
             )
-    return pd.DataFrame(rows, columns=_COLUMNS)
+    frame = pd.DataFrame(rows, columns=_COLUMNS)
+    frame["mup_scaling_depth"] = frame["mup_scaling_depth"].astype("Int64")  # None: <NA>
+    return frame
