@@ -195,3 +195,19 @@ def test_effective_rates_show_an_untagged_parameter() -> None:
     assert list(untagged.name) == ["1.weight", "1.bias"]
     assert set(untagged.lr) == {0.1}
     assert untagged.rule.str.startswith("untagged").all()
+
+
+@needs_muon
+def test_an_added_group_is_split_by_the_same_rule() -> None:
+    opt = Muon(_decoder().named_parameters(), lr=0.5)
+    extra = us.Linear(64, 128)
+    opt.add_param_group({"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)]})
+    table = effective_rates(opt).set_index("name")
+    assert table.loc["extra.weight", "algorithm"] == "Muon"
+    assert table.loc["extra.weight", "lr"] == pytest.approx(0.5 * math.sqrt(128))
+    assert table.loc["extra.bias", "algorithm"] == "Adam"
+    assert table.loc["extra.bias", "lr"] == pytest.approx(0.5)
+    extra(torch.randn(4, 64)).sum().backward()
+    before = extra.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(extra.weight, before)
