@@ -229,7 +229,7 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     stdout, stderr = outputs[0]
 
     # Same seed: byte-identical loss and scale tables.
-    csvs = ["losses.csv", *(f"scales_{run}.csv" for run in DEFAULT_RUNS)]
+    csvs = ["losses.csv", "effective_rates.csv", *(f"scales_{run}.csv" for run in DEFAULT_RUNS)]
     for name in csvs:
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name
 

@@ -441,6 +441,8 @@ def _write_outputs(
             progress("note: tensorboard is not installed; no TensorBoard scalars written")
 
     written.append(training.write_train_report(results, config, out / "report.html", heatmaps))
+    if any(name.startswith("unit-scaled") for name in results):
+        written.append(training.write_effective_rates(config, out / "effective_rates.csv"))
     return written
 
 

@@ -5,10 +5,12 @@ model and optimiser of each run kind and the loop that trains one run
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -141,6 +143,27 @@ def build_optimiser(run: str, model: nn.Module, config: TrainConfig) -> torch.op
 
         return optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def write_effective_rates(config: TrainConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the unit-scaled (u-μP) family's optimiser's per-parameter rates and decay at
+    ``config``'s peak rate (:func:`unitscale.optim.effective_rates`) to ``path`` as CSV;
+    return it. Builds the model and optimiser afresh; trains nothing.
+
+    Example:
+        >>> import tempfile, pandas
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     c = TrainConfig(hidden_size=32, heads=2)
+        ...     table = pandas.read_csv(write_effective_rates(c, f"{tmp}/rates.csv"))
+        >>> list(table.columns[:3]), table.name[0]
+        (['name', 'tag', 'shape'], 'embedding.weight')
+    """
+    from ..optim import effective_rates
+    from . import report
+
+    model = unit_scaled_model(config)
+    optimiser = build_optimiser("unit-scaled-fp32", model, config)
+    return report.write_csv(effective_rates(optimiser, model), path)
 
 
 def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:

@@ -94,6 +94,7 @@ from ._train_loop import (
     train_run,
     train_runs,
     unit_scaled_model,
+    write_effective_rates,
 )
 from ._train_plots import (
     _line_style,  # noqa: F401
@@ -145,5 +146,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "zoom_limits",
     "summary_text",
     "write_losses_csv",
+    "write_effective_rates",
     "write_train_report",
 ]
