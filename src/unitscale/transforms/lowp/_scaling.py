@@ -23,12 +23,15 @@ on the format's largest value whatever the tensor's own scale. Two ways to choos
 
 Design constraints: scales stay on the device (no host synchronisation), computed with
 tensor ops only, so they run under ``torch.compile``; the history tensors are buffers of the
-transformed model's root module (``fp8_amax_history_<site>``, one per scaled rounding, named
-after its graph node), so they are saved in ``state_dict()``, move with ``.to()`` and are
-restored by ``load_state_dict()``; they are buffers, not a child module, so that containers
-that iterate their children (``nn.Sequential``) are not changed. A site is named after its node in
-the captured graph, so a graph recaptured for new input shapes keeps its histories; two
-graph pieces (around a TorchDynamo graph break) whose nodes have the same name share one.
+transformed model's root module (``fp8_amax_history_<module>_<role>``, one per scaled
+rounding: ``fp8_amax_history_blocks_0_fc_input``, ``..._weight``, ``..._grad_output``), so
+they are saved in ``state_dict()``, move with ``.to()`` and are restored by
+``load_state_dict()``; they are buffers, not a child module, so that containers that iterate
+their children (``nn.Sequential``) are not changed. A history is named after its op's place
+in the model (see ``_Sites`` in :mod:`unitscale.transforms.lowp._pass`), not after the node
+of one captured graph: a graph recaptured for new input shapes keeps its histories, and two
+ops never share one, on either side of a graph break or in layers whose graph Dynamo
+captures once and reuses.
 """
 
 from __future__ import annotations

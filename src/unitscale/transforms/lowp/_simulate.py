@@ -30,6 +30,7 @@ from ...formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
 from ._ops import OPS_SCOPES, OpsScope
 from ._pass import SimulateFormatPass
 from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
+from ._skip import Skip, resolve_skip
 
 __all__ = [
     "FP8_RECIPES",
@@ -92,6 +93,7 @@ def simulate_format(
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope = "matmuls",
+    skip: Skip = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops see operands in low precision.
 
@@ -119,6 +121,7 @@ def simulate_format(
         history_len: amax-history length for ``scaling="delayed"``.
         ops: which ops are rounded: ``"matmuls"`` (default: every matmul-like op) or
             ``"linear"`` (ops with a weight parameter), as for :func:`simulate_fp8`.
+        skip: modules kept in high precision, as for :func:`simulate_fp8`.
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -145,7 +148,13 @@ def simulate_format(
     _check_scaling("simulate_format", scaling, history_len)
     _check_ops("simulate_format", ops)
     graph_pass = SimulateFormatPass(
-        fwd, bwd, scaling=scaling, history_len=history_len, ops=ops, transform="simulate_format"
+        fwd,
+        bwd,
+        scaling=scaling,
+        history_len=history_len,
+        ops=ops,
+        transform="simulate_format",
+        skip=resolve_skip("simulate_format", module, skip),
     )
     return _transformed("simulate_format", module, graph_pass)
 
@@ -264,6 +273,7 @@ def simulate_fp8(
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope | None = None,
+    skip: Skip = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
 
@@ -289,8 +299,9 @@ def simulate_fp8(
       data-parallel ranks, as in torchao's default;
     - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
       ``history_len`` earlier training steps (the first step uses the current amax); the
-      histories are buffers of the returned module (``fp8_amax_history_<site>`` in
-      ``state_dict()``, created at the first call).
+      histories are buffers of the returned module (``fp8_amax_history_<module>_<role>``
+      in ``state_dict()``, one set per op however TorchDynamo cuts the graph, created at
+      the first call).
 
     ``ops`` says which ops are rounded:
 
@@ -312,6 +323,14 @@ def simulate_fp8(
     why), also logged once per captured graph at INFO on the ``"unitscale"`` logger; an op
     named like a matmul that no table recognises is warned about.
 
+    ``skip`` keeps chosen layers in high precision, as practitioners keep the first and
+    last layers or the small ones: qualified module names (``"readout"``,
+    ``["layers.0.attn", "layers.3"]``: each module and everything inside it), or a predicate
+    ``skip(name, module) -> bool`` called on every module (torchao's ``module_filter_fn``
+    with the opposite sense: True keeps the module out of FP8). Their ops are listed in
+    :func:`fp8_summary` as ``"skipped by skip="``; a name that matches no module is an error
+    naming the closest ones.
+
     :func:`scaling_cost` counts the amax reductions and scale computations of a step.
 
     Args:
@@ -322,21 +341,29 @@ def simulate_fp8(
             former delayed-scaling default).
         ops: ``"matmuls"`` or ``"linear"``; None (default) takes the recipe's
             (:attr:`FP8Recipe.ops`, ``"matmuls"`` for the presets).
+        skip: modules kept in high precision: qualified names, or a predicate
+            ``(name, module) -> bool``; None (default) keeps none.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key, or
-            ``scaling``/``history_len``/``ops`` is not supported.
+        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key,
+            ``scaling``/``history_len``/``ops`` is not supported, or ``skip`` names no
+            module.
         CaptureError: as for :func:`simulate_format`.
 
     Example:
+        >>> import warnings
         >>> model = simulate_fp8(nn.Linear(2, 1, bias=False))
         >>> with torch.no_grad():
         ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
-        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
         448.3125
+        >>> str(caught[0].message)[:41]  # not unit-scaled, and no scale: it says so
+        'simulate_fp8: Linear has no unit scaling '
         >>> scaled = simulate_fp8(model.module, scaling="tensorwise")  # 1000 -> 448 -> 1000
         >>> scaled(torch.ones(1, 2)).item()  # 0.3 * 0.448 rounds to 0.140625, / 0.448
         1000.3138427734375
@@ -353,6 +380,7 @@ def simulate_fp8(
         history_len=history_len,
         ops=scope,
         transform="simulate_fp8",
+        skip=resolve_skip("simulate_fp8", module, skip),
     )
     return _transformed("simulate_fp8", module, graph_pass)
 
