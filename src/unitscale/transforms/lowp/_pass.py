@@ -35,6 +35,7 @@ from ...capture import (
 )
 from ...formats import FPFormat
 from .._rewrite import RewritePass, insert_call, parameter_nodes, placeholder_names
+from . import _rowwise as rowwise
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
 from ._ops import (
     OpsScope,
@@ -46,10 +47,13 @@ from ._ops import (
     unit_readout_bias,
 )
 from ._quantise import format_spec, fp8_scale, quantise_grad, quantise_operand
-from ._scaling import DEFAULT_HISTORY_LEN, Scaling, history_buffer
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, history_buffer
 from ._summary import record, warn_if_not_unit_scaled
 
 __all__ = ["SimulateFormatPass"]
+
+NO_ROWWISE = "no rowwise counterpart"
+"""Summary reason of a linear op that the rowwise recipes have no simulated form of."""
 
 
 class _Sites:
@@ -240,6 +244,14 @@ class SimulateFormatPass(RewritePass):
         left: list[tuple[str, str]] = []
         unit_scaled = 0
         for node, label, slots in fp8_candidates(self, gm, piece, capture, self.ops, left):
+            if self.scaling in ROWWISE_SCALINGS:
+                unit = is_unit_scaled(node)
+                if not self._rowwise(node):
+                    left.append((label, NO_ROWWISE))
+                    continue
+                converted.append(label)
+                unit_scaled += unit
+                continue
             before = len(quantised)
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
@@ -253,6 +265,17 @@ class SimulateFormatPass(RewritePass):
                 left.append((label, NO_FLOAT_OPERAND))
         record(piece, self.label, converted, left, (UNRECOGNISED,), unit_scaled)
         return quantised
+
+    def _rowwise(self, node: fx.Node) -> bool:
+        """Make the linear op ``node`` run torchao's rowwise recipe (:mod:`~._rowwise`):
+        two scaled casts in the forward, four in the backward (two with the weight
+        gradient in high precision)."""
+        if not rowwise.convert(node, self.scaling):
+            return False
+        self._sites.counts[0] += 2
+        self._sites.counts[1] += 2 if self.scaling == "rowwise_with_gw_hp" else 4
+        node.meta["fp8_scaling"] = {"forward": self.scaling, "gradient": self.scaling}
+        return True
 
     def _quantise_slots(
         self,

@@ -29,7 +29,7 @@ from ...errors import UnitScaleError
 from ...formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
 from ._ops import OPS_SCOPES, OpsScope
 from ._pass import SimulateFormatPass
-from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, SCALINGS, Scaling, keep_histories
 from ._skip import Skip, resolve_skip
 
 __all__ = [
@@ -117,7 +117,8 @@ def simulate_format(
             to nearest.
         bwd_format: format of the gradients, likewise.
         scaling: ``"none"`` (default), ``"tensorwise"`` or ``"delayed"``: how each rounded
-            tensor is scaled (see :func:`simulate_fp8`).
+            tensor is scaled (see :func:`simulate_fp8`; its rowwise recipes fix their own
+            formats, so ``simulate_format`` refuses them).
         history_len: amax-history length for ``scaling="delayed"``.
         ops: which ops are rounded: ``"matmuls"`` (default: every matmul-like op) or
             ``"linear"`` (ops with a weight parameter), as for :func:`simulate_fp8`.
@@ -146,6 +147,12 @@ def simulate_format(
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
+    if scaling in ROWWISE_SCALINGS:
+        raise FormatError(
+            f"unitscale.transforms.simulate_format: scaling={scaling!r} is torchao's recipe of "
+            "that name, which fixes its formats; use unitscale.transforms.simulate_fp8(model, "
+            f"scaling={scaling!r}) (or to_fp8 for real FP8)"
+        )
     _check_ops("simulate_format", ops)
     graph_pass = SimulateFormatPass(
         fwd,
@@ -256,6 +263,24 @@ FP8_RECIPES: MappingProxyType[str, FP8Recipe] = MappingProxyType(
 """
 
 
+def _check_rowwise(recipe: Any, chosen: FP8Recipe, scaling: str, ops: Any) -> OpsScope:
+    """The ops a rowwise recipe covers (linear ops: torchao's recipes are for linear layers),
+    refusing a recipe or scope that contradicts it."""
+    if chosen != FP8_RECIPES["hardware"]:
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: scaling={scaling!r} is torchao's recipe of "
+            f"that name, which fixes its formats (E4M3 for every tensor, gradients included) "
+            f"and which GEMMs run in FP8; recipe={recipe!r} cannot be combined with it: leave "
+            "recipe at 'hardware' (the default)"
+        )
+    if ops is not None and ops != "linear":
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: scaling={scaling!r} covers linear ops only "
+            f"(torchao's recipe), not ops={ops!r}; pass ops='linear' or leave ops out"
+        )
+    return "linear"
+
+
 def _check_recipe(recipe: Any) -> FP8Recipe:
     if isinstance(recipe, FP8Recipe):
         return recipe
@@ -297,6 +322,14 @@ def simulate_fp8(
       numerics of torchao's float8 training with its default config (tested against
       ``torchao.float8.convert_to_float8_training``); amax is not reduced over
       data-parallel ranks, as in torchao's default;
+    - ``"rowwise"`` and ``"rowwise_with_gw_hp"``: torchao's recipes of those names
+      (``Float8LinearConfig.from_recipe_name``), bit for bit on the CPU: linear ops only
+      (``ops`` defaults to ``"linear"``), each operand of each of the three GEMMs scaled
+      per row or column along that GEMM's reduction dimension with power-of-two scales, E4M3
+      for every tensor (gradients included), each GEMM's output written in bfloat16 for a
+      float32 model; ``"rowwise_with_gw_hp"`` computes the weight gradient in the model's
+      precision and casts the weight for the input gradient with one scale (rules in
+      :mod:`unitscale.transforms.lowp._rowwise`);
     - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
       ``history_len`` earlier training steps (the first step uses the current amax); the
       histories are buffers of the returned module (``fp8_amax_history_<module>_<role>``
@@ -336,7 +369,8 @@ def simulate_fp8(
     Args:
         module: any ``torch.nn.Module`` (or a transformed one) that TorchDynamo can capture.
         recipe: an :class:`FP8Recipe` or the key of a preset in :data:`FP8_RECIPES`.
-        scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
+        scaling: ``"none"``, ``"tensorwise"``, ``"delayed"``, ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"``.
         history_len: amax-history length for ``scaling="delayed"`` (default 16, torchao's
             former delayed-scaling default).
         ops: ``"matmuls"`` or ``"linear"``; None (default) takes the recipe's
@@ -372,6 +406,8 @@ def simulate_fp8(
     _check_scaling("simulate_fp8", scaling, history_len)
     scope = chosen.ops if ops is None else ops
     _check_ops("simulate_fp8", scope)
+    if scaling in ROWWISE_SCALINGS:
+        scope = _check_rowwise(recipe, chosen, scaling, ops)
     graph_pass = SimulateFormatPass(
         chosen.operands,
         chosen.operand_grads,

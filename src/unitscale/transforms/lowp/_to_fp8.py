@@ -49,7 +49,7 @@ from .._rewrite import RewritePass
 from . import _gemm as fp8
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
 from ._pass import SimulateFormatPass, _Sites, history_variant_key
-from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
 from ._skip import Skip, resolve_skip
 from ._summary import (  # noqa: F401 (fp8_summary: to_fp8's example)
@@ -320,6 +320,11 @@ def to_fp8(
     """
     _check_recipe(recipe)
     _check_scaling("to_fp8", scaling, history_len)
+    if scaling in ROWWISE_SCALINGS:  # float8 GEMMs with rowwise scales are not built here
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: scaling={scaling!r} has no float8 GEMMs in this "
+            f"build; simulate it with unitscale.transforms.simulate_fp8(model, scaling={scaling!r})"
+        )
     build = fp8.float8_build_error()
     if build is not None:
         raise FormatError(
