@@ -21,6 +21,10 @@ from unitscale.models import GPTConfig, plain_gpt
 from unitscale.modules import TransformerDecoder
 from unitscale.transforms import FP8Summary, fp8_summary, scaling_cost, simulate_fp8, unit_scale
 
+# FP8 mechanics on plain models without scales, on purpose: the warning that says so
+# (tested in test_simulate_scaling.py) is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.* has no unit scaling:UserWarning")
+
 _CONFIG = GPTConfig(hidden_size=32, depth=2, heads=2, seq_len=16)
 
 
