@@ -82,3 +82,33 @@ def test_rowwise_covers_linear_ops_counts_its_casts_and_refuses_what_contradicts
         simulate_fp8(mlp, recipe="all-operands", scaling="rowwise")
     with pytest.raises(FormatError, match=r"use unitscale.transforms.simulate_fp8\(model, sc"):
         simulate_format(mlp, "e4m3", "e5m2", scaling="rowwise_with_gw_hp")
+
+
+@pytest.mark.parametrize(
+    ("scaling", "dim"), [("tensorwise", None), ("rowwise", -1), ("rowwise", 0), ("rowwise", None)]
+)
+def test_one_scaled_cast_serves_the_simulation_and_the_float8_dtypes(
+    scaling: str, dim: int | None
+) -> None:
+    """scaled_cast with the simulation's rounding (E4M3.quantise) and with to_fp8's
+    saturating float8 conversion gives the same values and the same inverse scales, per
+    tensor, per row and per column."""
+    import dataclasses
+
+    from unitscale.formats import E4M3
+    from unitscale.transforms.lowp._scaling import scaled_cast
+
+    e4m3 = dataclasses.replace(E4M3, rounding="nearest")
+    torch.manual_seed(2)
+    x = torch.randn(8, 16) * torch.logspace(-4, 4, 16)
+    fmax = e4m3.max_absolute_value
+
+    def to_float8(t: Tensor) -> Tensor:
+        return t.clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+
+    rounded, inverse = scaled_cast(x, e4m3.quantise, fmax, scaling, dim=dim)
+    cast, inverse8 = scaled_cast(x, to_float8, fmax, scaling, dim=dim)
+    assert inverse is not None and inverse8 is not None
+    assert torch.equal(inverse, inverse8)
+    assert inverse.shape == {None: (), -1: (8, 1), 0: (1, 16)}[dim]
+    assert torch.equal(rounded, cast.float())

@@ -44,8 +44,8 @@ class FP8Summary:
             an op of the top-level module, no node name where it is the op's), in graph
             order.
         not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
-            precision (outside the ``ops`` scope, no floating-point operand, or not
-            recognised).
+            precision (outside the ``ops`` scope, in a module of ``skip=``, no
+            floating-point operand, or not recognised).
 
     Example:
         >>> s = FP8Summary("simulate_fp8", ("fc: linear",), (("bmm", "outside ops='linear'"),))
