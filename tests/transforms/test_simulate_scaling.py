@@ -240,6 +240,17 @@ def test_delayed_keeps_one_history_per_op_across_graph_pieces(transform: str, mo
     assert histories == expected
 
 
+def test_delayed_histories_survive_recaptures_for_new_shapes() -> None:
+    """A graph Dynamo captures again for other input shapes finds its ops' histories."""
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scaling="delayed")
+    for shape in [(3, 4), (5, 4), (2, 3, 4)]:
+        model(torch.randn(*shape) * 100).sum().backward()
+    assert model.capture is not None and len(model.capture.pieces) >= 2  # recaptured
+    histories = {k: v for k, v in model.state_dict().items() if "amax_history" in k}
+    assert len(histories) == 6
+    assert all(int(v.count_nonzero()) == 3 for v in histories.values())  # 3 steps each
+
+
 class _FunctionalUnitScaled(nn.Module):
     """A plain module that calls unitscale's functional linear: unit-scaled all the same."""
 
