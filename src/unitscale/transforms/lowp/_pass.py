@@ -35,7 +35,7 @@ from ...capture import (
 )
 from ...formats import FPFormat
 from .._rewrite import RewritePass, insert_call, parameter_nodes, placeholder_names
-from . import _rowwise as rowwise
+from . import _simulated_rowwise as rowwise
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
 from ._ops import (
     OpsScope,
@@ -267,7 +267,7 @@ class SimulateFormatPass(RewritePass):
         return quantised
 
     def _rowwise(self, node: fx.Node) -> bool:
-        """Make the linear op ``node`` run torchao's rowwise recipe (:mod:`~._rowwise`):
+        """Make the linear op ``node`` run torchao's rowwise recipe (:mod:`~._simulated_rowwise`):
         two scaled casts in the forward, four in the backward (two with the weight
         gradient in high precision)."""
         if not rowwise.convert(node, self.scaling):

@@ -68,7 +68,7 @@ SCALINGS: tuple[str, ...] = ("none", "tensorwise", "delayed", "rowwise", "rowwis
 ROWWISE_SCALINGS: tuple[str, ...] = ("rowwise", "rowwise_with_gw_hp")
 """torchao's rowwise recipes (``Float8LinearConfig.from_recipe_name``): linear ops only, each
 GEMM operand scaled per row or column along that GEMM's reduction dimension, power-of-two
-scales, E4M3 for every tensor, the GEMM's output in bfloat16 (see :mod:`~._rowwise`)."""
+scales, E4M3 for every tensor, the GEMM's output in bfloat16 (see :mod:`~._simulated_rowwise`)."""
 
 AMAX_EPS = 1e-12
 """The smallest amax a scale is computed from (torchao's ``float8_utils.EPS``)."""

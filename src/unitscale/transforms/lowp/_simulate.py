@@ -329,7 +329,7 @@ def simulate_fp8(
       for every tensor (gradients included), each GEMM's output written in bfloat16 for a
       float32 model; ``"rowwise_with_gw_hp"`` computes the weight gradient in the model's
       precision and casts the weight for the input gradient with one scale (rules in
-      :mod:`unitscale.transforms.lowp._rowwise`);
+      :mod:`unitscale.transforms.lowp._simulated_rowwise`);
     - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
       ``history_len`` earlier training steps (the first step uses the current amax); the
       histories are buffers of the returned module (``fp8_amax_history_<module>_<role>``
