@@ -263,7 +263,7 @@ class SimulateFormatPass(RewritePass):
                 unit_scaled += is_unit_scaled(node)
             else:
                 left.append((label, NO_FLOAT_OPERAND))
-        record(piece, self.label, converted, left, (UNRECOGNISED,), unit_scaled)
+        record(piece, self.label, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled)
         return quantised
 
     def _rowwise(self, node: fx.Node) -> bool:

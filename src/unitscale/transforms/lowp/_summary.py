@@ -71,6 +71,7 @@ def record(
     converted: Sequence[str],
     not_converted: Sequence[tuple[str, str]],
     warn_reasons: Sequence[str] = (),
+    *,
     unit_scaled: int = 0,
 ) -> None:
     """Store one graph's summary in ``piece`` and log it once (INFO); warn about the ops left

@@ -156,7 +156,9 @@ class ToFP8Pass(RewritePass):
             unit_scaled += is_unit_scaled(node)
             self._convert(gm.graph, node, op, bound, sites)
             converted.append(label)
-        record(piece, self.transform_name, converted, left, (UNRECOGNISED,), unit_scaled)
+        record(
+            piece, self.transform_name, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled
+        )
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
