@@ -230,6 +230,22 @@ RUN_KINDS: tuple[RunKind, ...] = (
         "plain-fp32",
         default=False,
     ),
+    # torchao's rowwise recipe (torchtitan's float8 default), simulated and in real FP8:
+    # only with --runs (each GEMM operand scaled per row or column: more scale work).
+    RunKind(
+        "plain-fp8-rowwise",
+        "plain",
+        _SimulateFP8(scaling="rowwise", ops=FP8_OPS),
+        "plain-fp32",
+        default=False,
+    ),
+    RunKind(
+        "plain-fp8-rowwise-real",
+        "plain",
+        _RealFP8(scaling="rowwise"),
+        "plain-fp32",
+        default=False,
+    ),
     # FP16 as practitioners run it (dynamic loss scaling), against the unit-scaled model in
     # FP16 with none (below): only with --runs. Every matmul-like op, as when these runs
     # were recorded (benchmarks/results/train/fp16-recipe-seed0).

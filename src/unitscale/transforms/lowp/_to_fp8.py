@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -45,13 +45,18 @@ from ...capture import (
 )
 from ...errors import CaptureError
 from ...formats import FormatError
-from .._rewrite import RewritePass, placeholder_names
+from .._rewrite import RewritePass
 from . import _gemm as fp8
-from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
-from ._pass import SimulateFormatPass, _Sites
-from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
+from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
+from ._pass import SimulateFormatPass, _Sites, history_variant_key
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
-from ._summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
+from ._skip import Skip, resolve_skip
+from ._summary import (  # noqa: F401 (fp8_summary: to_fp8's example)
+    fp8_summary,
+    record,
+    warn_if_not_unit_scaled,
+)
 
 __all__ = ["ToFP8Pass", "to_fp8"]
 
@@ -101,8 +106,9 @@ class ToFP8Pass(RewritePass):
     placeholders are parameters (``addmm`` is a linear op only with a parameter as its
     second matrix). Writes: the target and arguments of each converted node (the same
     arguments plus ``scaling`` and, for ``"delayed"``, ``histories``: ``get_attr`` nodes of
-    the amax-history buffers ``fp8_amax_history_<operand>_scale`` and
-    ``..._<op>_grad_quantised``, named as ``simulate_fp8`` names them);
+    the amax-history buffers ``fp8_amax_history_<module>_input``, ``..._weight`` and
+    ``..._grad_output``, named as ``simulate_fp8`` names them, one set per place the piece
+    runs at: :func:`~._pass.history_variant_key`);
     the summary record (:mod:`~._fp8_summary`) of the graph's matmul-like ops;
     ``piece.data["fp8_scaling"]``: ``(scaling, forward scales, backward scales)``.
     """
@@ -116,20 +122,28 @@ class ToFP8Pass(RewritePass):
     applied = "already runs its linear ops in FP8 (to_fp8)"
     order_fix = "unit-scale first, e.g. to_fp8(unit_scale(model))"
 
-    def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
+    def __init__(
+        self,
+        scaling: Scaling = "none",
+        history_len: int = DEFAULT_HISTORY_LEN,
+        skip: frozenset[str] = frozenset(),
+    ) -> None:
         self.scaling = scaling
         self.history_len = history_len
+        self.skip = skip  # modules kept in high precision (_skip.py)
 
     def __repr__(self) -> str:
         return f"ToFP8Pass(scaling={self.scaling!r})"
 
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        return history_variant_key(self.scaling, piece, capture)
+
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
-        root = capture.owner_module if self.scaling == "delayed" else None
-        sites = _Sites(gm, root, self.history_len)
+        sites = _Sites(gm, piece, capture, self.history_len, self.scaling == "delayed")
         converted: list[str] = []
         left: list[tuple[str, str]] = []
+        unit_scaled = 0
         table = _linear_ops()
-        names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
         for node, label, _ in fp8_candidates(self, gm, piece, capture, "linear", left):
             op = table.get(node.target)
@@ -139,9 +153,12 @@ class ToFP8Pass(RewritePass):
                 left.append((label, reason))
                 continue
             assert op is not None  # for mypy: reason is None only with an op
-            self._convert(gm.graph, node, op, bound, names, sites)
+            unit_scaled += is_unit_scaled(node)
+            self._convert(gm.graph, node, op, bound, sites)
             converted.append(label)
-        record(piece, self.transform_name, converted, left, warn_reasons=(UNRECOGNISED,))
+        record(
+            piece, self.transform_name, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled
+        )
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
@@ -172,7 +189,6 @@ class ToFP8Pass(RewritePass):
         node: fx.Node,
         op: _LinearOp,
         bound: dict[str, Any],
-        names: dict[fx.Node, str],
         sites: _Sites,
     ) -> None:
         kwargs: dict[str, Any] = {**bound, "scaling": self.scaling}
@@ -183,12 +199,10 @@ class ToFP8Pass(RewritePass):
             histories = []
             with graph.inserting_before(node):
                 for name in _operands(op):
-                    operand = bound[name]
-                    base = names.get(operand, operand.name)
-                    device = example_value(operand).device
-                    histories.append(sites.history(graph, f"{base}_scale", device))
+                    device = example_value(bound[name]).device
+                    histories.append(sites.history(graph, node, name, device))
                 device = example_value(node).device
-                histories.append(sites.history(graph, f"{node.name}_grad_quantised", device))
+                histories.append(sites.history(graph, node, "grad_output", device))
             kwargs["histories"] = tuple(histories)
         node.op, node.target = "call_function", op.target
         node.args = ()
@@ -200,6 +214,8 @@ class ToFP8Pass(RewritePass):
         if getattr(self, "_checked", False) or not trace:
             return
         self._checked = True
+        if self.scaling == "none":
+            warn_if_not_unit_scaled(self.transform_name, module, trace)
         records = [inv.piece.data.get("fp8_summary", {}).get("to_fp8") for inv in trace]
         if not any(converted for converted, _ in filter(None, records)):
             warnings.warn(
@@ -260,6 +276,7 @@ def to_fp8(
     recipe: FP8Recipe | str = "hardware",
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    skip: Skip = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
 
@@ -281,6 +298,7 @@ def to_fp8(
             needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config) or
             ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
         history_len: amax-history length for ``scaling="delayed"``.
+        skip: modules kept in high precision, as for :func:`simulate_fp8`.
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -289,21 +307,26 @@ def to_fp8(
         FormatError: this torch build or a parameter's device has no float8 GEMMs (use
             :func:`simulate_fp8` there); ``recipe`` cannot run as float8 GEMMs (other
             formats, stochastic rounding, rounded operand gradients); ``scaling`` or
-            ``history_len`` is not supported.
+            ``history_len`` is not supported; ``skip`` names no module.
         CaptureError: as for :func:`simulate_format`; or ``module`` already simulates a
             number format or runs in FP8.
 
     Example:
-        >>> model = to_fp8(nn.Linear(2, 1, bias=False))
+        >>> model = to_fp8(nn.Linear(2, 1, bias=False), scaling="tensorwise")
         >>> with torch.no_grad():
         ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
-        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125, from _scaled_mm
-        448.3125
+        >>> model(torch.ones(1, 2)).item()  # W * 0.448 -> E4M3 -> / 0.448, by _scaled_mm
+        1000.31...
         >>> fp8_summary(model).converted
         ('linear',)
     """
     _check_recipe(recipe)
     _check_scaling("to_fp8", scaling, history_len)
+    if scaling in ROWWISE_SCALINGS:  # float8 GEMMs with rowwise scales are not built here
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: scaling={scaling!r} has no float8 GEMMs in this "
+            f"build; simulate it with unitscale.transforms.simulate_fp8(model, scaling={scaling!r})"
+        )
     build = fp8.float8_build_error()
     if build is not None:
         raise FormatError(
@@ -319,7 +342,8 @@ def to_fp8(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
-    result = transformed(module, ToFP8Pass(scaling, history_len), "to_fp8")
+    skipped = resolve_skip("to_fp8", module, skip)
+    result = transformed(module, ToFP8Pass(scaling, history_len, skipped), "to_fp8")
     if scaling == "delayed":
         keep_histories(result.module)
     return result
