@@ -104,8 +104,8 @@ def _transformed(op: str, module: nn.Module, graph_pass: SimulateFormatPass) -> 
 
 def simulate_format(
     module: nn.Module,
-    fwd_format: FPFormat | str,
-    bwd_format: FPFormat | str,
+    fwd_format: FPFormat | BlockFormat | str,
+    bwd_format: FPFormat | BlockFormat | str,
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope = "matmuls",
