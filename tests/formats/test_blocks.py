@@ -279,3 +279,51 @@ def test_block_stats() -> None:
     assert tiny.scale_clipped == 1.0  # wants 2**-138: below E8M0's 2**-127
     nv = get_format("nvfp4").block_stats(torch.tensor([[1e4] * 16 + [1e-3] * 16]))
     assert nv.scale_clipped == 0.5  # the small block's scale is below E4M3's range
+
+
+# -- what a tensor's overall scale changes (the numbers of docs/guide/formats.rst) ----------
+
+_X = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", [*MX, "nvfp4"])
+def test_power_of_two_tensor_scale_is_absorbed_exactly(name: str) -> None:
+    """Scaling a tensor by 2**k scales its rounding by 2**k, bit for bit, for k in -100..100:
+    the per-block scales absorb it (what unit scaling's tensor-wide scale cannot change)."""
+    fmt = get_format(name)
+    reference = fmt.quantise(_X)
+    for k in range(-100, 101, 10):
+        assert torch.equal(fmt.quantise(_X * 2.0**k), reference * 2.0**k), k
+    assert fmt.block_stats(_X * 2.0**100) == fmt.block_stats(_X)
+
+
+def test_e8m0_range_is_where_a_tensor_scale_still_matters() -> None:
+    """At 2**-130 (far below any trained tensor) E8M0 runs out: every block's scale is
+    clipped and MXFP4 flushes 95% of the values; MXFP8's E4M3 elements keep them."""
+    mx8, mx4 = get_format("mxfp8_e4m3"), get_format("mxfp4_e2m1")
+    at_one, tiny = mx4.block_stats(_X), mx4.block_stats(_X * 2.0**-130)
+    assert at_one.scale_clipped == 0.0 and round(at_one.error, 4) == 0.1168
+    assert tiny.scale_clipped == 1.0 and round(tiny.flushed, 4) == 0.9546
+    assert mx8.block_stats(_X * 2.0**-120).scale_clipped == pytest.approx(0.2578125)
+    assert round(mx8.block_stats(_X * 2.0**-130).error, 4) == 0.0267
+
+
+def test_nvfp4_without_tensor_scale_depends_on_the_tensor_scale() -> None:
+    """E4M3 block scales span 2**-6..448: without NVFP4's FP32 tensor scale, a tensor at
+    2**-8 has every block scale clipped and 69% of its values flushed; at 2**12, every
+    block saturates. With the tensor scale (the preset) both are as at scale 1."""
+    single = dataclasses.replace(get_format("nvfp4"), tensor_scale=False)
+    at_one = single.block_stats(_X)
+    assert round(at_one.flushed, 4) == 0.0769 and at_one.scale_clipped == 0.0
+    small = single.block_stats(_X * 2.0**-8)
+    assert small.scale_clipped == 1.0 and round(small.flushed, 4) == 0.6865
+    assert single.block_stats(_X * 2.0**12).scale_clipped == 1.0
+    two_level = get_format("nvfp4")
+    assert two_level.block_stats(_X * 2.0**-8) == two_level.block_stats(_X)
+
+
+def test_nvfp4_tiny_tensor_uses_block_scales_alone() -> None:
+    x = _X * 2.0**-130  # tensor scale amax / 2688 below float32's smallest normal
+    single = dataclasses.replace(get_format("nvfp4"), tensor_scale=False)
+    assert torch.equal(get_format("nvfp4").quantise(x), single.quantise(x))
+    assert not get_format("nvfp4").quantise(x).isnan().any()

@@ -32,9 +32,12 @@ be simulated with ordinary tensors. The arithmetic is torchao 0.18's
   elements are flushed to zero or near it;
 - an all-zero block stays zero (E8M0 has no zero: its scale is the smallest, ``2**-127``);
 - NVFP4 with a tensor scale is NaN throughout where the tensor holds a NaN or an infinity
-  (the tensor scale is not finite), as torchao's; an all-zero tensor stays zero, and so
-  does one whose tensor scale underflows float32 (amax below ``2688 * 2**-149``): there
-  torchao's tensor scale of 0 makes NaN, where we take a tensor scale of 1.
+  (the tensor scale is not finite), as torchao's. Where the tensor scale
+  ``amax / 2688`` is below float32's smallest normal (amax below ``2688 * 2**-126``, about
+  ``2**-114.6``, an all-zero tensor included) the block scales alone are used (a tensor
+  scale of 1: such a tensor flushes to zero, as its E4M3 block scales cannot go below
+  ``2**-6``); there torchao's reciprocal of a subnormal or zero tensor scale overflows and
+  its round trip returns NaN or values unrelated to the input.
 
 One deliberate difference from torchao: in an MX block whose scale is the smallest E8M0
 value, ``2**-127`` (blocks whose amax is below about ``2**-119`` for MXFP8), torchao casts
@@ -81,6 +84,7 @@ _SCALE_FORMATS: tuple[str, ...] = ("e8m0", "e4m3")
 _E8M0_MIN, _E8M0_MAX = -127, 127  # exponents of E8M0's finite values
 _E4M3 = FPFormat(4, 3, special_values="nan_only")
 _E4M3_TINY = 2.0**-6  # torch.finfo(torch.float8_e4m3fn).tiny: NVFP4's smallest block scale
+_FLOAT32_TINY = 2.0**-126  # float32's smallest normal
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -240,10 +244,12 @@ class BlockFormat:
             finite = blocks.isfinite()
             flushed = ((rounded == 0) & (blocks != 0) & finite).sum()
             nonzero = ((blocks != 0) & finite).sum().clamp(min=1)
-            x0 = torch.where(finite, blocks, 0.0)
-            diff = torch.where(finite, rounded - blocks, 0.0)
+            # in float64: float32 squares of values near its range ends would under/overflow
+            wide, rounded_wide = blocks.double(), rounded.double()
+            x0 = torch.where(finite, wide, 0.0)
+            diff = torch.where(finite, rounded_wide - wide, 0.0)
             norm = x0.norm()
-            error = torch.where(norm > 0, diff.norm() / norm.clamp(min=1e-38), 0.0)
+            error = torch.where(norm > 0, diff.norm() / norm.clamp(min=1e-300), 0.0)
             n_blocks = max(blocks.numel() // self.block_size, 1)
             return BlockStats(
                 flushed=float(flushed / nonzero),
@@ -314,7 +320,9 @@ class BlockFormat:
         if self.tensor_scale:
             tensor_amax = blocks.abs().amax()
             tensor_scale = tensor_amax / (_E4M3.max_absolute_value * element_max)
-            tensor_scale = torch.where(tensor_scale == 0, 1.0, tensor_scale)  # see docstring
+            # A subnormal (or zero) tensor scale: its reciprocal overflows float32 or is
+            # inexact; the block scales alone then (see the module docstring).
+            tensor_scale = torch.where(tensor_scale < _FLOAT32_TINY, 1.0, tensor_scale)
             wanted = block_scale / tensor_scale
         else:
             tensor_scale = None
