@@ -65,10 +65,10 @@ def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
     - with ``track_scales(model, block_formats=[...])``, per block-scaled format
       ``block_flushed_<format>``, ``block_scale_clipped_<format>`` and
       ``block_error_<format>`` (blocks along the tensor's last dimension; NaN where it is
-      not a multiple of the block size; see :mod:`unitscale.tracking._blocks`).
+      not a multiple of the block size; see :mod:`unitscale.tracking.blocks`).
 
     ``METRIC_DESCRIPTIONS`` holds these descriptions (the block metrics':
-    ``unitscale.tracking._blocks.block_metric_description``).
+    ``unitscale.tracking.blocks.block_metric_description``).
 
     Args:
         graph: ``tracked.scales_graph()`` of a module tracked with

@@ -72,7 +72,7 @@ def _row_json(row: TensorRow, structural: Mapping[str, float]) -> dict[str, Any]
 def _block_columns(models: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
     """The block-format metrics the rows carry (where tracking recorded them), in order,
     and their descriptions: shown with every other metric on hover and in the metric menu."""
-    from ..tracking._blocks import block_metric_description
+    from ..tracking.blocks import block_metric_description
 
     keys: dict[str, str] = {}
     for model in models:

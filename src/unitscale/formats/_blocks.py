@@ -188,7 +188,7 @@ class BlockFormat:
 
     @property
     def bits(self) -> float:
-        """Bits per element, the block scale's share included (MXFP8: 8.25; NVFP4: 4.5)."""
+        """Bits per element with the block scale's share, e.g. 8.25 for MXFP8, 4.5 for NVFP4."""
         return self.element.bits + 8 / self.block_size
 
     @property
@@ -390,6 +390,6 @@ BLOCK_PRESETS: MappingProxyType[str, BlockFormat] = MappingProxyType(
         "nvfp4": BlockFormat(FPFormat(2, 1, special_values="none"), 16, "e4m3", tensor_scale=True),
     }
 )
-"""The block-scaled presets by name, all rounding their elements to nearest: OCP MX
+"""The block-scaled presets by name, each rounding its elements to nearest. OCP MX
 (blocks of 32, E8M0 scales, ``scale_mode="floor"``) with E4M3, E5M2, E3M2, E2M3 and E2M1
 elements, and NVFP4 (blocks of 16 E2M1, E4M3 block scales, an FP32 tensor scale)."""

@@ -483,7 +483,7 @@ class Metrics:
     bwd: _Data | None = None
     #: Block-format metrics by direction (``{"fwd": {...}, "bwd": {...}}``), only where
     #: ``track_scales(..., block_formats=...)`` asked for them (see
-    #: :mod:`unitscale.tracking._blocks`); None otherwise.
+    #: :mod:`unitscale.tracking.blocks`); None otherwise.
     blocks: dict[str, dict[str, float]] | None = None
 
     def __repr__(self) -> str:

@@ -69,7 +69,7 @@ class ScaleRecord:
         inputs: ``node`` names of the nodes this one reads (data flow).
         metrics: every metric of ``Metrics.Data.as_dict()``, then the block-format metrics
             where tracking recorded them (``block_flushed_<format>`` and the like, see
-            :mod:`unitscale.tracking._blocks`).
+            :mod:`unitscale.tracking.blocks`).
     """
 
     order: int

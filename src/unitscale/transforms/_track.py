@@ -9,7 +9,7 @@ from torch import nn
 from ..capture import TransformedModule, transformed
 from ..formats import BlockFormat
 from ..tracking import TrackScalesPass
-from ..tracking._blocks import check_block_formats
+from ..tracking.blocks import check_block_formats
 
 __all__ = ["track_scales"]
 
@@ -36,7 +36,7 @@ def track_scales(
             flushed to zero inside their block, of blocks whose scale is clipped, and the
             relative rounding error (columns ``block_flushed_<format>``,
             ``block_scale_clipped_<format>``, ``block_error_<format>``; see
-            :mod:`unitscale.tracking._blocks`). Computed eagerly for every tensor: only
+            :mod:`unitscale.tracking.blocks`). Computed eagerly for every tensor: only
             when asked for (default None: none, tracking costs what it did).
 
     Returns:

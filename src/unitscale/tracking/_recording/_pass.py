@@ -47,9 +47,9 @@ from ...capture import (
 )
 from ...formats import BlockFormat
 from .. import _distributed
-from .._blocks import attach_block_metrics, block_metrics
 from .._join import _Joined, build_scales_graph
 from .._read import _Stats
+from ..blocks import attach_block_metrics, block_metrics
 from ..metrics import _mode, deferred_stats, fast_stats
 from ._graph import _replicated_slots, _same_values_source, _static_shape
 from ._tensors import _add_grad_hook, _alias_requiring_grad, _can_alias, _Snapshot
@@ -71,7 +71,7 @@ class TrackScalesPass(GraphPass):
 
     def __init__(self, block_formats: tuple[tuple[str, BlockFormat], ...] = ()) -> None:
         #: ``(name, format)`` of the block-scaled formats whose metrics each tensor gets
-        #: (:mod:`unitscale.tracking._blocks`); empty (the default): none, no cost.
+        #: (:mod:`unitscale.tracking.blocks`); empty (the default): none, no cost.
         self.block_formats = block_formats
         #: Block metrics of the parameters' gradients in the running call, by tensor id.
         self._param_blocks: dict[int, dict[str, float]] = {}
