@@ -208,3 +208,34 @@ def test_to_fp8_refuses_a_block_simulated_model() -> None:
 
     with pytest.raises((CaptureError, FormatError)):
         to_fp8(simulate_format(nn.Linear(32, 32), "nvfp4", "nvfp4"))
+
+
+@pytest.mark.parametrize("readout", [False, True])
+def test_unit_scaled_gradients_keep_their_factors(readout: bool) -> None:
+    """Operands and gradients of small integers are exact in MXFP8 at any blocking, so the
+    block-scaled unit-scaled op must equal the unrounded one, output and both gradients:
+    the unit-scaled factors sit where the op applies them."""
+    import unitscale.functional as U
+
+    fmt = get_format("mxfp8_e4m3")
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randint(-4, 5, (32, 64), generator=generator).float()
+    w = torch.randint(-4, 5, (32, 64), generator=generator).float()
+    g = torch.randint(-4, 5, (32, 32), generator=generator).float()
+    op = U.linear_readout if readout else U.linear
+
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(w.clone())
+
+        def forward(self, inp: Tensor) -> Tensor:
+            return op(inp, self.weight, None)
+
+    simulated = simulate_format(One(), fmt, fmt, ops="linear")
+    out, grad_x, grads = _step(simulated, x, g)
+    assert len(fp8_summary(simulated).converted) == 1
+    ref_out, ref_grad_x, ref_grads = _step(One(), x, g)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_x, ref_grad_x, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads["weight"], ref_grads["weight"], rtol=1e-6, atol=0)
