@@ -193,6 +193,8 @@ def test_argument_errors() -> None:
         simulate_format(nn.Linear(32, 32), "mxfp8_e4m3", "e5m2")
     with pytest.raises(FormatError, match="scaling='tensorwise' with block-scaled"):
         simulate_format(nn.Linear(32, 32), "mxfp8_e4m3", "mxfp8_e4m3", scaling="tensorwise")
+    with pytest.raises(FormatError, match="block-scaled format, not an FP8 recipe"):
+        simulate_fp8(nn.Linear(32, 32), recipe="mxfp8_e4m3")
     with pytest.raises(FormatError, match="argument 'ops'"):
         simulate_format(nn.Linear(32, 32), "nvfp4", "nvfp4", ops="all")  # type: ignore[arg-type]
 

@@ -286,6 +286,12 @@ FP8_RECIPES: MappingProxyType[str, FP8Recipe] = MappingProxyType(
 def _check_recipe(recipe: Any) -> FP8Recipe:
     if isinstance(recipe, FP8Recipe):
         return recipe
+    if isinstance(_block_format(recipe), BlockFormat):
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: recipe={recipe!r} is a block-scaled format, "
+            "not an FP8 recipe; simulate it with unitscale.transforms.simulate_format(model, "
+            "fwd_format, bwd_format), e.g. simulate_format(model, 'mxfp8_e4m3', 'mxfp8_e4m3')"
+        )
     if isinstance(recipe, str) and recipe in FP8_RECIPES:
         return FP8_RECIPES[recipe]
     raise FormatError(
