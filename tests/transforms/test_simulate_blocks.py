@@ -241,3 +241,21 @@ def test_unit_scaled_gradients_keep_their_factors(readout: bool) -> None:
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0)
     torch.testing.assert_close(grad_x, ref_grad_x, rtol=1e-6, atol=0)
     torch.testing.assert_close(grads["weight"], ref_grads["weight"], rtol=1e-6, atol=0)
+
+
+def test_keyword_arguments_of_addmm_and_mm() -> None:
+    class Ops(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(32))
+
+        def forward(self, a: Tensor, b: Tensor) -> Tensor:
+            return torch.addmm(self.bias, a, b, beta=1, alpha=1) + torch.mm(a, mat2=b)
+
+    fmt = get_format("mxfp8_e4m3")
+    a, b = torch.randn(32, 64), torch.randn(64, 32)
+    simulated = simulate_format(Ops(), fmt, fmt)
+    out = simulated(a, b)
+    assert len(fp8_summary(simulated).converted) == 2
+    product = fmt.quantise(a, -1) @ fmt.quantise(b, -2)
+    torch.testing.assert_close(out, 2 * product, rtol=1e-6, atol=1e-5)

@@ -333,10 +333,14 @@ class BlockFormatPass(SimulateFormatPass):
                 continue
             bound = dict(zip(op[1], node.args, strict=False))
             bound.update(node.kwargs)
+            if op[0] is block_matmul and "mat2" in bound:  # torch.mm(input, mat2=...)
+                bound["other"] = bound.pop("mat2")
             reason = self._refusal(node, op, bound)
             if reason is not None:
                 left.append((label, reason))
                 continue
+            bound.pop("beta", None)  # 1 where the op is converted (see _refusal)
+            bound.pop("alpha", None)
             operands = [
                 bound[n] for n in op[1] if n in ("input", "weight", "mat1", "mat2", "other")
             ]
