@@ -319,7 +319,8 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
 
     assert FP8_OPS == "linear"
     for kind in RUN_KINDS:
-        expected = {"fp32": "", "fp8": "linear", "fp16": "matmuls"}[kind.precision]
+        expected = {"fp32": "", "fp8": "linear", "fp16": "matmuls", "mxfp8": "linear",
+                    "mxfp4": "linear", "nvfp4": "linear"}[kind.precision]  # fmt: skip
         assert kind.ops == expected, kind.name
     config = TrainConfig(hidden_size=16, heads=2)
     for run in ("plain-fp8", "plain-fp8-tensorwise", "unit-scaled-fp8"):
@@ -327,6 +328,36 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
         assert graph_pass.ops == "linear", run
     (fp16_pass,) = build_run_model("unit-scaled-fp16", config).passes  # type: ignore[union-attr]
     assert fp16_pass.ops == "matmuls"
+
+
+def test_block_scaled_run_kinds() -> None:
+    """The six block-scaled kinds (not default): each family's linear ops as block-scaled
+    GEMMs against its own FP32 run; a tiny run of one trains and is summarised."""
+    from unitscale.experiments.training import RUN_KINDS
+    from unitscale.formats import get_format
+    from unitscale.transforms.lowp._blocks import BlockFormatPass
+
+    names = [f"{family}-{fmt}" for fmt in ("mxfp8", "mxfp4", "nvfp4")
+             for family in ("plain", "unit-scaled")]  # fmt: skip
+    kinds = {kind.name: kind for kind in RUN_KINDS}
+    for name in names:
+        assert name in RUN_NAMES and name not in DEFAULT_RUNS
+        assert kinds[name].baseline == name.rsplit("-", 1)[0] + "-fp32"
+    config = TrainConfig(hidden_size=32, heads=2)
+    (graph_pass,) = build_run_model("unit-scaled-nvfp4", config).passes  # type: ignore[union-attr]
+    assert isinstance(graph_pass, BlockFormatPass) and graph_pass.ops == "linear"
+    assert graph_pass.bwd_block == get_format("nvfp4", rounding="stochastic")
+    config = TrainConfig(
+        steps=2, batch_size=2, seq_len=16, hidden_size=32, heads=2, depth=1, eval_every=2,
+        eval_batches=1, runs=("unit-scaled-fp32", "unit-scaled-mxfp8"),
+    )  # fmt: skip
+    results = train_runs(config, progress=False)
+    first = {name: r.train_losses[0] for name, r in results.items()}
+    assert first["unit-scaled-mxfp8"] == pytest.approx(first["unit-scaled-fp32"], abs=0.05)
+    assert first["unit-scaled-mxfp8"] != first["unit-scaled-fp32"]
+    text = summary_text(results, config)
+    assert "unit-scaled in simulated MXFP8 (unit-scaled-mxfp8, " in text
+    assert "MXFP8, per-block scales" in text
 
 
 def _has_to_fp8() -> bool:

@@ -26,7 +26,17 @@ from torch import nn
 
 from ...capture import Invocation, TransformedModule, transformed
 from ...errors import UnitScaleError
-from ...formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
+from ...formats import (
+    BLOCK_PRESETS,
+    E4M3,
+    E5M2,
+    PRESETS,
+    BlockFormat,
+    FormatError,
+    FPFormat,
+    get_format,
+)
+from ._blocks import BlockFormatPass, check_block_formats
 from ._ops import OPS_SCOPES, OpsScope
 from ._pass import SimulateFormatPass
 from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, SCALINGS, Scaling, keep_histories
@@ -54,6 +64,13 @@ def _check_format(argument: str, value: Any) -> FPFormat:
             "format; pass a unitscale.formats.FPFormat (e.g. unitscale.formats.E4M3, or "
             "FPFormat(exponent_bits, mantissa_bits)) or a preset key such as 'e4m3'"
         ) from error
+
+
+def _block_format(value: Any) -> Any:
+    """``value`` as a :class:`~unitscale.formats.BlockFormat` where it names one (else as is)."""
+    if isinstance(value, str) and value.lower() in BLOCK_PRESETS:
+        return get_format(value)
+    return value
 
 
 def _check_ops(op: str, ops: Any) -> None:
@@ -88,8 +105,8 @@ def _transformed(op: str, module: nn.Module, graph_pass: SimulateFormatPass) -> 
 
 def simulate_format(
     module: nn.Module,
-    fwd_format: FPFormat | str,
-    bwd_format: FPFormat | str,
+    fwd_format: FPFormat | BlockFormat | str,
+    bwd_format: FPFormat | BlockFormat | str,
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope = "matmuls",
@@ -109,12 +126,25 @@ def simulate_format(
     :class:`~unitscale.formats.FPFormat`'s default. Pass one with
     ``rounding="stochastic"`` for stochastic rounding.
 
+    Block-scaled formats (:class:`~unitscale.formats.BlockFormat`: ``"mxfp8_e4m3"``,
+    ``"mxfp8_e5m2"``, ``"mxfp6_e3m2"``, ``"mxfp6_e2m3"``, ``"mxfp4_e2m1"``, ``"nvfp4"``,
+    both formats block-scaled) run each linear op (and, with ``ops="matmuls"``, each
+    two-operand ``matmul``/``mm``/``bmm``/``@``) as block-scaled GEMMs: forward ``x`` and
+    ``W`` blocked along the reduction dimension ``K``, the input-gradient GEMM ``grad_y``
+    and ``W`` along ``N``, the weight-gradient GEMM ``grad_y`` and ``x`` along the tokens
+    ``M``, as Transformer Engine and torchao's MX training do (``fwd_format`` for ``x`` and
+    ``W``, ``bwd_format`` for ``grad_y``; ``get_format("nvfp4", rounding="stochastic")``
+    for stochastically rounded gradients). Other matmul-like ops, and ops with a GEMM
+    dimension that is not a multiple of the block size, run unrounded and are listed with
+    the reason by :func:`fp8_summary` (see docs/guide/formats.rst). ``scaling`` must be
+    ``"none"``: the block scales are the scaling.
+
     Args:
         module: any ``torch.nn.Module`` (or an already transformed one, e.g.
             ``unit_scale(m)``) that TorchDynamo can capture.
         fwd_format: format of forward operands: an :class:`~unitscale.formats.FPFormat`
             or a preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``), which rounds
-            to nearest.
+            to nearest; or a block-scaled format or its name.
         bwd_format: format of the gradients, likewise.
         scaling: ``"none"`` (default), ``"tensorwise"`` or ``"delayed"``: how each rounded
             tensor is scaled (see :func:`simulate_fp8`; its rowwise recipes fix their own
@@ -128,8 +158,9 @@ def simulate_format(
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: a format argument is neither an ``FPFormat`` nor a preset key, or
-            ``scaling``/``history_len``/``ops`` is not supported.
+        FormatError: a format argument is neither an ``FPFormat``, a ``BlockFormat`` nor a
+            preset key, a block-scaled format is paired with a per-tensor one or with
+            ``scaling``, or ``scaling``/``history_len``/``ops`` is not supported.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
             last), or holds a submodule that is (the error names it); or TorchDynamo
@@ -144,6 +175,11 @@ def simulate_format(
         >>> model(torch.ones(1, 4)).item()  # weights round to 0.5, 1, 1.5, 3
         6.0
     """
+    fwd_any, bwd_any = _block_format(fwd_format), _block_format(bwd_format)
+    if isinstance(fwd_any, BlockFormat) or isinstance(bwd_any, BlockFormat):
+        _check_ops("simulate_format", ops)
+        blocks = check_block_formats(fwd_any, bwd_any, scaling)
+        return transformed(module, BlockFormatPass(*blocks, ops=ops), "simulate_format")
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
@@ -284,6 +320,12 @@ def _check_rowwise(recipe: Any, chosen: FP8Recipe, scaling: str, ops: Any) -> Op
 def _check_recipe(recipe: Any) -> FP8Recipe:
     if isinstance(recipe, FP8Recipe):
         return recipe
+    if isinstance(_block_format(recipe), BlockFormat):
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: recipe={recipe!r} is a block-scaled format, "
+            "not an FP8 recipe; simulate it with unitscale.transforms.simulate_format(model, "
+            "fwd_format, bwd_format), e.g. simulate_format(model, 'mxfp8_e4m3', 'mxfp8_e4m3')"
+        )
     if isinstance(recipe, str) and recipe in FP8_RECIPES:
         return FP8_RECIPES[recipe]
     raise FormatError(

@@ -47,6 +47,7 @@ from ...errors import CaptureError
 from ...formats import FormatError
 from .._rewrite import RewritePass
 from . import _gemm as fp8
+from ._blocks import is_block_request, real_block_gemm_refusal
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
 from ._pass import SimulateFormatPass, _Sites, history_variant_key
 from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, keep_histories
@@ -234,6 +235,8 @@ class ToFP8Pass(RewritePass):
 
 
 def _check_recipe(recipe: Any) -> None:
+    if is_block_request(recipe):
+        raise real_block_gemm_refusal("to_fp8", recipe)
     chosen = recipe
     if isinstance(recipe, str):
         if recipe not in FP8_RECIPES:
@@ -306,8 +309,11 @@ def to_fp8(
     Raises:
         FormatError: this torch build or a parameter's device has no float8 GEMMs (use
             :func:`simulate_fp8` there); ``recipe`` cannot run as float8 GEMMs (other
-            formats, stochastic rounding, rounded operand gradients); ``scaling`` or
-            ``history_len`` is not supported; ``skip`` names no module.
+            formats, stochastic rounding, rounded operand gradients), or names a block-scaled
+            format (``"mxfp8_e4m3"``, a ``BlockFormat``: real block-scaled GEMMs need a
+            Blackwell-class GPU, compute capability 10.x; simulate it with
+            :func:`simulate_format`); ``scaling`` or ``history_len`` is not supported;
+            ``skip`` names no module.
         CaptureError: as for :func:`simulate_format`; or ``module`` already simulates a
             number format or runs in FP8.
 
