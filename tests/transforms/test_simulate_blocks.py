@@ -259,3 +259,16 @@ def test_keyword_arguments_of_addmm_and_mm() -> None:
     assert len(fp8_summary(simulated).converted) == 2
     product = fmt.quantise(a, -1) @ fmt.quantise(b, -2)
     torch.testing.assert_close(out, 2 * product, rtol=1e-6, atol=1e-5)
+
+
+def test_skip_keeps_a_layer_out_of_the_block_format() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    x = torch.randn(32, 64)
+    blocked = simulate_format(model, "mxfp4_e2m1", "mxfp4_e2m1", ops="linear", skip=["0"])
+    out = blocked(x)
+    hidden = model[0](x)  # the skipped layer runs in FP32, bit for bit
+    rounded = simulate_format(model[1], "mxfp4_e2m1", "mxfp4_e2m1", ops="linear")(hidden)
+    assert torch.equal(out, rounded) and not torch.equal(out, model(x))
+    ((op, reason),) = fp8_summary(blocked).not_converted
+    assert op.startswith("0") and reason == "skipped by skip="

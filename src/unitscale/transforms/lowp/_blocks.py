@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ... import functional as U
-from ...capture import Capture, Piece, example_value, is_float_node
+from ...capture import Capture, Piece, TransformedModule, example_value, is_float_node
 from ...formats import BlockFormat, FormatError
 from ...scale import scale_bwd
+from .._rewrite import RewritePass
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
 from ._ops import OpsScope, add_bias
 from ._pass import SimulateFormatPass
@@ -307,16 +308,22 @@ class BlockFormatPass(SimulateFormatPass):
         bwd_block: BlockFormat,
         ops: OpsScope = "matmuls",
         transform: str = "simulate_format",
+        skip: frozenset[str] = frozenset(),
     ) -> None:
         self.fwd_block = fwd_block
         self.bwd_block = bwd_block
         self.ops = ops
+        self.skip = skip
         self.label = transform
         self.scaling = "none"
         self.history_len = 1
 
     def __repr__(self) -> str:
         return f"BlockFormatPass(fwd={self.fwd_block!r}, bwd={self.bwd_block!r}, ops={self.ops!r})"
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        # Per-block scales need no unit scaling to stay in range: no warning about scales.
+        RewritePass.after_call(self, module, capture, output)
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         converted: list[str] = []

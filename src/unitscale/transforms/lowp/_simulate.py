@@ -179,7 +179,9 @@ def simulate_format(
     if isinstance(fwd_any, BlockFormat) or isinstance(bwd_any, BlockFormat):
         _check_ops("simulate_format", ops)
         blocks = check_block_formats(fwd_any, bwd_any, scaling)
-        return transformed(module, BlockFormatPass(*blocks, ops=ops), "simulate_format")
+        skipped = resolve_skip("simulate_format", module, skip)
+        block_pass = BlockFormatPass(*blocks, ops=ops, skip=skipped)
+        return transformed(module, block_pass, "simulate_format")
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
