@@ -26,10 +26,10 @@ and gathering gives the bytes that casting the gathered weight gives: training i
 bit for bit (docs/guide/distributed.rst).
 
 Which weights: :func:`mark_weights` (called by ``to_fp8``) marks the weight of each
-``nn.Linear`` whose weight is used by that module alone; :func:`wrap_marked` (called by
-:func:`unitscale.data_parallel.fully_shard` before torch's ``fully_shard``) wraps the marked
-weights it shards. The ``to_fp8`` graph pass checks that each gathered float8 weight feeds
-float8 GEMMs only, and :func:`~unitscale.transforms.fp8_summary` lists them.
+``nn.Linear`` whose weight is used by that module alone; :func:`unitscale.data_parallel.
+fully_shard` wraps the marked weights it shards before torch's ``fully_shard`` shards them.
+The ``to_fp8`` graph pass checks that each gathered float8 weight feeds float8 GEMMs only
+(:func:`record_gathers`), and :func:`~unitscale.transforms.fp8_summary` lists them.
 
 Design constraints: the sharded wrapper behaves as its shard for every op (FSDP2 pads,
 copies and slices it; optimisers update it in place), so the optimiser's updates and
@@ -43,22 +43,27 @@ import weakref
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ...formats import FormatError
 from ._scaling import amax_scale
 
 __all__ = [
     "GATHER_ATTR",
+    "GATHER_KEY",
     "Float8GatherWeight",
     "Float8Weight",
+    "GatherMark",
     "float8_weight",
     "mark_weights",
-    "wrap_marked",
+    "record_gathers",
 ]
 
-#: Parameter attribute set by :func:`mark_weights`: the scaling the weight is gathered with.
-GATHER_ATTR = "_unitscale_float8_gather"
+#: Parameter attribute set by :func:`mark_weights`: a callable that wraps the weight's tensor
+#: for FSDP2 (read by :func:`unitscale.data_parallel.fully_shard` under this name).
+GATHER_ATTR = "_unitscale_fsdp_wrap"
 
 _E4M3: Any = getattr(torch, "float8_e4m3fn", None)
 
@@ -138,11 +143,11 @@ class Float8GatherWeight(Tensor):
 
     _tensor: Tensor
     _scaling: str
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, tensor: Tensor, scaling: str) -> Float8GatherWeight:
-        return Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+        return Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
             strides=tensor.stride(),
@@ -161,7 +166,7 @@ class Float8GatherWeight(Tensor):
         return f"Float8GatherWeight({self._tensor!r}, scaling={self._scaling!r})"
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         scaling = next(
@@ -233,11 +238,11 @@ class Float8Weight(Tensor):
 
     _data: Tensor
     _inverse: Tensor | None
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, data: Tensor, inverse: Tensor | None, dtype: Any) -> Float8Weight:
-        return Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+        return Tensor._make_wrapper_subclass(
             cls,
             data.size(),
             strides=data.stride(),
@@ -260,7 +265,7 @@ class Float8Weight(Tensor):
         return values if self._inverse is None else (values * self._inverse).to(self.dtype)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
@@ -268,9 +273,7 @@ class Float8Weight(Tensor):
             first = args[0]
             data = func(first._data, *args[1:], **kwargs)
             return Float8Weight(data, first._inverse, first.dtype)
-        args, kwargs = pytree.tree_map_only(
-            Float8Weight, lambda t: t.dequantise(), (args, kwargs)
-        )
+        args, kwargs = pytree.tree_map_only(Float8Weight, lambda t: t.dequantise(), (args, kwargs))
         return func(*args, **kwargs)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
@@ -316,26 +319,77 @@ def mark_weights(module: nn.Module, scaling: str) -> dict[str, str]:
         elif sub.weight.dim() != 2 or not sub.weight.is_floating_point():
             refused[name] = "not a 2-D floating-point weight"
         else:
-            setattr(sub.weight, GATHER_ATTR, scaling)
+            setattr(sub.weight, GATHER_ATTR, GatherMark(scaling))
     return refused
 
 
-def wrap_marked(module: nn.Module) -> list[str]:
-    """Wrap each marked weight of ``module`` that FSDP2 has not sharded yet in
-    :class:`Float8GatherWeight` (in place, keeping the parameter's attributes); return their
-    names. Called before torch's ``fully_shard``."""
-    wrapped = []
-    for path, sub in module.named_modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            scaling = getattr(param, GATHER_ATTR, None)
-            if scaling is None or hasattr(param, "device_mesh"):  # a DTensor: sharded
-                continue
-            if isinstance(param.data, Float8GatherWeight):
-                continue
-            new = nn.Parameter(
-                Float8GatherWeight(param.data, scaling), requires_grad=param.requires_grad
-            )
-            new.__dict__.update(param.__dict__)
-            setattr(sub, name, new)
-            wrapped.append(f"{path}.{name}" if path else name)
-    return wrapped
+class GatherMark:
+    """What :func:`mark_weights` puts on a weight: called on its tensor by
+    :func:`unitscale.data_parallel.fully_shard`, it returns the :class:`Float8GatherWeight`."""
+
+    def __init__(self, scaling: str) -> None:
+        self.scaling = scaling
+
+    def __repr__(self) -> str:
+        return f"GatherMark({self.scaling!r})"
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        return Float8GatherWeight(tensor, self.scaling)
+
+
+#: ``piece.data`` key of what :func:`record_gathers` found.
+GATHER_KEY = "fp8_all_gather"
+
+
+def _plain_reason(name: str, refused: dict[str, str] | None) -> str:
+    if refused is None:
+        return "fsdp_float8_all_gather=False"
+    if name in refused:
+        return refused[name]
+    if name.endswith(".weight") or name == "weight":
+        return "not sharded by unitscale.data_parallel.fully_shard (FSDP2)"
+    return "not an nn.Linear's own weight"
+
+
+def record_gathers(
+    piece: Any,
+    gm: fx.GraphModule,
+    names: dict[fx.Node, str],
+    weights: dict[fx.Node, list[str]],
+    refused: dict[str, str] | None,
+) -> None:
+    """Store in ``piece.data`` which weights of the converted GEMMs arrive gathered in
+    float8 and which in their own precision (with the reason); refuse a float8 weight that
+    an op other than a float8 GEMM reads.
+
+    ``weights``: the weight operand of each converted op -> the ops' labels; ``names``: the
+    parameter name of each parameter placeholder; ``refused``: :func:`mark_weights`' refusals
+    (None: ``fsdp_float8_all_gather=False``).
+    """
+    float8: list[str] = []
+    plain: list[tuple[str, str]] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node not in names:
+            continue
+        gathered = isinstance(node.meta.get("example_value"), Float8Weight)
+        name = names[node]
+        if gathered:
+            others = [u for u in node.users if u not in _gemm_users(node, weights)]
+            if others:
+                raise FormatError(
+                    f"unitscale.transforms.to_fp8: FSDP2 gathers {name} in float8, but "
+                    f"{', '.join(str(u.target) for u in others)} reads it outside a float8 "
+                    "GEMM (it would see the float8-rounded weight); pass "
+                    "to_fp8(..., fsdp_float8_all_gather=False)"
+                )
+            float8.append(name)
+        elif node in weights:
+            plain.append((name, _plain_reason(name, refused)))
+    piece.data[GATHER_KEY] = (float8, plain)
+
+
+def _gemm_users(node: fx.Node, weights: dict[fx.Node, list[str]]) -> set[fx.Node]:
+    """The users of ``node`` that are converted GEMMs taking it as their weight."""
+    if node not in weights:
+        return set()
+    return {u for u in node.users if u.kwargs.get("weight") is node}

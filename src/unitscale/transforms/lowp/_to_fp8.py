@@ -46,6 +46,7 @@ from ...capture import (
 from ...errors import CaptureError
 from ...formats import FormatError
 from .._rewrite import RewritePass, placeholder_names
+from . import _fsdp
 from . import _gemm as fp8
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
 from ._pass import SimulateFormatPass, _Sites
@@ -119,6 +120,9 @@ class ToFP8Pass(RewritePass):
     def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
         self.scaling = scaling
         self.history_len = history_len
+        #: FSDP2 float8 all-gather: the linear weights refused it, by name, with the reason
+        #: (None: turned off); set by to_fp8 (see :mod:`~._fsdp`).
+        self.fsdp_gather: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"ToFP8Pass(scaling={self.scaling!r})"
@@ -128,6 +132,7 @@ class ToFP8Pass(RewritePass):
         sites = _Sites(gm, root, self.history_len)
         converted: list[str] = []
         left: list[tuple[str, str]] = []
+        weights: dict[fx.Node, list[str]] = {}
         table = _linear_ops()
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
@@ -141,7 +146,9 @@ class ToFP8Pass(RewritePass):
             assert op is not None  # for mypy: reason is None only with an op
             self._convert(gm.graph, node, op, bound, names, sites)
             converted.append(label)
+            weights.setdefault(bound[_operands(op)[1]], []).append(label)
         record(piece, self.transform_name, converted, left, warn_reasons=(UNRECOGNISED,))
+        _fsdp.record_gathers(piece, gm, names, weights, getattr(self, "fsdp_gather", None))
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
@@ -260,6 +267,7 @@ def to_fp8(
     recipe: FP8Recipe | str = "hardware",
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    fsdp_float8_all_gather: bool = True,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
 
@@ -281,6 +289,12 @@ def to_fp8(
             needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config) or
             ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
         history_len: amax-history length for ``scaling="delayed"``.
+        fsdp_float8_all_gather: where :func:`unitscale.data_parallel.fully_shard` (FSDP2)
+            shards the weight of an ``nn.Linear`` (applied after ``to_fp8``), all-gather it
+            as E4M3 bytes, cast on each rank with the GEMM's own scale, which the GEMM then
+            uses as it arrives (``"none"`` and ``"tensorwise"`` scaling; the same numbers as
+            gathering the weight in its precision, a quarter of FP32's bytes). ``False``
+            gathers every weight in its own precision (see docs/guide/distributed.rst).
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -319,7 +333,12 @@ def to_fp8(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
-    result = transformed(module, ToFP8Pass(scaling, history_len), "to_fp8")
+    graph_pass = ToFP8Pass(scaling, history_len)
+    result = transformed(module, graph_pass, "to_fp8")
+    if fsdp_float8_all_gather:
+        for owned in result.passes:  # the chain's own copy of the pass
+            if isinstance(owned, ToFP8Pass):
+                owned.fsdp_gather = _fsdp.mark_weights(result.module, scaling)
     if scaling == "delayed":
         keep_histories(result.module)
     return result
