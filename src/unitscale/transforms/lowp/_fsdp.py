@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ...formats import FormatError
-from ._scaling import amax_scale
+from ._scaling import amax_scale, tensor_amax
 
 __all__ = [
     "GATHER_ATTR",
@@ -100,33 +100,38 @@ def _saturate(x: Tensor, scale: Tensor | None) -> Tensor:
     return x.clamp(-fmax, fmax).to(_E4M3)
 
 
+#: Counts the in-place ops on wrapped weights (an optimiser step, ``load_state_dict``): the
+#: cached ``"tensorwise"`` scales are recomputed after it moves. (The wrapped tensors' own
+#: version counters do not move under ``__torch_dispatch__``.)
+_WRITES = [0]
+
+
 class _AmaxGroup:
     """The ``"tensorwise"`` weights gathered over one process group: one all-reduce (MAX) of
-    all their shard amaxes whenever any of them changed (its version counter moved), which
-    happens once per optimiser step; every rank then holds each weight's global scale."""
+    all their shard amaxes whenever any of them was written (:data:`_WRITES`), once per
+    optimiser step, not at the backward's gathers; every rank then holds each weight's scale
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, without the call)."""
 
     def __init__(self) -> None:
         self.members: list[weakref.ref[Float8GatherWeight]] = []
-        self.versions: tuple[int, ...] = ()
+        self.writes = -1
         self.scales: dict[int, Tensor] = {}
 
     def add(self, weight: Float8GatherWeight) -> None:
         self.members.append(weakref.ref(weight))
-        self.versions = ()
+        self.writes = -1
 
     def scale(self, weight: Float8GatherWeight, mesh: Any, dtype: Any) -> Tensor:
         live = [w for w in (ref() for ref in self.members) if w is not None]
-        versions = tuple(w._tensor._version for w in live)
-        if versions != self.versions or id(weight) not in self.scales:
-            shards = [w._shard(dtype) for w in live]
-            amaxes = torch.stack([s.abs().max().to(torch.float32) for s in shards])
+        if self.writes != _WRITES[0] or id(weight) not in self.scales:
+            amaxes = torch.stack([tensor_amax(w._shard(dtype)) for w in live])
             if mesh.size() > 1:
                 torch.distributed.all_reduce(
                     amaxes, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group()
                 )
             fmax = torch.finfo(_E4M3).max
             self.scales = {id(w): amax_scale(a, fmax) for w, a in zip(live, amaxes, strict=True)}
-            self.versions = versions
+            self.writes = _WRITES[0]
         return self.scales[id(weight)]
 
 
@@ -176,6 +181,8 @@ class Float8GatherWeight(Tensor):
             Float8GatherWeight, lambda t: t._tensor, (args, kwargs or {})
         )
         out = func(*args, **kwargs)
+        if func._schema.is_mutable:
+            _WRITES[0] += 1
         if func is _aten.detach.default or func in _PRESERVE:
             return pytree.tree_map_only(Tensor, lambda t: Float8GatherWeight(t, scaling), out)
         return out
