@@ -86,9 +86,7 @@ def _train(model: nn.Module, sharded: bool) -> tuple[list[float], list[dict[str,
             dist.all_reduce(mean)
             mean /= world
         losses.append(float(mean))
-        grads.append(
-            {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-        )
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
         optimiser.step()
         optimiser.zero_grad()
     return losses, grads
@@ -111,6 +109,38 @@ def _counting_gemm_weights() -> list[str]:
     return seen
 
 
+def _hand_cast(model: nn.Module, scaling: str, names: list[str]) -> dict[str, Any]:
+    """One more forward: each float8 weight a GEMM received against the whole weight cast
+    by hand (``_gemm._cast``, the cast of the GEMM without float8 all-gather). The weights
+    are read before: after a forward without backward FSDP2 leaves the root's parameters
+    gathered (here: the float8 ones)."""
+    params = {n: _full(p) for n, p in model.state_dict().items()}
+    received: list[tuple[torch.Tensor, Any]] = []
+    original = _fsdp.float8_weight
+
+    def keep(weight: torch.Tensor) -> Any:
+        found = original(weight)
+        if found is not None:
+            received.append((found[0].clone(), found[1]))
+        return found
+
+    _gemm.float8_weight = keep  # type: ignore[assignment]
+    ids, labels = _batch(0)
+    with torch.no_grad():
+        _loss(model, ids[:1], labels[:1])
+    by_hand = [_gemm._cast(params[n], _gemm.E4M3_DTYPE, scaling, None, False) for n in names]
+    matched = sum(
+        any(
+            torch.equal(data.view(torch.uint8), hand.view(torch.uint8))
+            and (inverse is None) == (hand_inverse is None)
+            and (inverse is None or torch.equal(inverse, hand_inverse))
+            for hand, hand_inverse in by_hand
+        )
+        for data, inverse in received
+    )
+    return {"received": len(received), "matched": matched}
+
+
 def check_equal(name: str, scaling: str) -> dict[str, Any]:
     """With float8 all-gather against without, and against one process."""
     base = MODELS[name]()
@@ -127,9 +157,11 @@ def check_equal(name: str, scaling: str) -> dict[str, Any]:
     arrived_plain = sorted(set(seen))
     losses_1, grads_1 = _train(single, sharded=False)
     summary = fp8_summary(gathered)
-    state = gathered.state_dict()
     weight = next(n for n in summary.float8_all_gather)
-    saved = _full(state[weight])
+    saved = _full(gathered.state_dict()[weight])
+    local = type(gathered.state_dict()[weight]._local_tensor).__name__
+    param = _full(dict(gathered.named_parameters())[weight])
+    hand = _hand_cast(gathered, scaling, list(summary.float8_all_gather))
     return {
         "losses_equal": losses_g == losses_p,
         "grads_equal": all(
@@ -139,6 +171,7 @@ def check_equal(name: str, scaling: str) -> dict[str, Any]:
         "loss_errors": [abs(g - o) / abs(o) for g, o in zip(losses_g, losses_1, strict=True)],
         "grad_errors": [_relative(o, g) for g, o in zip(grads_g, grads_1, strict=True)],
         "arrived": arrived,
+        "hand_cast": hand,
         "arrived_plain": arrived_plain,
         "float8_all_gather": list(summary.float8_all_gather),
         "high_precision_gather": [list(p) for p in summary.high_precision_gather],
@@ -148,7 +181,8 @@ def check_equal(name: str, scaling: str) -> dict[str, Any]:
         ),
         "state_dtype": str(saved.dtype),
         "state_type": type(saved).__name__,
-        "state_equals_param": torch.equal(saved, _full(dict(gathered.named_parameters())[weight])),
+        "state_equals_param": torch.equal(saved, param),
+        "state_local_type": local,
     }
 
 

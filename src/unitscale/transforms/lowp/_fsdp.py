@@ -196,6 +196,10 @@ class Float8GatherWeight(Tensor):
     ) -> Float8GatherWeight:
         return Float8GatherWeight(inner["_tensor"], scaling)
 
+    def unwrapped(self) -> Tensor:
+        """The wrapped high-precision tensor (what ``state_dict()`` saves)."""
+        return self._tensor
+
     def _shard(self, dtype: Any) -> Tensor:
         return self._tensor if dtype is None else self._tensor.to(dtype)
 
@@ -310,15 +314,17 @@ def _shared_weights(module: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
-def mark_weights(module: nn.Module, scaling: str) -> dict[str, str]:
+def mark_weights(module: nn.Module, scaling: str) -> dict[str, str | None]:
     """Mark the weight of each ``nn.Linear`` of ``module`` to be all-gathered in float8 with
-    ``scaling``; return the linear weights left unmarked, by name, with the reason."""
+    ``scaling``; return each such weight by name: None where marked, else the reason."""
     shared = _shared_weights(module)
-    refused: dict[str, str] = {}
+    # a tied weight by its first name, as named_parameters() and the graph name it
+    canonical = {id(param): name for name, param in module.named_parameters()}
+    refused: dict[str, str | None] = {}
     for path, sub in module.named_modules():
         if not isinstance(sub, nn.Linear) or not isinstance(sub.weight, nn.Parameter):
             continue
-        name = f"{path}.weight" if path else "weight"
+        name = canonical.get(id(sub.weight), f"{path}.weight" if path else "weight")
         if scaling not in ("none", "tensorwise"):
             refused[name] = f"scaling={scaling!r} (float8 all-gather takes 'none' or 'tensorwise')"
         elif id(sub.weight) in shared:
@@ -327,6 +333,7 @@ def mark_weights(module: nn.Module, scaling: str) -> dict[str, str]:
             refused[name] = "not a 2-D floating-point weight"
         else:
             setattr(sub.weight, GATHER_ATTR, GatherMark(scaling))
+            refused[name] = None
     return refused
 
 
@@ -348,14 +355,12 @@ class GatherMark:
 GATHER_KEY = "fp8_all_gather"
 
 
-def _plain_reason(name: str, refused: dict[str, str] | None) -> str:
-    if refused is None:
+def _plain_reason(name: str, marks: dict[str, str | None] | None) -> str:
+    if marks is None:
         return "fsdp_float8_all_gather=False"
-    if name in refused:
-        return refused[name]
-    if name.endswith(".weight") or name == "weight":
-        return "not sharded by unitscale.data_parallel.fully_shard (FSDP2)"
-    return "not an nn.Linear's own weight"
+    if name not in marks:
+        return "not the weight of an nn.Linear"
+    return marks[name] or "not sharded by unitscale.data_parallel.fully_shard (FSDP2)"
 
 
 def record_gathers(
@@ -363,15 +368,15 @@ def record_gathers(
     gm: fx.GraphModule,
     names: dict[fx.Node, str],
     weights: dict[fx.Node, list[str]],
-    refused: dict[str, str] | None,
+    marks: dict[str, str | None] | None,
 ) -> None:
     """Store in ``piece.data`` which weights of the converted GEMMs arrive gathered in
     float8 and which in their own precision (with the reason); refuse a float8 weight that
     an op other than a float8 GEMM reads.
 
     ``weights``: the weight operand of each converted op -> the ops' labels; ``names``: the
-    parameter name of each parameter placeholder; ``refused``: :func:`mark_weights`' refusals
-    (None: ``fsdp_float8_all_gather=False``).
+    parameter name of each parameter placeholder; ``marks``: what :func:`mark_weights`
+    returned (None: ``fsdp_float8_all_gather=False``).
     """
     float8: list[str] = []
     plain: list[tuple[str, str]] = []
@@ -391,7 +396,7 @@ def record_gathers(
                 )
             float8.append(name)
         elif node in weights:
-            plain.append((name, _plain_reason(name, refused)))
+            plain.append((name, _plain_reason(name, marks)))
     piece.data[GATHER_KEY] = (float8, plain)
 
 

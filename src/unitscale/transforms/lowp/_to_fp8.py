@@ -120,9 +120,9 @@ class ToFP8Pass(RewritePass):
     def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
         self.scaling = scaling
         self.history_len = history_len
-        #: FSDP2 float8 all-gather: the linear weights refused it, by name, with the reason
-        #: (None: turned off); set by to_fp8 (see :mod:`~._fsdp`).
-        self.fsdp_gather: dict[str, str] | None = None
+        #: FSDP2 float8 all-gather: each linear weight by name, None where marked for it, else
+        #: the reason (None: turned off); set by to_fp8 (see :mod:`~._fsdp`).
+        self.fsdp_gather: dict[str, str | None] | None = None
 
     def __repr__(self) -> str:
         return f"ToFP8Pass(scaling={self.scaling!r})"
