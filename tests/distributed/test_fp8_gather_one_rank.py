@@ -54,9 +54,9 @@ def arrivals(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def _mlp() -> nn.Module:
+def _mlp(bias: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    return nn.Sequential(nn.Linear(16, 32, bias=bias), nn.ReLU(), nn.Linear(32, 8, bias=bias))
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -70,13 +70,14 @@ def test_the_attribute_names_agree() -> None:
     assert _WRAP_ATTR == _fsdp.GATHER_ATTR
 
 
+@pytest.mark.parametrize("bias", [True, False])  # without: every parameter gathers as bytes
 @pytest.mark.parametrize("scaling", ["none", "tensorwise"])
 def test_gemms_take_the_gathered_float8_weights(
-    one_rank: Any, arrivals: list[str], scaling: str
+    one_rank: Any, arrivals: list[str], scaling: str, bias: bool
 ) -> None:
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    reference = to_fp8(_mlp(), scaling=scaling)  # type: ignore[arg-type]
-    model = fully_shard(to_fp8(_mlp(), scaling=scaling), mesh=one_rank)  # type: ignore[arg-type]
+    reference = to_fp8(_mlp(bias), scaling=scaling)  # type: ignore[arg-type]
+    model = fully_shard(to_fp8(_mlp(bias), scaling=scaling), mesh=one_rank)  # type: ignore[arg-type]
     out, grads = _step(model, x)
     assert arrivals == ["Float8Weight", "Float8Weight"]
     ref_out, ref_grads = _step(reference, x)
@@ -113,6 +114,7 @@ def test_turned_off_delayed_ignored_and_unsharded_weights_gather_as_before(
         "2.weight": "not sharded by unitscale.data_parallel.fully_shard (FSDP2)"
     }
     assert fp8_summary(unsharded).float8_all_gather == ()
+    assert fp8_summary(unsharded).high_precision_gather == ()  # no FSDP2: no list
     assert "FSDP2" not in str(fp8_summary(unsharded))  # nothing gathered: not mentioned
 
 

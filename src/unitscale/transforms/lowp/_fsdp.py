@@ -369,6 +369,7 @@ def record_gathers(
     names: dict[fx.Node, str],
     weights: dict[fx.Node, list[str]],
     marks: dict[str, str | None] | None,
+    owner: nn.Module | None,
 ) -> None:
     """Store in ``piece.data`` which weights of the converted GEMMs arrive gathered in
     float8 and which in their own precision (with the reason); refuse a float8 weight that
@@ -376,7 +377,8 @@ def record_gathers(
 
     ``weights``: the weight operand of each converted op -> the ops' labels; ``names``: the
     parameter name of each parameter placeholder; ``marks``: what :func:`mark_weights`
-    returned (None: ``fsdp_float8_all_gather=False``).
+    returned (None: ``fsdp_float8_all_gather=False``); ``owner``: the transformed model (a
+    model that FSDP2 shards nowhere gets no list of weights gathered in their precision).
     """
     float8: list[str] = []
     plain: list[tuple[str, str]] = []
@@ -397,7 +399,16 @@ def record_gathers(
             float8.append(name)
         elif node in weights:
             plain.append((name, _plain_reason(name, marks)))
-    piece.data[GATHER_KEY] = (float8, plain)
+    piece.data[GATHER_KEY] = (float8, plain if float8 or _under_fsdp(owner) else [])
+
+
+def _under_fsdp(owner: nn.Module | None) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``owner`` or one of its modules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6 kept it private
+        return False
+    return owner is not None and any(isinstance(m, FSDPModule) for m in owner.modules())
 
 
 def _gemm_users(node: fx.Node, weights: dict[fx.Node, list[str]]) -> set[fx.Node]:

@@ -148,7 +148,8 @@ class ToFP8Pass(RewritePass):
             converted.append(label)
             weights.setdefault(bound[_operands(op)[1]], []).append(label)
         record(piece, self.transform_name, converted, left, warn_reasons=(UNRECOGNISED,))
-        _fsdp.record_gathers(piece, gm, names, weights, getattr(self, "fsdp_gather", None))
+        marks = getattr(self, "fsdp_gather", None)
+        _fsdp.record_gathers(piece, gm, names, weights, marks, capture.owner_ref())
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
