@@ -11,6 +11,7 @@ FSDP2 without float8 all-gather is exact there.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ pytestmark = [
 ]
 
 CHECKS = ["decoder:none", "llama:none", "decoder:tensorwise"]
+TORCHAO = "torchao:tensorwise"
 TOLERANCE = 1e-5
 
 
@@ -36,7 +38,8 @@ def results(
 ) -> list[dict[str, Any]]:
     pytest.importorskip("transformers")
     out: Path = tmp_path_factory.mktemp("fp8_gather")
-    return spawn_ranks("_fp8_gather_worker.py", [",".join(CHECKS)], out)
+    checks = [*CHECKS, TORCHAO] if importlib.util.find_spec("torchao") else CHECKS
+    return spawn_ranks("_fp8_gather_worker.py", [",".join(checks)], out)
 
 
 def _check(results: list[dict[str, Any]], rank: int, name: str) -> dict[str, Any]:
@@ -96,3 +99,15 @@ def test_state_dict_keeps_the_fp32_weights(results: list[dict[str, Any]], name: 
     assert check["state_type"] == "Tensor"
     assert check["state_local_type"] == "Tensor"  # not the float8-gathering wrapper
     assert check["state_equals_param"]
+
+
+def test_tensorwise_equals_torchaos_float8_all_gather(results: list[dict[str, Any]]) -> None:
+    """torchao's float8 all-gather (``Float8Linear``, ``precompute_float8_dynamic_scale_for_fsdp``
+    after each step) and ``to_fp8(scaling="tensorwise")``'s, on 2 ranks: the same outputs and
+    gradients, bit for bit, at each of 3 AdamW steps."""
+    if TORCHAO not in results[0]:
+        pytest.skip("needs torchao")
+    for rank in range(len(results)):
+        check = _check(results, rank, TORCHAO)
+        assert check["equal"] == [True, True, True]
+        assert check["float8_all_gather"] == ["0.weight", "2.weight"]

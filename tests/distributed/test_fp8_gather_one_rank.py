@@ -210,3 +210,30 @@ def test_mixed_precision_casts_to_bf16_first(one_rank: Any) -> None:
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ref_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
+def test_tensorwise_equals_torchaos_float8_all_gather(one_rank: Any, arrivals: list[str]) -> None:
+    """torchao's ``Float8Linear`` with ``enable_fsdp_float8_all_gather`` under torch's
+    ``fully_shard`` (scales precomputed after each step, as torchtitan does) and
+    ``to_fp8(scaling="tensorwise")`` under ours: the same outputs and gradients, bit for bit,
+    over 3 AdamW steps."""
+    float8 = pytest.importorskip("torchao.float8")
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ours = fully_shard(to_fp8(_mlp(), scaling="tensorwise"), mesh=one_rank)
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    theirs = float8.convert_to_float8_training(_mlp(), config=config)
+    torch_fully_shard(theirs, mesh=one_rank)
+    assert type(theirs[0].weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+    optimisers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=generator)
+        (out, grads), (ref_out, ref_grads) = _step(ours, x), _step(theirs, x)
+        assert torch.equal(out, ref_out)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+        for optimiser in optimisers:
+            optimiser.step()
+            optimiser.zero_grad()
+        float8.precompute_float8_dynamic_scale_for_fsdp(theirs)
+    assert set(arrivals) == {"Float8Weight"}  # ours gathered in float8 too
