@@ -237,3 +237,10 @@ def test_tensorwise_equals_torchaos_float8_all_gather(one_rank: Any, arrivals: l
             optimiser.zero_grad()
         float8.precompute_float8_dynamic_scale_for_fsdp(theirs)
     assert set(arrivals) == {"Float8Weight"}  # ours gathered in float8 too
+
+
+def test_to_fp8_of_a_sharded_model_says_the_order(one_rank: Any) -> None:
+    model = _mlp()
+    fully_shard(model, mesh=one_rank)
+    with pytest.raises(FormatError, match=r"apply to_fp8 first, then .*fully_shard"):
+        to_fp8(model)

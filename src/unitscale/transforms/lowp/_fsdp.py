@@ -31,6 +31,10 @@ fully_shard` wraps the marked weights it shards before torch's ``fully_shard`` s
 The ``to_fp8`` graph pass checks that each gathered float8 weight feeds float8 GEMMs only
 (:func:`record_gathers`), and :func:`~unitscale.transforms.fp8_summary` lists them.
 
+Every rank must change the weights alike (optimiser steps, ``load_state_dict``), as FSDP2
+itself requires: a write to a wrapped weight is what makes the next ``"tensorwise"`` gather
+all-reduce the amaxes, a collective every rank must enter.
+
 Design constraints: the sharded wrapper behaves as its shard for every op (FSDP2 pads,
 copies and slices it; optimisers update it in place), so the optimiser's updates and
 ``state_dict()`` hold the high-precision weight; the float8 copy exists only between a
@@ -56,6 +60,7 @@ __all__ = [
     "Float8GatherWeight",
     "Float8Weight",
     "GatherMark",
+    "check_not_sharded",
     "float8_weight",
     "mark_weights",
     "record_gathers",
@@ -400,6 +405,17 @@ def record_gathers(
         elif node in weights:
             plain.append((name, _plain_reason(name, marks)))
     piece.data[GATHER_KEY] = (float8, plain if float8 or _under_fsdp(owner) else [])
+
+
+def check_not_sharded(module: Any) -> None:
+    """Refuse a module FSDP2 already shards: ``to_fp8`` copies its module, which FSDP2 does
+    not allow, and its weights must be marked before they are sharded."""
+    if isinstance(module, nn.Module) and _under_fsdp(module):
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: {type(module).__name__} is already sharded by "
+            "FSDP2 (fully_shard), whose modules cannot be copied; apply to_fp8 first, then "
+            "unitscale.data_parallel.fully_shard"
+        )
 
 
 def _under_fsdp(owner: nn.Module | None) -> bool:

@@ -319,6 +319,7 @@ def to_fp8(
     """
     _check_recipe(recipe)
     _check_scaling("to_fp8", scaling, history_len)
+    _fsdp.check_not_sharded(module)
     build = fp8.float8_build_error()
     if build is not None:
         raise FormatError(
