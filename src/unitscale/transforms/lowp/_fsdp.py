@@ -11,8 +11,9 @@ same two hooks). Here:
   casts the shard to E4M3 exactly as :class:`~._gemm.Float8Matmul` casts the whole weight
   (first to FSDP2's ``param_dtype`` where a mixed-precision policy sets one, then saturated
   to E4M3; ``"tensorwise"`` multiplies by ``448 / amax`` of the *whole* weight), and hands
-  FSDP2 its bytes as ``uint8``: gloo has no float8 dtype, and FSDP2 sends a group of mixed
-  dtypes as ``uint8`` anyway (``_fsdp_collectives.py``). With ``scaling="none"`` the scale is
+  FSDP2 its bytes as ``uint8``: gloo has no float8 dtype (a group of float8 inputs only
+  fails over gloo with "Invalid scalar type" on torch 2.13), and FSDP2 sends a group of
+  mixed dtypes as ``uint8`` anyway (``_fsdp_collectives.py``). With ``scaling="none"`` the scale is
   1, known to every rank without talking; with ``"tensorwise"`` the amax of every weight of
   the mesh is all-reduced once (:class:`_AmaxGroup`) after the weights change, which is what
   torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does once per step.
@@ -26,8 +27,8 @@ and gathering gives the bytes that casting the gathered weight gives: training i
 bit for bit (docs/guide/distributed.rst).
 
 Which weights: :func:`mark_weights` (called by ``to_fp8``) marks the weight of each
-``nn.Linear`` whose weight is used by that module alone; :func:`unitscale.data_parallel.
-fully_shard` wraps the marked weights it shards before torch's ``fully_shard`` shards them.
+``nn.Linear`` whose weight is used by that module alone; the ``fully_shard`` of
+:mod:`unitscale.data_parallel` wraps the marked weights it shards before torch's shards them.
 The ``to_fp8`` graph pass checks that each gathered float8 weight feeds float8 GEMMs only
 (:func:`record_gathers`), and :func:`~unitscale.transforms.fp8_summary` lists them.
 
