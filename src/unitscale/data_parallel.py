@@ -282,6 +282,55 @@ def _mesh_size_and_group(kwargs: dict[str, Any]) -> tuple[int, Any]:
     return int(mesh.size()), None  # HSDP: every dimension of the mesh is data-parallel
 
 
+#: A parameter attribute: a callable that wraps the parameter's tensor before FSDP2 shards it
+#: (``to_fp8`` marks the weights it all-gathers in float8; unitscale.transforms.lowp._fsdp).
+_WRAP_ATTR = "_unitscale_fsdp_wrap"
+
+
+def _unwrap_state(module: torch.nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+    """State-dict post-hook: the wrapped parameters of ``module`` saved as their own tensors
+    (a wrapper's ``unwrapped()``), so that checkpoints hold plain high-precision weights."""
+    from torch.distributed.tensor import DTensor
+
+    for name in dict(module.named_parameters(recurse=False)):
+        value = state.get(prefix + name)
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        unwrapped = getattr(local, "unwrapped", None)
+        if value is None or not callable(unwrapped):
+            continue
+        if isinstance(value, DTensor):
+            state[prefix + name] = DTensor.from_local(
+                unwrapped(),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        else:
+            state[prefix + name] = unwrapped()
+
+
+def _wrap_marked(module: torch.nn.Module, ignored_params: Any = None) -> list[str]:
+    """Replace each parameter of ``module`` marked with ``_WRAP_ATTR`` that FSDP2 has not
+    sharded yet by one holding the mark's wrapper of its tensor (attributes kept; the
+    state dict saves the wrapped tensor, :func:`_unwrap_state`); return their names."""
+    wrapped = []
+    ignored = {id(p) for p in ignored_params or ()}
+    for path, sub in module.named_modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            wrap = getattr(param, _WRAP_ATTR, None)
+            if wrap is None or id(param) in ignored or hasattr(param, "device_mesh"):
+                continue  # not marked, left out by the caller, or a DTensor: sharded
+            new = torch.nn.Parameter(wrap(param.detach()), requires_grad=param.requires_grad)
+            new.__dict__.update(param.__dict__)
+            setattr(sub, name, new)
+            wrapped.append(f"{path}.{name}" if path else name)
+            if _unwrap_state not in sub._state_dict_hooks.values():
+                sub.register_state_dict_post_hook(_unwrap_state)
+    return wrapped
+
+
 def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """FSDP2's ``torch.distributed.fsdp.fully_shard(module, **kwargs)``, keeping u-μP tags.
 
@@ -291,7 +340,10 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     ``unitscale.optim`` works on the sharded model (fan-ins are read from the global shape).
     It also declares the data-parallel size (the mesh's) to unit-scaled ops while the
     module's forward runs; FSDP2's reduce-scatter then averages gradients, as they expect.
-    Torch's own ``fully_shard`` declares nothing: with it, call :func:`set_data_parallel`.
+    Torch's own ``fully_shard`` declares nothing: with it, call :func:`set_data_parallel`. The weights that
+    :func:`~unitscale.transforms.to_fp8` runs as float8 GEMMs are all-gathered as float8
+    bytes (its ``fsdp_float8_all_gather``, docs/guide/distributed.rst): apply ``to_fp8``
+    first, then this.
 
     Args:
         module: the module to shard (call it on sub-modules first, as with torch's).
@@ -304,6 +356,7 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
     except ImportError:  # pragma: no cover - torch < 2.6 kept it private
         from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
+    _wrap_marked(module, kwargs.get("ignored_params"))
     tags = {
         name: (
             param.mup_type,  # type: ignore[attr-defined]

@@ -6,8 +6,8 @@ Modules: which ops a transform covers and how their operands are found (``_ops``
 (``_quantise``); the simulation's graph pass and transforms (``_pass``, ``_simulate``), its
 form of torchao's rowwise recipes (``_simulated_rowwise``) and its block-scaled GEMMs
 (``_blocks``: MX, NVFP4); the layers kept in high precision (``_skip``); the float8 GEMMs and
-the transform that issues them (``_gemm``, ``_to_fp8``); the report of what each transform
-converted (``_summary``).
+the transform that issues them (``_gemm``, ``_to_fp8``); FSDP2's float8 all-gather of their
+weights (``_fsdp``); the report of what each transform converted (``_summary``).
 """
 
 from ._simulate import (

@@ -40,6 +40,7 @@ from torch import Tensor
 from ... import functional as U
 from ...formats import FormatError
 from ...scale import scale_bwd
+from ._fsdp import float8_weight
 from ._ops import add_bias
 from ._scaling import scaled_cast
 
@@ -204,7 +205,11 @@ class Float8Matmul(torch.autograd.Function):
     ) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x8, x_inverse = _cast(rows.contiguous(), E4M3_DTYPE, scaling, x_history, record)
-        w8, w_inverse = _cast(weight.contiguous(), E4M3_DTYPE, scaling, weight_history, record)
+        # a weight FSDP2 gathered in float8 (._fsdp) is used as it arrived, not cast again
+        gathered = float8_weight(weight)
+        w8, w_inverse = gathered or _cast(
+            weight.contiguous(), E4M3_DTYPE, scaling, weight_history, record
+        )
         scale_a, scale_b = _gemm_scales(x_inverse, w_inverse, output_factor, x.device)
         out = _scaled_mm(x8, w8.t(), scale_a, scale_b, x.dtype)
         saved = [x8, w8] + [s for s in (x_inverse, w_inverse) if s is not None]

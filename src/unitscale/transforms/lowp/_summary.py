@@ -23,6 +23,7 @@ from torch import nn
 
 from ...capture import Piece, TransformedModule, warn_user
 from ...errors import UnitScaleError
+from ._fsdp import GATHER_KEY
 
 __all__ = ["FP8Summary", "fp8_summary", "record", "warn_if_not_unit_scaled"]
 
@@ -46,6 +47,10 @@ class FP8Summary:
         not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
             precision (outside the ``ops`` scope, in a module of ``skip=``, no
             floating-point operand, or not recognised).
+        float8_all_gather: (``to_fp8`` under FSDP2) the weights of the FP8 ops that FSDP2
+            all-gathers as float8 bytes, by parameter name.
+        high_precision_gather: ``(weight, reason)`` for each weight of an FP8 op that
+            arrives in its own precision instead (not sharded by FSDP2, tied, turned off).
 
     Example:
         >>> s = FP8Summary("simulate_fp8", ("fc: linear",), (("bmm", "outside ops='linear'"),))
@@ -56,13 +61,22 @@ class FP8Summary:
     transform: str
     converted: tuple[str, ...]
     not_converted: tuple[tuple[str, str], ...]
+    float8_all_gather: tuple[str, ...] = ()
+    high_precision_gather: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.transform}: {len(self.converted)} op(s) in FP8"
         if not self.not_converted:
-            return text + ", every matmul-like op"
-        left = ", ".join(f"{op} ({reason})" for op, reason in self.not_converted)
-        return f"{text}, {len(self.not_converted)} matmul-like op(s) not: {left}"
+            text += ", every matmul-like op"
+        else:
+            left = ", ".join(f"{op} ({reason})" for op, reason in self.not_converted)
+            text += f", {len(self.not_converted)} matmul-like op(s) not: {left}"
+        if self.float8_all_gather:
+            text += f"; FSDP2 gathers {len(self.float8_all_gather)} weight(s) in float8"
+            if self.high_precision_gather:
+                plain = ", ".join(f"{w} ({why})" for w, why in self.high_precision_gather)
+                text += f", {len(self.high_precision_gather)} in their precision: {plain}"
+        return text
 
 
 def record(
@@ -163,7 +177,11 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
         if invocation.piece not in pieces:
             pieces.append(invocation.piece)
     found: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
+    gathers: tuple[dict[str, None], dict[str, str]] = ({}, {})
     for piece in pieces:
+        float8, plain = piece.data.get(GATHER_KEY, ((), ()))
+        gathers[0].update(dict.fromkeys(float8))
+        gathers[1].update(plain)
         for name, (converted, left) in piece.data.get(_KEY, {}).items():
             into = found.setdefault(name, ([], []))
             into[0].extend(converted)
@@ -185,4 +203,7 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
             f"fp8_summary: transform={transform!r} did not run; choose from {', '.join(found)}"
         )
     converted, left = found[transform]
-    return FP8Summary(transform, tuple(converted), tuple(left))
+    if transform != "to_fp8":
+        return FP8Summary(transform, tuple(converted), tuple(left))
+    high = tuple((w, why) for w, why in gathers[1].items() if w not in gathers[0])
+    return FP8Summary(transform, tuple(converted), tuple(left), tuple(gathers[0]), high)

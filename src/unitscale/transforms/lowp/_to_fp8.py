@@ -45,7 +45,8 @@ from ...capture import (
 )
 from ...errors import CaptureError
 from ...formats import FormatError
-from .._rewrite import RewritePass
+from .._rewrite import RewritePass, placeholder_names
+from . import _fsdp
 from . import _gemm as fp8
 from ._blocks import is_block_request, real_block_gemm_refusal
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
@@ -132,6 +133,9 @@ class ToFP8Pass(RewritePass):
         self.scaling = scaling
         self.history_len = history_len
         self.skip = skip  # modules kept in high precision (_skip.py)
+        #: FSDP2 float8 all-gather: each linear weight by name, None where marked for it, else
+        #: the reason (None: turned off); set by to_fp8 (see :mod:`~._fsdp`).
+        self.fsdp_gather: dict[str, str | None] | None = None
 
     def __repr__(self) -> str:
         return f"ToFP8Pass(scaling={self.scaling!r})"
@@ -144,7 +148,9 @@ class ToFP8Pass(RewritePass):
         converted: list[str] = []
         left: list[tuple[str, str]] = []
         unit_scaled = 0
+        weights: dict[fx.Node, list[str]] = {}
         table = _linear_ops()
+        names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
         for node, label, _ in fp8_candidates(self, gm, piece, capture, "linear", left):
             op = table.get(node.target)
@@ -157,9 +163,12 @@ class ToFP8Pass(RewritePass):
             unit_scaled += is_unit_scaled(node)
             self._convert(gm.graph, node, op, bound, sites)
             converted.append(label)
+            weights.setdefault(bound[_operands(op)[1]], []).append(label)
         record(
             piece, self.transform_name, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled
         )
+        marks = getattr(self, "fsdp_gather", None)
+        _fsdp.record_gathers(piece, gm, names, weights, marks, capture.owner_ref())
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
@@ -280,6 +289,7 @@ def to_fp8(
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     skip: Skip = None,
+    fsdp_float8_all_gather: bool = True,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
 
@@ -302,6 +312,12 @@ def to_fp8(
             ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
         history_len: amax-history length for ``scaling="delayed"``.
         skip: modules kept in high precision, as for :func:`simulate_fp8`.
+        fsdp_float8_all_gather: where :func:`unitscale.data_parallel.fully_shard` (FSDP2)
+            shards the weight of an ``nn.Linear`` (applied after ``to_fp8``), all-gather it
+            as E4M3 bytes, cast on each rank with the GEMM's own scale, which the GEMM then
+            uses as it arrives (``"none"`` and ``"tensorwise"`` scaling; the same numbers as
+            gathering the weight in its precision, a quarter of FP32's bytes). ``False``
+            gathers every weight in its own precision (see docs/guide/distributed.rst).
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -333,6 +349,7 @@ def to_fp8(
             f"unitscale.transforms.to_fp8: scaling={scaling!r} has no float8 GEMMs in this "
             f"build; simulate it with unitscale.transforms.simulate_fp8(model, scaling={scaling!r})"
         )
+    _fsdp.check_not_sharded(module)
     build = fp8.float8_build_error()
     if build is not None:
         raise FormatError(
@@ -349,7 +366,12 @@ def to_fp8(
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
     skipped = resolve_skip("to_fp8", module, skip)
-    result = transformed(module, ToFP8Pass(scaling, history_len, skipped), "to_fp8")
+    graph_pass = ToFP8Pass(scaling, history_len, skipped)
+    result = transformed(module, graph_pass, "to_fp8")
+    if fsdp_float8_all_gather:
+        for owned in result.passes:  # the chain's own copy of the pass
+            if isinstance(owned, ToFP8Pass):
+                owned.fsdp_gather = _fsdp.mark_weights(result.module, scaling)
     if scaling == "delayed":
         keep_histories(result.module)
     return result
