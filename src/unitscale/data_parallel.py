@@ -340,10 +340,10 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     ``unitscale.optim`` works on the sharded model (fan-ins are read from the global shape).
     It also declares the data-parallel size (the mesh's) to unit-scaled ops while the
     module's forward runs; FSDP2's reduce-scatter then averages gradients, as they expect.
-    Torch's own ``fully_shard`` declares nothing: with it, call :func:`set_data_parallel`. The weights that
-    :func:`~unitscale.transforms.to_fp8` runs as float8 GEMMs are all-gathered as float8
-    bytes (its ``fsdp_float8_all_gather``, docs/guide/distributed.rst): apply ``to_fp8``
-    first, then this.
+    Torch's own ``fully_shard`` declares nothing: with it, call :func:`set_data_parallel`.
+    The weights that :func:`~unitscale.transforms.to_fp8` runs as float8 GEMMs are
+    all-gathered as float8 bytes (its ``fsdp_float8_all_gather``,
+    docs/guide/distributed.rst): apply ``to_fp8`` first, then this.
 
     Args:
         module: the module to shard (call it on sub-modules first, as with torch's).
