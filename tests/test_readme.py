@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,7 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_performance_table_is_generated_from_committed_results() -> None:
     script = ROOT / "benchmarks" / "readme_tables.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr
 

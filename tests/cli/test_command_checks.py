@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hang_guard import HANG_GUARD_S
 
 from unitscale.cli import OptionError, build_parser, main
 from unitscale.cli import train as train_command
@@ -17,7 +18,7 @@ from unitscale.cli import train as train_command
 def _in_fresh_process(code: str) -> list[str]:
     """Run ``code`` in a new interpreter; return its stdout's lines."""
     run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert run.returncode == 0, run.stderr
     return run.stdout.split()
