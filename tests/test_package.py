@@ -214,3 +214,14 @@ def test_modules_and_functions_fit_on_a_screen() -> None:
                 found.add(f"{relative}::{name}")
     assert found - set(TOO_LONG_LEFT) == set(), "split these, or mark a function '# long: why'"
     assert set(TOO_LONG_LEFT) - found == set(), "fixed: delete these from TOO_LONG_LEFT"
+
+
+def test_benchmark_modules_fit_on_a_screen() -> None:
+    """The same module rule for ``benchmarks/`` (the README table generator is split by table
+    family: ``readme_tables.py`` and its ``_tables_*.py``)."""
+    long = [
+        path.name
+        for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+        if len(path.read_text(encoding="utf-8").splitlines()) > MAX_MODULE_LINES
+    ]
+    assert long == [], f"split these (at most {MAX_MODULE_LINES} lines a module)"

@@ -39,7 +39,7 @@ def test_a_cuda_run_adds_its_rows_and_leaves_the_cpu_rows(
         sys.path.remove(str(ROOT / "benchmarks"))
     results = tmp_path / "results"
     shutil.copytree(readme_tables.RESULTS, results)
-    monkeypatch.setattr(readme_tables, "RESULTS", results)
+    monkeypatch.setattr(readme_tables.paths, "RESULTS", results)
     before = readme_tables.performance_table().splitlines()
     assert not [row for row in before if "CUDA" in row]
     for name in ("formats.json", "tracking.json"):
@@ -158,8 +158,8 @@ def test_fp8_table_and_claim_come_from_the_train_summary(
     folder = tmp_path / "train" / "hardware-recipe-seed0"
     folder.mkdir(parents=True)
     (folder / "summary.txt").write_text(summary_text(results, TrainConfig(steps=1)))
-    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
-    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables.paths, "ROOT", tmp_path)
     rows = {
         cells[2]: cells
         for line in readme_tables.fp8_table().splitlines()[2:]
@@ -220,8 +220,8 @@ def test_fp8_table_and_claim_come_from_the_multi_seed_result(
     old = tmp_path / "train" / "hardware-recipe-seed0"
     old.mkdir()
     (old / "summary.txt").write_text("")
-    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
-    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables.paths, "ROOT", tmp_path)
     rows = {
         cells[2]: cells
         for line in readme_tables.fp8_table().splitlines()[2:]
