@@ -21,8 +21,8 @@ from ._args import positive_int
 from ._memory import BUILTIN_GPT, check_memory
 from ._output import (
     Progress,
-    check_out_folder,
-    refuse_earlier_outputs,
+    add_out_options,
+    prepare_out_folder,
     require_analysis_extra,
     slug,
 )
@@ -86,15 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--text", default=None, metavar="FILE", help="a text file instead of the bundled corpus"
     )
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the outputs of an earlier run in --out (without it, a folder that "
-        "holds them is refused)",
-    )
+    add_out_options(parser, DEFAULT_OUT)
     parser.set_defaults(run=run)
     return parser
 
@@ -108,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data import example_batch
     from ._models import quiet_transformers
 
-    out = check_out_folder(args.out)
-    refuse_earlier_outputs(out, OUTPUTS, args.overwrite)
+    out = prepare_out_folder(args, OUTPUTS)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
