@@ -26,6 +26,7 @@ from ._output import (
     require_analysis_extra,
     slug,
 )
+from ._threads import add_threads_option, pick_threads
 
 __all__ = ["HELP", "add_parser", "conclusion", "run"]
 
@@ -87,6 +88,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--text", default=None, metavar="FILE", help="a text file instead of the bundled corpus"
     )
     add_out_options(parser, DEFAULT_OUT)
+    add_threads_option(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
+    pick_threads(args.threads, progress)
     from ..data import example_batch
     from ._models import quiet_transformers
 

@@ -28,6 +28,7 @@ from ._output import (
     slug,
     start_command,
 )
+from ._threads import add_threads_option, pick_threads
 
 __all__ = ["DEFAULTS", "HELP", "add_parser", "run", "set_threads"]
 
@@ -295,14 +296,7 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
     """Where the files go, progress, threads and processes."""
     add_out_options(parser, DEFAULT_OUT)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="torch intra-op threads per process (default: torch's, one per core); on a "
-        "busy machine fewer threads are often much faster (1 is safest)",
-    )
+    add_threads_option(parser)
     parser.add_argument(
         "--nproc",
         type=positive_int,
@@ -336,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     from ._launch import group_from_environment, launch
 
     config = _config(args, training)
-    set_threads(args.threads)
+    pick_threads(args.threads, progress)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _check_shares(config.batch_size, args.nproc, "--nproc")
         prepare_out_folder(args, OUTPUTS)
