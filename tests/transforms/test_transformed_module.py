@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -215,6 +216,61 @@ def test_an_instance_forward_of_the_wrapped_module_is_kept_through_a_method() ->
     model.predict(x)
     assert calls and inner.__dict__["forward"] is forward
     assert len(model.scales_graph().nodes) > 0  # the call was tracked
+
+
+class _Overlapping(_Predictor):
+    """``predict`` of two threads at once: the first returns while the second is inside
+    (class attributes: the transforms copy the instance, and locks do not copy)."""
+
+    inside = threading.Barrier(2)
+    first_done = threading.Event()
+
+    def predict_in_turn(self, x: Tensor, first: bool) -> Tensor:
+        self.inside.wait(timeout=30)
+        if first:
+            return x
+        self.first_done.wait(timeout=30)  # the first call has returned: its state is gone
+        return self(x)
+
+
+def test_two_threads_run_a_transformed_models_method_at_once() -> None:
+    torch.manual_seed(0)
+    model = unit_scale(_Overlapping())
+    x = torch.randn(4, 8) * 3
+    with torch.no_grad():
+        expected = model(x)
+        assert not torch.equal(expected, model.module(x))
+        results: dict[bool, Tensor] = {}
+
+        def run(first: bool) -> None:
+            results[first] = model.predict_in_turn(x, first)
+            if first:
+                _Overlapping.first_done.set()
+
+        threads = [threading.Thread(target=run, args=(first,)) for first in (True, False)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    torch.testing.assert_close(results[False], expected, rtol=0, atol=0)
+    assert "forward" not in model.module.__dict__
+
+
+def test_a_method_that_keeps_self_forward_keeps_the_transformed_forward() -> None:
+    class Keeping(_Predictor):
+        def keep(self) -> None:
+            self.kept = self.forward  # as a hook or a cache of a library may
+
+    torch.manual_seed(0)
+    model = unit_scale(Keeping())
+    x = torch.randn(4, 8) * 3
+    model.keep()
+    inner = model.module
+    assert "forward" not in inner.__dict__  # nothing was set on the module for the call
+    with torch.no_grad():
+        torch.testing.assert_close(inner.kept(x), model(x), rtol=0, atol=0)
+    assert "forward" not in inner.__dict__  # and calling what was kept sets nothing either
+    assert model.predict(x).shape == x.shape and isinstance(model.module, Keeping)
 
 
 def test_generate_of_a_transformers_model_runs_the_transformed_forward() -> None:
