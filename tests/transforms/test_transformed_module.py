@@ -158,6 +158,48 @@ def test_torch_compile_of_a_transformed_module_matches_eager() -> None:
     torch.testing.assert_close(torch.compile(model)(x), model(x), rtol=0, atol=0)
 
 
+class WrongMatmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))  # the user's mistake: b takes 8 features, a gives 4
+
+
+@pytest.mark.parametrize("transform", [unit_scale, track_scales, simulate_fp8])
+def test_a_users_shape_error_logs_nothing_of_torchs_internals(
+    transform: object, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # torch logged an ERROR with a 20-line traceback from torch._subclasses.fake_tensor
+    # ("failed while attempting to run meta for aten.mm.default") before the user's error.
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    records: list[logging.LogRecord] = []
+    names = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch._dynamo.convert_frame")
+    collect = Collect(logging.DEBUG)
+    for name in names:
+        logging.getLogger(name).addHandler(collect)
+    try:
+        model = transform(WrongMatmul())  # type: ignore[operator]
+        capfd.readouterr()
+        with pytest.raises(RuntimeError, match=r"cannot be multiplied \(2x4 and 8x4\)"):
+            model(torch.randn(2, 8))
+        err = capfd.readouterr().err
+        assert "fake_tensor" not in err and "Traceback" not in err, err
+        assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+        # Outside a capture, torch's loggers still log.
+        logging.getLogger("torch._subclasses.fake_tensor").error("a log line of torch's own")
+        assert [r.getMessage() for r in records] == ["a log line of torch's own"]
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(collect)
+
+
 class _Predictor(nn.Module):
     """A model whose own methods call it: ``self(...)`` and ``self.forward(...)``."""
 

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from .._compat import compile_module, dynamo_recompile_limit
 from ..errors import CaptureError, UnitScaleError
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
+from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
 from ._varying import _VaryingSizes
 from ._wrapper import _Wrapper
@@ -441,6 +442,7 @@ class Capture:
             with (
                 dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True),
                 torch._dynamo.config.patch(optimize_ddp=False),
+                quiet_torch_logs(),
             ):
                 out = self._compiled_for_state()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
