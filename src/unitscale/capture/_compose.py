@@ -12,6 +12,7 @@ from torch import nn
 from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError
 from ._core import GraphPass, Stage, TransformedModule
+from ._sharing import record_left_behind, shared_memo, shares_weights
 
 __all__ = ["check_order", "transformed"]
 
@@ -48,6 +49,10 @@ def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
+    A pass that leaves the weights as they are (stages ``SIMULATE`` and ``COMPILE``) shares
+    ``module``'s parameters and buffers with the copy; the others copy them too
+    (``_sharing.py``).
+
     A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
     absorbed: its ops are captured with the rest of the model, its own passes transform
     them alone, and ``new_pass`` transforms them with the rest
@@ -70,7 +75,11 @@ def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedM
     inner, passes = _strip(module)
     for earlier in passes:
         check_order(earlier, new_pass, op)
-    copied = copy.deepcopy(inner)
+    if shares_weights(new_pass.stage):  # leaves the weights as they are: shares them
+        copied = copy.deepcopy(inner, shared_memo(inner))
+    else:  # re-initialises (unit_scale) or is independent (track_scales)
+        copied = copy.deepcopy(inner)
+        record_left_behind(inner, op)
     absorbed = _absorb_transformed_children(copied, new_pass, op)
     # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
     chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)
