@@ -66,6 +66,8 @@ def op_label(node: fx.Node) -> str:
         return f"torch.Tensor.{node.target}"
     if node.op == "call_module":
         return str(node.target)
+    from ... import functional as U
+
     target = node.target
     name = getattr(target, "__name__", None)
     if isinstance(name, str):
@@ -73,6 +75,7 @@ def op_label(node: fx.Node) -> str:
             ("torch.nn.functional", F),
             ("torch", torch),
             ("operator", operator),
+            ("unitscale.functional", U),
         ):
             if getattr(namespace, name, None) is target:
                 return f"{prefix}.{name}"
@@ -150,6 +153,9 @@ class UnitScaleSummary:
             plain definition (no unit-scaled rule for it): its output's scale is not unit.
         scale_neutral: nodes of ops that only move, select, copy or re-type values, or take
             no floating-point tensor (constants): they change no scale.
+        replacements: ``(node, op, became)`` for each replaced op other than a residual add:
+            the op it was (``torch.nn.functional.gelu``, a function of ``replace``) and the
+            unit-scaled op it became (``unitscale.functional.gelu``).
 
     Example:
         >>> s = UnitScaleSummary(("linear",), (("relu", "torch.relu"),), ("view",))
@@ -160,6 +166,7 @@ class UnitScaleSummary:
     replaced: tuple[str, ...]
     left_as_is: tuple[tuple[str, str], ...]
     scale_neutral: tuple[str, ...]
+    replacements: tuple[tuple[str, str, str], ...] = ()
 
     def __str__(self) -> str:
         text = (
@@ -222,11 +229,13 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
     replaced: list[str] = []
     left: list[tuple[str, str]] = []
     neutral: list[str] = []
+    replacements: list[tuple[str, str, str]] = []
     for piece in pieces:
         for key in keys:
             data = piece.data.get(key, {})
             replaced.extend(data.get("replaced", ()))
+            replacements.extend(data.get("replacements", ()))
             replaced.extend(name for name, _, _ in data.get("residual_adds", ()))
             left.extend(data.get("left_as_is", ()))
             neutral.extend(data.get("scale_neutral", ()))
-    return UnitScaleSummary(tuple(replaced), tuple(left), tuple(neutral))
+    return UnitScaleSummary(tuple(replaced), tuple(left), tuple(neutral), tuple(replacements))

@@ -109,7 +109,7 @@ from ._inplace import functionalize_inplace
 from ._norms import freeze_norms
 from ._replace import _check_replace, _op_name, _torch_map
 from ._residual_tau import ResidualTau, residual_stack_length
-from ._summary import classify, log_left_as_is
+from ._summary import classify, log_left_as_is, op_label
 from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
@@ -138,7 +138,9 @@ class UnitScalePass(RewritePass):
     it rewrites that submodule's ops only, as ``unit_scale`` of the child alone would.
 
     Args:
-        replace: extra or overriding entries for ``unitscale.functional.torch_map``.
+        replace: extra or overriding entries for ``unitscale.functional.torch_map``; a
+            value that is itself a torch op of the map (``F.gelu``) stands for its
+            unit-scaled counterpart (``U.gelu``); an op mapped to itself is left as it is.
         residual_tau: the ``tau`` of each kind of residual branch.
         readout_weight: qualified name of the output head's weight, whose linear becomes
             u-μP's readout (:func:`~unitscale.functional.linear_readout`, ``mup=True``), or
@@ -255,6 +257,7 @@ class UnitScalePass(RewritePass):
         before = self._residual_adds_before(capture)
         in_scope = self.scope_filter(capture, piece)
         residual_adds = self._rewrite_residual_adds(graph, params, before, in_scope)
+        was = {n: op_label(n) for n in graph.nodes if n.op in ("call_function", "call_method")}
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
         replaced.extend(self._mup_readout(graph, gm, piece, replaced))
@@ -274,6 +277,8 @@ class UnitScalePass(RewritePass):
                 logger.info("unit scaling function: %s", node.name)
         piece.data[self.data_key] = {
             "replaced": [n.name for n in replaced],
+            # (node, op it was, op it became): what unit_scale_summary reports
+            "replacements": [(n.name, was.get(n, op_label(n)), op_label(n)) for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
             # the other float ops: left as they are, or scale-neutral (see unit_scale_summary)
@@ -518,8 +523,11 @@ def unit_scale(
             your own (a hand-written GELU: while the model runs, TorchDynamo keeps each
             call of it as one op, rather than tracing into it, so that the call is
             replaced whole), and each value a callable taking the same arguments (map a
-            function to itself to leave it as it is). Use module-level functions if the
-            result is to be pickled.
+            function to itself to leave it as it is). A value that is a torch op of
+            ``torch_map`` stands for its unit-scaled counterpart, as in the reference
+            library: ``{my_gelu: F.gelu}`` replaces ``my_gelu`` by ``unitscale.functional.gelu``
+            (:func:`unit_scale_summary` says what each op became). Use module-level
+            functions if the result is to be pickled.
         mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: u-μP's rule, Appendix
             G of the paper, see :class:`ResidualTau`; with ``mup=False`` and no mult given,
