@@ -223,3 +223,15 @@ def test_analyse_has_the_threads_option_and_the_same_rule(
     finally:
         torch.set_num_threads(before)
     assert len(said) == 1 and "load average 10.0 on 4 cores" in said[0]
+
+
+def test_analyse_summary_says_what_a_fraction_means_for_training() -> None:
+    # "3 tensors at 1.4% underflow": the summary now says whether that matters.
+    from unitscale.cli import analyse
+
+    args = build_parser("analyse").parse_args(["analyse"])
+    lines, _ = analyse._summary_lines(args, [])
+    text = "\n".join(lines)
+    assert "what it means for training: a value that underflows is read as 0" in text
+    assert "a weight gradient flushed to zero does not update that weight" in text
+    assert "scaling='tensorwise'" in text

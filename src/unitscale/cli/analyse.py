@@ -34,6 +34,18 @@ DEFAULT_OUT = "unitscale-report"
 #: The files ``unitscale analyse`` writes (``glob`` patterns): a folder that holds one of
 #: them is refused unless ``--overwrite`` is given.
 OUTPUTS: tuple[str, ...] = ("scales.csv", "scales_*.png", "report.html", "summary.txt")
+#: What the under/overflow counts mean for training, printed under the table.
+_MEANING = (
+    "what it means for training: a value that underflows is read as 0 by the FP8 op, a value "
+    "that overflows saturates at the format's largest value (or becomes inf). A forward "
+    "value or gradient with a few percent flushed loses that share of its signal; a weight "
+    "gradient flushed to zero does not update that weight at all, so gradients under E5M2 "
+    "matter most: in 'unitscale train' the plain model in FP8 without scales, whose "
+    "gradients fall below E5M2's smallest subnormal, trains much worse than in FP32. A few "
+    "tensors at 1-2% underflow are usually harmless; many tensors, tens of percent, or any "
+    "overflow call for a scale: unit scaling (the twin), or per-tensor scaling "
+    "(simulate_fp8(..., scaling='tensorwise')). The worst tensors are listed below."
+)
 #: The one-line summary ``unitscale --help`` lists.
 HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
@@ -187,6 +199,8 @@ def _summary_lines(
         "copies, casts); 'under' counts those with more than 1% of values flushed to zero "
         "(not counting structural zeros: parameter-gradient elements at rounding noise, "
         "|g| <= 2**-20 rms(g)), 'over' those with any value beyond the format's range.",
+        "",
+        _MEANING,
     ]
     for name, summary in summaries:
         for key in ("e4m3", "e5m2"):

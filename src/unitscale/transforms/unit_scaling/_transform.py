@@ -192,7 +192,7 @@ class UnitScalePass(RewritePass):
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         self._kept.exit()
         super().after_call(module, capture, output)
-        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
+        log_left_as_is(capture, self.data_key)  # once per model and op, when first run
 
     def scoped(self, prefix: str) -> UnitScalePass:
         """This pass for the submodule ``prefix`` only: its parameter names gain the prefix."""
