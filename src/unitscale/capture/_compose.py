@@ -6,6 +6,7 @@ absorbed into the copy (their passes scoped to them) or refused by name.
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 from torch import nn
 
@@ -14,7 +15,16 @@ from ..errors import CaptureError
 from ._core import GraphPass, Stage, TransformedModule
 from ._sharing import record_left_behind, shared_memo, shares_weights
 
-__all__ = ["check_order", "transformed"]
+__all__ = ["check_order", "transformed", "unwrap_compiled"]
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The model ``torch.compile`` wrapped (its ``_orig_mod``), or ``module`` itself: what a
+    report of a transformed model (``fp8_summary``, ``unit_scale_summary``,
+    ``tracking_coverage``...) reads, for a model passed compiled or not."""
+    while is_optimized_module(module):
+        module = cast("nn.Module", module._orig_mod)
+    return module
 
 
 def _strip(module: nn.Module) -> tuple[nn.Module, tuple[GraphPass, ...]]:

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import compile_module, dynamo_recompile_limit
+from .._lazy_dynamo import disable
 from ..errors import CaptureError, UnitScaleError
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._quiet import quiet_torch_logs
@@ -515,6 +516,13 @@ class TransformedModule(_Wrapper):
     # -- running ---------------------------------------------------------------------------
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Traced by the user's torch.compile: the transform is a capture of its own, with
+            # its backend (Dynamo would inline it and drop the passes), run at one boundary.
+            return _run_transformed(self, args, kwargs)
+        return self._transformed_forward(args, kwargs)
+
+    def _transformed_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from ._functorch import refuse_under_functorch
 
         refuse_under_functorch(type(self.module).__name__, self._transforms_text())
@@ -580,6 +588,12 @@ class TransformedModule(_Wrapper):
 
     def extra_repr(self) -> str:
         return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
+
+
+@disable
+def _run_transformed(module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> Any:
+    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it."""
+    return module._transformed_forward(args, kwargs)
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

@@ -40,6 +40,7 @@ from ...capture import (
     TransformedModule,
     example_value,
     is_float_node,
+    unwrap_compiled,
 )
 from ...errors import UnitScaleError
 
@@ -254,6 +255,7 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
         >>> unit_scale_summary(model).left_as_is
         (('input_2', 'torch.nn.functional.relu'),)
     """
+    module = unwrap_compiled(module)  # torch.compile's OptimizedModule: its _orig_mod
     passes = module.passes if isinstance(module, TransformedModule) else ()
     # The unit_scale passes: the rewrite passes that say where they write in ``piece.data``
     # (read by attribute, so that this module does not import ``_unit_scale``, which imports it).
