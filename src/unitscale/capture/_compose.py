@@ -13,7 +13,7 @@ from torch import nn
 from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError
 from ._core import GraphPass, Stage, TransformedModule
-from ._sharing import record_left_behind, shared_memo, shares_weights
+from ._sharing import record_left_behind
 
 __all__ = ["check_order", "transformed", "unwrap_compiled"]
 
@@ -59,9 +59,8 @@ def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
-    A pass that leaves the weights as they are (stages ``SIMULATE`` and ``COMPILE``) shares
-    ``module``'s parameters and buffers with the copy; the others copy them too
-    (``_sharing.py``).
+    The copy's parameters are its own: an optimizer over ``module``'s that steps with none
+    of them holding a gradient warns, naming the transform (``_sharing.py``).
 
     A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
     absorbed: its ops are captured with the rest of the model, its own passes transform
@@ -85,11 +84,8 @@ def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedM
     inner, passes = _strip(module)
     for earlier in passes:
         check_order(earlier, new_pass, op)
-    if shares_weights(new_pass.stage):  # leaves the weights as they are: shares them
-        copied = copy.deepcopy(inner, shared_memo(inner))
-    else:  # re-initialises (unit_scale) or is independent (track_scales)
-        copied = copy.deepcopy(inner)
-        record_left_behind(inner, op)
+    copied = copy.deepcopy(inner)
+    record_left_behind(inner, op)  # an optimizer left on them is named at its first step
     absorbed = _absorb_transformed_children(copied, new_pass, op)
     # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
     chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)

@@ -17,8 +17,7 @@ in ``_varying.py``; the names of graph values, in ``_naming.py``.
 
 Design constraints:
 
-- the user's module is never touched: the wrapper owns a deep copy (sharing the module's
-  parameters and buffers where the pass leaves the weights as they are, ``_sharing.py``);
+- the user's module is never touched: the wrapper owns a deep copy;
 - the wrapper keeps the original's ``state_dict()`` keys, deep-copies and pickles (runtime
   state such as compiled code is rebuilt on the next call), moves with ``.to()`` and follows
   ``.train()``/``.eval()`` (Dynamo guards on both and recompiles);

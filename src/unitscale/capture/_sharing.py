@@ -1,14 +1,12 @@
-"""Which transforms share the module's parameters, and an optimizer left on a replaced copy.
+"""An optimizer left on the parameters of a module that a transform copied.
 
-A transform that keeps the weights as they are (``simulate_format``, ``simulate_fp8``,
-``to_fp8``, ``compile``: stages ``SIMULATE`` and ``COMPILE``) shares the module's parameters
-and buffers with its result, as torchao's in-place conversion and ``torch.compile`` do: an
-optimizer built before the transform (``opt = AdamW(m.parameters()); f = to_fp8(m)``) trains
-the transformed model. ``unit_scale`` (which re-initialises the weights) and
-``track_scales`` (whose copy is independent of the original, docs/guide/tracking.rst) keep
-parameters of their own; an optimizer over the original's parameters then trains nothing,
-and the first ``step()`` that finds none of them with a gradient warns, naming the
-transform and the fix.
+Every unitscale transform returns a copy with parameters of its own (the user's module is
+never touched; ``track_scales``'s copy is independent by contract, ``unit_scale``
+re-initialises its weights). torchao converts in place, so its users build the optimizer
+first: ``opt = AdamW(m.parameters()); f = to_fp8(m)`` then trains nothing, silently (the
+loss stayed at 1.1149 for 5 steps). The parameters a transform copied are remembered
+(weakly), and the first ``step()`` of an optimizer whose parameters are all among them and
+none has a gradient warns, naming the transform and the fix.
 """
 
 from __future__ import annotations
@@ -18,35 +16,26 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["record_left_behind", "shared_memo", "shares_weights"]
+__all__ = ["record_left_behind"]
 
-#: id -> parameter of a module a copying transform was applied to (entries die with it).
+#: id -> parameter of a module a transform was applied to (entries die with it).
 _LEFT: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
-#: id(parameter) -> the transform that copied it away.
+#: id(parameter) -> the transform that copied it.
 _LEFT_BY: dict[int, str] = {}
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOKED = [False]
 
-
-def shares_weights(stage: Any) -> bool:
-    """Whether a pass of ``stage`` shares the module's parameters (it leaves them as they
-    are: simulating or compiling)."""
-    from ._core import Stage
-
-    return stage in (Stage.SIMULATE, Stage.COMPILE)
-
-
-def shared_memo(module: nn.Module) -> dict[int, Any]:
-    """A ``copy.deepcopy`` memo under which a copy of ``module`` keeps its parameters and
-    buffers (the same tensors) and copies everything else."""
-    tensors = [*module.parameters(), *module.buffers()]  # tied ones once: the same object
-    return {id(t): t for t in tensors}
+#: Why the copy's parameters are its own, per transform.
+_WHY = {
+    "unit_scale": "re-initialised in its copy",
+    "track_scales": "the tracked copy is independent of the original",
+    "to_fp8": "unlike torchao's convert_to_float8_training, which converts in place",
+}
 
 
 def record_left_behind(module: nn.Module, op: str) -> None:
-    """Remember ``module``'s parameters as left behind by ``op`` (which copied them), so
-    that an optimizer stepped over them alone, with no gradients, is named (see
-    :func:`_check_step`)."""
+    """Remember ``module``'s parameters as copied by ``op``, so that an optimizer stepped
+    over them alone, with no gradients, is named (see :func:`_check_step`)."""
     for parameter in module.parameters():
         _LEFT[id(parameter)] = parameter
         _LEFT_BY[id(parameter)] = op
@@ -58,9 +47,9 @@ def record_left_behind(module: nn.Module, op: str) -> None:
 
 
 def _check_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Before every ``optimizer.step()``: O(1) when a parameter has a gradient (the first
-    one, in ordinary training); otherwise warn once per optimizer whose parameters were
-    copied away by a transform."""
+    """Before every ``optimizer.step()``: stops at the first parameter with a gradient (the
+    first one, in ordinary training); otherwise warns once per optimizer whose parameters
+    were copied by a transform."""
     if not _LEFT:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -71,16 +60,13 @@ def _check_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     _WARNED.add(optimizer)
     op = _LEFT_BY.get(id(left[0]), "a transform")
-    why = (
-        "re-initialised in its copy"
-        if op == "unit_scale"
-        else "copied (the transformed model's parameters are independent)"
-    )
+    why = _WHY.get(op, "as every unitscale transform returns a copy")
+    name = type(optimizer).__name__
     from ._core import warn_user
 
     warn_user(
-        f"{type(optimizer).__name__}.step(): its parameters are those of the module passed "
-        f"to unitscale.transforms.{op}(), whose result has parameters of its own ({why}); "
-        "none has a gradient, so nothing is trained. Build the optimizer from the returned "
-        f"model: {type(optimizer).__name__}(model.parameters(), ...)"
+        f"{name}.step(): its parameters are those of the module passed to "
+        f"unitscale.transforms.{op}(), which returned a copy with parameters of its own "
+        f"({why}); none has a gradient, so nothing is trained. Build the optimizer from the "
+        f"returned model: {name}(model.parameters(), ...)"
     )
