@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import os
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +48,7 @@ from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _posi
 from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
 from ._varying import _VaryingSizes
+from ._warn import warn_user
 from ._wrapper import _Wrapper
 
 __all__ = [
@@ -264,17 +263,6 @@ def is_float_node(node: Any) -> bool:
     """Whether ``node`` is an fx node whose value is a floating-point tensor."""
     value = example_value(node)
     return isinstance(value, Tensor) and value.is_floating_point()
-
-
-def warn_user(message: str) -> None:
-    """Warn with the user's calling line as location (outside torch and unitscale)."""
-    import sys
-
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 class Capture:
@@ -515,9 +503,7 @@ class TransformedModule(_Wrapper):
     # -- running ---------------------------------------------------------------------------
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # Traced by the user's torch.compile: the transform is a capture of its own, with
-            # its backend (Dynamo would inline it and drop the passes), run at one boundary.
+        if torch.compiler.is_compiling():  # traced by a torch.compile: see _run_transformed
             return _run_transformed(self, args, kwargs)
         return self._transformed_forward(args, kwargs)
 
@@ -591,7 +577,9 @@ class TransformedModule(_Wrapper):
 
 @disable
 def _run_transformed(module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> Any:
-    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it."""
+    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it:
+    the transform is a capture of its own, with its backend (Dynamo would inline it and drop
+    the passes), so the user's graph breaks there, once."""
     return module._transformed_forward(args, kwargs)
 
 

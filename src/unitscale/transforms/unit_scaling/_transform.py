@@ -138,9 +138,7 @@ class UnitScalePass(RewritePass):
     it rewrites that submodule's ops only, as ``unit_scale`` of the child alone would.
 
     Args:
-        replace: extra or overriding entries for ``unitscale.functional.torch_map``; a
-            value that is itself a torch op of the map (``F.gelu``) stands for its
-            unit-scaled counterpart (``U.gelu``); an op mapped to itself is left as it is.
+        replace: extra or overriding entries for ``unitscale.functional.torch_map``.
         residual_tau: the ``tau`` of each kind of residual branch.
         readout_weight: qualified name of the output head's weight, whose linear becomes
             u-μP's readout (:func:`~unitscale.functional.linear_readout`, ``mup=True``), or
@@ -277,7 +275,6 @@ class UnitScalePass(RewritePass):
                 logger.info("unit scaling function: %s", node.name)
         piece.data[self.data_key] = {
             "replaced": [n.name for n in replaced],
-            # (node, op it was, op it became): what unit_scale_summary reports
             "replacements": [(n.name, was.get(n, op_label(n)), op_label(n)) for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
@@ -523,11 +520,8 @@ def unit_scale(
             your own (a hand-written GELU: while the model runs, TorchDynamo keeps each
             call of it as one op, rather than tracing into it, so that the call is
             replaced whole), and each value a callable taking the same arguments (map a
-            function to itself to leave it as it is). A value that is a torch op of
-            ``torch_map`` stands for its unit-scaled counterpart, as in the reference
-            library: ``{my_gelu: F.gelu}`` replaces ``my_gelu`` by ``unitscale.functional.gelu``
-            (:func:`unit_scale_summary` says what each op became). Use module-level
-            functions if the result is to be pickled.
+            function to itself to leave it as it is; a torch op as a value means its unit-scaled
+            op: ``{f: F.gelu}`` gives ``U.gelu``). Use module-level functions to pickle it.
         mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: u-μP's rule, Appendix
             G of the paper, see :class:`ResidualTau`; with ``mup=False`` and no mult given,
