@@ -45,6 +45,10 @@ def _losses(model: nn.Module, optimiser: torch.optim.Optimizer, steps: int = 3) 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_an_optimizer_left_on_the_original_warns_at_its_first_step(name: str) -> None:
+    from unitscale.transforms.lowp import _gemm
+
+    if name == "to_fp8" and _gemm.float8_device_error("cpu") is not None:
+        pytest.skip(f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}")
     torch.manual_seed(0)
     model = _model()
     optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)  # first, as with torchao

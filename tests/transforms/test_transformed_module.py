@@ -396,6 +396,10 @@ def test_torch_compile_of_a_transformed_model_breaks_only_at_its_boundary(
 
     from torch._dynamo.utils import counters
 
+    from unitscale.transforms.lowp import _gemm
+
+    if transform is to_fp8 and _gemm.float8_device_error("cpu") is not None:
+        pytest.skip(f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}")
     torch.manual_seed(0)
     model = transform(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))  # type: ignore[operator]
     x = torch.randn(16, 32)
