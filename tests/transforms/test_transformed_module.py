@@ -313,6 +313,11 @@ def test_a_method_that_keeps_self_forward_keeps_the_transformed_forward() -> Non
         torch.testing.assert_close(inner.kept(x), model(x), rtol=0, atol=0)
     assert "forward" not in inner.__dict__  # and calling what was kept sets nothing either
     assert model.predict(x).shape == x.shape and isinstance(model.module, Keeping)
+    replaced = Keeping()  # a wrapped module set anew: its methods see the new one
+    model.module = replaced
+    assert model.width() == 8 and model.module is replaced
+    model.keep()
+    assert "kept" in replaced.__dict__ and "forward" not in replaced.__dict__
 
 
 def test_generate_of_a_transformers_model_runs_the_transformed_forward() -> None:

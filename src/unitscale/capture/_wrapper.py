@@ -97,9 +97,9 @@ class _Wrapper(nn.Module):
     def _view(self) -> nn.Module | None:
         """The wrapped module seen through this module: its state, this module's call."""
         view = _VIEWS.get(self)
-        if view is None:
-            inner = self.module
-            cls = _view_class(type(inner))
+        inner = self.module
+        if view is None or view.__dict__ is not inner.__dict__:
+            cls = _view_class(type(inner))  # new, or the wrapped module was replaced
             if cls is None:
                 return None
             view = object.__new__(cls)
