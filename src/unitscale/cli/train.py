@@ -330,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     from ._launch import group_from_environment, launch
 
     config = _config(args, training)
-    pick_threads(args.threads, progress)
+    first = int(os.environ.get("RANK", "0") or 0) == 0  # one line per job, not per rank
+    pick_threads(args.threads, progress if first else _silent)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _check_shares(config.batch_size, args.nproc, "--nproc")
         prepare_out_folder(args, OUTPUTS)
