@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "unitscale"
 
@@ -20,7 +21,9 @@ def test_import_does_not_load_dynamo_or_inductor() -> None:
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'transformers') "
         "if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -28,7 +31,10 @@ def test_import_does_not_load_dynamo_or_inductor() -> None:
 @pytest.mark.slow
 def test_python_m_unitscale_help() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "unitscale", "--help"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "unitscale", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: unitscale")
@@ -42,7 +48,7 @@ def test_python_m_unitscale_behaves_like_the_command(argv: list[str]) -> None:
     if not script.exists():
         pytest.skip(f"no unitscale script beside {sys.executable} (package not installed)")
     runs = [
-        subprocess.run(cmd + argv, capture_output=True, text=True, timeout=300)
+        subprocess.run(cmd + argv, capture_output=True, text=True, timeout=HANG_GUARD_S)
         for cmd in ([sys.executable, "-m", "unitscale"], [str(script)])
     ]
     module, command = runs
@@ -105,7 +111,9 @@ def test_top_level_help_imports_no_torch() -> None:
         "unitscale.Linear\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "True"]
 
@@ -206,3 +214,14 @@ def test_modules_and_functions_fit_on_a_screen() -> None:
                 found.add(f"{relative}::{name}")
     assert found - set(TOO_LONG_LEFT) == set(), "split these, or mark a function '# long: why'"
     assert set(TOO_LONG_LEFT) - found == set(), "fixed: delete these from TOO_LONG_LEFT"
+
+
+def test_benchmark_modules_fit_on_a_screen() -> None:
+    """The same module rule for ``benchmarks/`` (the README table generator is split by table
+    family: ``readme_tables.py`` and its ``_tables_*.py``)."""
+    long = [
+        path.name
+        for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+        if len(path.read_text(encoding="utf-8").splitlines()) > MAX_MODULE_LINES
+    ]
+    assert long == [], f"split these (at most {MAX_MODULE_LINES} lines a module)"

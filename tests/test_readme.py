@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,7 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_performance_table_is_generated_from_committed_results() -> None:
     script = ROOT / "benchmarks" / "readme_tables.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr
 
@@ -35,7 +39,7 @@ def test_a_cuda_run_adds_its_rows_and_leaves_the_cpu_rows(
         sys.path.remove(str(ROOT / "benchmarks"))
     results = tmp_path / "results"
     shutil.copytree(readme_tables.RESULTS, results)
-    monkeypatch.setattr(readme_tables, "RESULTS", results)
+    monkeypatch.setattr(readme_tables.paths, "RESULTS", results)
     before = readme_tables.performance_table().splitlines()
     assert not [row for row in before if "CUDA" in row]
     for name in ("formats.json", "tracking.json"):
@@ -154,8 +158,8 @@ def test_fp8_table_and_claim_come_from_the_train_summary(
     folder = tmp_path / "train" / "hardware-recipe-seed0"
     folder.mkdir(parents=True)
     (folder / "summary.txt").write_text(summary_text(results, TrainConfig(steps=1)))
-    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
-    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables.paths, "ROOT", tmp_path)
     rows = {
         cells[2]: cells
         for line in readme_tables.fp8_table().splitlines()[2:]
@@ -216,8 +220,8 @@ def test_fp8_table_and_claim_come_from_the_multi_seed_result(
     old = tmp_path / "train" / "hardware-recipe-seed0"
     old.mkdir()
     (old / "summary.txt").write_text("")
-    monkeypatch.setattr(readme_tables, "TRAIN", tmp_path / "train")
-    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables.paths, "ROOT", tmp_path)
     rows = {
         cells[2]: cells
         for line in readme_tables.fp8_table().splitlines()[2:]

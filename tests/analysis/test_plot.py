@@ -91,6 +91,25 @@ def test_guides_bars_and_arrows(chain_graph: Callable[..., Graph]) -> None:
     assert limited.get_xlim() == (-30, 20)  # type: ignore[attr-defined]
 
 
+def test_each_format_guide_line_is_labelled_beside_it(chain_graph: Callable[..., Graph]) -> None:
+    # The format ranges were told apart only by line style in a small legend.
+    graph = chain_graph([(1.0, 0.5), (2.0**-10, 2.0**-20), (4.0, 1.0)])
+    ax = plotted(graph, prune_same_scale=False)
+    labels = {
+        t.get_text(): (t.get_position()[0], t.get_color())  # type: ignore[attr-defined]
+        for t in ax.texts  # type: ignore[attr-defined]
+        if t.get_gid() == "format-guide"
+    }
+    assert labels["E4M3 max"][0] == pytest.approx(math.log2(448.0))
+    assert labels["E5M2 smallest subnormal"][0] == pytest.approx(-16.0)
+    assert labels["FP16 smallest normal"][0] == pytest.approx(-14.0)
+    assert len(labels) == 9 and labels["E4M3 max"][1] != labels["E5M2 max"][1]
+    # A guide outside the axis range gets no label.
+    narrow = plotted(graph, prune_same_scale=False, xmin=-12, xmax=12)
+    shown = {t.get_text() for t in narrow.texts if t.get_gid() == "format-guide"}  # type: ignore[attr-defined]
+    assert "E4M3 max" in shown and "E5M2 max" not in shown
+
+
 def test_zero_tensors_hidden_unless_asked(chain_graph: Callable[..., Graph]) -> None:
     graph = chain_graph([(1.0, 1.0), (0.0, 0.0), (2.0, None)])
     labels = [t.get_text() for t in plotted(graph, prune_same_scale=False).get_yticklabels()]  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 import unitscale
 from unitscale.cli import main
@@ -50,7 +51,7 @@ def needs_width(width):
 
 def unitscale_cmd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*COMMAND, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
+        [*COMMAND, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
 
 
@@ -85,7 +86,7 @@ def default_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, o
     ]
     runs = []
     for cwd, proc in zip(folders, procs, strict=True):
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
         runs.append((cwd, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)))
     return runs
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hang_guard import HANG_GUARD_S
 
 from unitscale.cli import OptionError, build_parser, main
 from unitscale.cli import train as train_command
@@ -17,7 +18,7 @@ from unitscale.cli import train as train_command
 def _in_fresh_process(code: str) -> list[str]:
     """Run ``code`` in a new interpreter; return its stdout's lines."""
     run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert run.returncode == 0, run.stderr
     return run.stdout.split()
@@ -169,3 +170,68 @@ def test_train_and_transfer_help_still_show_the_defaults(
         for part in shown:
             assert part in text, (command, part)
         assert not any(f"{{{name}}}" in text for name in ("steps", "seed", "threads", "models"))
+
+
+@pytest.mark.parametrize(("load", "expected"), [(9.6, 1), (0.2, 2)])
+def test_train_uses_fewer_threads_when_the_cores_are_busy_and_says_so(
+    load: float,
+    expected: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import os
+
+    seen: list[int] = []
+
+    def fake_train(*args: object) -> int:
+        seen.append(torch.get_num_threads())
+        return 0
+
+    monkeypatch.setattr(train_command, "_train", fake_train)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's default on 2 cores
+    try:
+        assert main(["train", "--out", str(tmp_path / "out")]) == 0
+        err = capsys.readouterr().err
+        # --threads wins over the load average
+        assert main(["train", "--threads", "2", "--out", str(tmp_path / "out2")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [expected, 2]
+    busy = "the cores are busy (1-minute load average 9.6 on 2 cores): 1 torch thread(s)"
+    assert (busy in err and "--threads N chooses" in err) == (expected == 1)
+
+
+def test_analyse_has_the_threads_option_and_the_same_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from unitscale.cli._threads import pick_threads
+
+    assert build_parser("analyse").parse_args(["analyse", "--threads", "1"]).threads == 1
+    said: list[str] = []
+    monkeypatch.setattr(os, "getloadavg", lambda: (10.0, 10.0, 10.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert pick_threads(None, said.append) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert len(said) == 1 and "load average 10.0 on 4 cores" in said[0]
+
+
+def test_analyse_summary_says_what_a_fraction_means_for_training() -> None:
+    # "3 tensors at 1.4% underflow": the summary now says whether that matters.
+    from unitscale.cli import analyse
+
+    args = build_parser("analyse").parse_args(["analyse"])
+    lines, _ = analyse._summary_lines(args, [])
+    text = "\n".join(lines)
+    assert "what it means for training: a value that underflows is read as 0" in text
+    assert "a weight gradient flushed to zero does not update that weight" in text
+    assert "scaling='tensorwise'" in text

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 import unitscale.transforms
 from unitscale.cli import main
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.slow
 SIZE = ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--width", "32"]
 SIZE += ["--depth", "1", "--heads", "2", "--eval-every", "2", "--eval-batches", "1"]
 RUN = "unit-scaled-fp32"
-TIMEOUT_S = 300
 ENV = {**os.environ, "UNITSCALE_DEBUG": "", "OMP_NUM_THREADS": "1"}
 
 
@@ -79,7 +79,7 @@ def test_nproc_2_matches_one_process_for_every_run_kind(tmp_path: Path) -> None:
     command += ["--runs", ",".join(kind.name for kind in _KINDS)]
     result = subprocess.run(
         [*command, "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S,
+        capture_output=True, text=True, env=ENV, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for kind in _KINDS:
@@ -117,7 +117,7 @@ def test_torchrun_matches_one_process(tmp_path: Path) -> None:
     result = subprocess.run(
         [*launcher, "-m", "unitscale", "train", *SIZE, "--runs", RUN, "--out", str(out),
          "--no-progress"],
-        capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S,
+        capture_output=True, text=True, env=ENV, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_close(_losses(out / "losses.csv"), _one_process_losses())
@@ -143,7 +143,7 @@ def test_a_failing_rank_fails_the_launch_with_its_error(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(FAILING)
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=120
+        [sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=HANG_GUARD_S
     )
     assert result.returncode != 0
     assert "rank 1 of 2 failed: ValueError: rank one cannot go on" in result.stderr

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 from unitscale.cli import main
 from unitscale.experiments.transfer import CSV_COLUMNS
@@ -86,7 +87,7 @@ def _quick(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
 
 
@@ -176,6 +177,6 @@ def test_python_m_unitscale_transfer_help() -> None:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0 and "--vary {width,depth}" in result.stdout

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 WORKERS = Path(__file__).parent
-RANK_TIMEOUT_S = 240.0
+RANK_TIMEOUT_S = float(HANG_GUARD_S)
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hang_guard import HANG_GUARD_S
 
 from unitscale.cli import main
 from unitscale.experiments.training import (
@@ -222,7 +223,7 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     # Two runs at once (same seed, same options), compared byte for byte.
     args = [*TINY, "--monitor-every", "2", "--seed", "5"]
     procs = [_unitscale("train", *args, "--out", f"out{i}", cwd=tmp_path) for i in (1, 2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
+    outputs = [p.communicate(timeout=HANG_GUARD_S) for p in procs]
     for proc, (_, stderr) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, stderr
     out1, out2 = tmp_path / "out1", tmp_path / "out2"
@@ -365,9 +366,7 @@ def _has_to_fp8() -> bool:
     import unitscale.transforms
     from unitscale.transforms.lowp import _gemm
 
-    return (
-        hasattr(unitscale.transforms, "to_fp8") and _gemm.float8_device_error("cpu") is None
-    )
+    return hasattr(unitscale.transforms, "to_fp8") and _gemm.float8_device_error("cpu") is None
 
 
 def test_real_fp8_runs_are_not_default_and_name_their_scaling() -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from unitscale.transforms import simulate_fp8, track_scales, unit_scale
+from unitscale.transforms import simulate_fp8, to_fp8, track_scales, unit_scale
 
 
 def test_a_transformed_sequential_indexes_iterates_and_has_a_length() -> None:
@@ -157,6 +158,48 @@ def test_torch_compile_of_a_transformed_module_matches_eager() -> None:
     torch.testing.assert_close(torch.compile(model)(x), model(x), rtol=0, atol=0)
 
 
+class WrongMatmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))  # the user's mistake: b takes 8 features, a gives 4
+
+
+@pytest.mark.parametrize("transform", [unit_scale, track_scales, simulate_fp8])
+def test_a_users_shape_error_logs_nothing_of_torchs_internals(
+    transform: object, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # torch logged an ERROR with a 20-line traceback from torch._subclasses.fake_tensor
+    # ("failed while attempting to run meta for aten.mm.default") before the user's error.
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    records: list[logging.LogRecord] = []
+    names = ("torch._subclasses.fake_tensor", "torch._dynamo", "torch._dynamo.convert_frame")
+    collect = Collect(logging.DEBUG)
+    for name in names:
+        logging.getLogger(name).addHandler(collect)
+    try:
+        model = transform(WrongMatmul())  # type: ignore[operator]
+        capfd.readouterr()
+        with pytest.raises(RuntimeError, match=r"cannot be multiplied \(2x4 and 8x4\)"):
+            model(torch.randn(2, 8))
+        err = capfd.readouterr().err
+        assert "fake_tensor" not in err and "Traceback" not in err, err
+        assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+        # Outside a capture, torch's loggers still log.
+        logging.getLogger("torch._subclasses.fake_tensor").error("a log line of torch's own")
+        assert [r.getMessage() for r in records] == ["a log line of torch's own"]
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(collect)
+
+
 class _Predictor(nn.Module):
     """A model whose own methods call it: ``self(...)`` and ``self.forward(...)``."""
 
@@ -215,6 +258,66 @@ def test_an_instance_forward_of_the_wrapped_module_is_kept_through_a_method() ->
     model.predict(x)
     assert calls and inner.__dict__["forward"] is forward
     assert len(model.scales_graph().nodes) > 0  # the call was tracked
+
+
+class _Overlapping(_Predictor):
+    """``predict`` of two threads at once: the first returns while the second is inside
+    (class attributes: the transforms copy the instance, and locks do not copy)."""
+
+    inside = threading.Barrier(2)
+    first_done = threading.Event()
+
+    def predict_in_turn(self, x: Tensor, first: bool) -> Tensor:
+        self.inside.wait(timeout=30)
+        if first:
+            return x
+        self.first_done.wait(timeout=30)  # the first call has returned: its state is gone
+        return self(x)
+
+
+def test_two_threads_run_a_transformed_models_method_at_once() -> None:
+    torch.manual_seed(0)
+    model = unit_scale(_Overlapping())
+    x = torch.randn(4, 8) * 3
+    with torch.no_grad():
+        expected = model(x)
+        assert not torch.equal(expected, model.module(x))
+        results: dict[bool, Tensor] = {}
+
+        def run(first: bool) -> None:
+            results[first] = model.predict_in_turn(x, first)
+            if first:
+                _Overlapping.first_done.set()
+
+        threads = [threading.Thread(target=run, args=(first,)) for first in (True, False)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    torch.testing.assert_close(results[False], expected, rtol=0, atol=0)
+    assert "forward" not in model.module.__dict__
+
+
+def test_a_method_that_keeps_self_forward_keeps_the_transformed_forward() -> None:
+    class Keeping(_Predictor):
+        def keep(self) -> None:
+            self.kept = self.forward  # as a hook or a cache of a library may
+
+    torch.manual_seed(0)
+    model = unit_scale(Keeping())
+    x = torch.randn(4, 8) * 3
+    model.keep()
+    inner = model.module
+    assert "forward" not in inner.__dict__  # nothing was set on the module for the call
+    with torch.no_grad():
+        torch.testing.assert_close(inner.kept(x), model(x), rtol=0, atol=0)
+    assert "forward" not in inner.__dict__  # and calling what was kept sets nothing either
+    assert model.predict(x).shape == x.shape and isinstance(model.module, Keeping)
+    replaced = Keeping()  # a wrapped module set anew: its methods see the new one
+    model.module = replaced
+    assert model.width() == 8 and model.module is replaced
+    model.keep()
+    assert "kept" in replaced.__dict__ and "forward" not in replaced.__dict__
 
 
 def test_generate_of_a_transformers_model_runs_the_transformed_forward() -> None:
@@ -283,3 +386,52 @@ def test_a_module_dynamo_gives_up_on_leaves_later_transforms_whole(plain_first: 
     assert int(pieces) == 1 and float(std) == 1.0
     if not plain_first:
         assert int(user_graphs) == 1
+
+
+@pytest.mark.parametrize("transform", [unit_scale, simulate_fp8, to_fp8])
+def test_torch_compile_of_a_transformed_model_breaks_only_at_its_boundary(
+    transform: object,
+) -> None:
+    """``torch.compile(to_fp8(m))`` broke its graph inside unitscale's wrapper (a bound
+    method built, a config patch, warnings: 5 breaks) and warned that nothing was
+    transformed. The transform now runs as one unit, where Dynamo would otherwise inline its
+    capture and drop the passes: the only break is that boundary, the output is the
+    transformed model's, and nothing warns."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from unitscale.transforms.lowp import _gemm
+
+    if transform is to_fp8 and _gemm.float8_device_error("cpu") is not None:
+        pytest.skip(f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}")
+    torch.manual_seed(0)
+    model = transform(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))  # type: ignore[operator]
+    x = torch.randn(16, 32)
+    expected = model(x)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = compiled(x)
+    reasons = list(counters["graph_break"])
+    assert reasons and all("_run_transformed" in r for r in reasons), reasons
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_every_summary_accepts_what_torch_compile_returns() -> None:
+    from unitscale.tracking import tracking_coverage
+    from unitscale.transforms import fp8_summary, scaling_cost, unit_scale_summary
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    fp8 = simulate_fp8(unit_scale(_Predictor()), scaling="tensorwise")
+    fp8(x)
+    compiled = torch.compile(fp8, backend="eager")
+    assert fp8_summary(compiled) == fp8_summary(fp8)
+    assert unit_scale_summary(compiled) == unit_scale_summary(fp8)
+    assert scaling_cost(compiled) == scaling_cost(fp8)
+    tracked = track_scales(_Predictor())
+    tracked(x)
+    assert tracking_coverage(torch.compile(tracked)) == tracking_coverage(tracked)

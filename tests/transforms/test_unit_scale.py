@@ -22,6 +22,7 @@ from unitscale.transforms import (
     simulate_fp8,
     track_scales,
     unit_scale,
+    unit_scale_summary,
 )
 
 
@@ -401,6 +402,26 @@ def test_replace_maps_a_users_own_function_to_a_unit_scaled_op() -> None:
     tracked(x)
     targets = {n.target for n in tracked.scales_graph().nodes if n.op == "call_function"}
     assert hand_written_gelu not in targets and torch.tanh in targets
+
+
+def test_replace_with_a_torch_op_as_the_value_uses_its_unit_scaled_counterpart() -> None:
+    """``replace={my_gelu: F.gelu}`` (as the reference library reads it): ``F.gelu`` stands
+    for ``U.gelu``; it kept an unscaled GELU (output std 0.657, as with no ``replace``)
+    while the summary reported the op replaced. The summary says what it became."""
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    model = unit_scale(HandGelu(), replace={hand_written_gelu: F.gelu})
+    out = model(x)
+    assert out.std().item() == pytest.approx(1.0, rel=0.1)
+    torch.testing.assert_close(out, U.gelu(x) * 1.0)
+    summary = unit_scale_summary(model)
+    (replacement,) = summary.replacements
+    assert replacement[1].endswith("hand_written_gelu")
+    assert replacement[2] == "unitscale.functional.gelu"
+    # A torch op mapped to itself is still left as it is.
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU())
+    kept = unit_scale(mlp, replace={F.gelu: F.gelu})
+    kept(torch.randn(4, 8))
+    assert [r[2] for r in unit_scale_summary(kept).replacements] == ["unitscale.functional.linear"]
 
 
 def test_replace_errors_name_the_op() -> None:

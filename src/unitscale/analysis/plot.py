@@ -114,7 +114,7 @@ def plot(
     ax, height_in, rows_height_in = _new_axes(rows)
     points, zeros = _points(rows, metric)
     lo, hi = _x_range(rows, points, show_error_bars, xmin, xmax)
-    _draw_guides(ax)
+    _draw_guides(ax, lo, hi)
     if show_error_bars:
         _draw_error_bars(ax, rows, lo, hi)
     arrows = _draw_arrows(ax, rows, points) if show_arrows else {"fwd": False, "bwd": False}
@@ -223,11 +223,32 @@ def _x_range(
     return lo, hi
 
 
-def _draw_guides(ax: Axes) -> None:
-    """Vertical lines at each format's smallest subnormal, smallest normal and largest value."""
-    for sub, normal, top, colour in FORMAT_GUIDES.values():
-        for v, style in ((sub, "--"), (normal, ":"), (top, "-")):
-            ax.axvline(math.log2(v), color=colour, linestyle=style, linewidth=0.8, alpha=0.55)
+#: What each guide line of a format marks, as written beside the line.
+_GUIDE_NAMES = ("smallest subnormal", "smallest normal", "max")
+
+
+def _draw_guides(ax: Axes, lo: float, hi: float) -> None:
+    """Vertical lines at each format's smallest subnormal, smallest normal and largest value,
+    each labelled beside it at the top of the axes (``E4M3 max``), in the line's colour: the
+    line style alone, in a small legend, was hard to read."""
+    for label, (sub, normal, top, colour) in FORMAT_GUIDES.items():
+        for v, style, what in zip((sub, normal, top), ("--", ":", "-"), _GUIDE_NAMES, strict=True):
+            x = math.log2(v)
+            ax.axvline(x, color=colour, linestyle=style, linewidth=0.8, alpha=0.55)
+            if lo <= x <= hi:
+                ax.text(
+                    x,
+                    1.0,
+                    f"{label} {what}",
+                    transform=ax.get_xaxis_transform(),
+                    rotation=90,
+                    ha="right",
+                    va="top",
+                    fontsize=6,
+                    color=colour,
+                    alpha=0.9,
+                    gid="format-guide",
+                )
 
 
 def _draw_error_bars(ax: Axes, rows: list[TensorRow], lo: float, hi: float) -> None:

@@ -7,7 +7,7 @@ Dynamo captures (a :class:`Piece`, one per graph break) goes through the module'
 tracer for calls Dynamo cannot capture whole.
 """
 
-from ._compose import check_order, transformed
+from ._compose import check_order, transformed, unwrap_compiled
 from ._core import (
     NOT_INTERCEPTED,
     Capture,
@@ -33,6 +33,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "TransformedModule",
     "check_order",
     "transformed",
+    "unwrap_compiled",
     # runtime state passes read
     "Capture",
     "Invocation",

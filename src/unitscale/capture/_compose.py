@@ -6,14 +6,25 @@ absorbed into the copy (their passes scoped to them) or refused by name.
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 from torch import nn
 
 from .._lazy_dynamo import is_optimized_module
 from ..errors import CaptureError
 from ._core import GraphPass, Stage, TransformedModule
+from ._sharing import record_left_behind
 
-__all__ = ["check_order", "transformed"]
+__all__ = ["check_order", "transformed", "unwrap_compiled"]
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The model ``torch.compile`` wrapped (its ``_orig_mod``), or ``module`` itself: what a
+    report of a transformed model (``fp8_summary``, ``unit_scale_summary``,
+    ``tracking_coverage``...) reads, for a model passed compiled or not."""
+    while is_optimized_module(module):
+        module = cast("nn.Module", module._orig_mod)
+    return module
 
 
 def _strip(module: nn.Module) -> tuple[nn.Module, tuple[GraphPass, ...]]:
@@ -48,6 +59,9 @@ def check_order(earlier: GraphPass, new_pass: GraphPass, op: str) -> None:
 def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedModule:
     """A new :class:`TransformedModule`: a copy of ``module`` with ``new_pass`` appended.
 
+    The copy's parameters are its own: an optimizer over ``module``'s that steps with none
+    of them holding a gradient warns, naming the transform (``_sharing.py``).
+
     A transformed submodule of ``module`` (``model.block = unit_scale(model.block)``) is
     absorbed: its ops are captured with the rest of the model, its own passes transform
     them alone, and ``new_pass`` transforms them with the rest
@@ -71,6 +85,7 @@ def transformed(module: nn.Module, new_pass: GraphPass, op: str) -> TransformedM
     for earlier in passes:
         check_order(earlier, new_pass, op)
     copied = copy.deepcopy(inner)
+    record_left_behind(inner, op)  # an optimizer left on them is named at its first step
     absorbed = _absorb_transformed_children(copied, new_pass, op)
     # Stage order (stable): a child's unit_scale runs before the parent's simulate_format.
     chain = sorted([*(p.without_state() for p in passes), *absorbed], key=lambda p: p.stage)

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import os
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +42,13 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import compile_module, dynamo_recompile_limit
+from .._lazy_dynamo import disable
 from ..errors import CaptureError, UnitScaleError
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
+from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
 from ._varying import _VaryingSizes
+from ._warn import warn_user
 from ._wrapper import _Wrapper
 
 __all__ = [
@@ -264,17 +265,6 @@ def is_float_node(node: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
-def warn_user(message: str) -> None:
-    """Warn with the user's calling line as location (outside torch and unitscale)."""
-    import sys
-
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, UserWarning, stacklevel=level + 1)
-
-
 class Capture:
     """Runtime state of one transformed module: compiled code, pieces and the call trace.
 
@@ -443,6 +433,7 @@ class Capture:
             with (
                 dynamo_recompile_limit(_RECOMPILE_LIMIT, accumulated=True),
                 torch._dynamo.config.patch(optimize_ddp=False),
+                quiet_torch_logs(),
             ):
                 out = self._compiled_for_state()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -514,6 +505,11 @@ class TransformedModule(_Wrapper):
     # -- running ---------------------------------------------------------------------------
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by a torch.compile: see _run_transformed
+            return _run_transformed(self, args, kwargs)
+        return self._transformed_forward(args, kwargs)
+
+    def _transformed_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from ._functorch import refuse_under_functorch
 
         refuse_under_functorch(type(self.module).__name__, self._transforms_text())
@@ -579,6 +575,14 @@ class TransformedModule(_Wrapper):
 
     def extra_repr(self) -> str:
         return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
+
+
+@disable
+def _run_transformed(module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> Any:
+    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it:
+    the transform is a capture of its own, with its backend (Dynamo would inline it and drop
+    the passes), so the user's graph breaks there, once."""
+    return module._transformed_forward(args, kwargs)
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

@@ -18,6 +18,7 @@ Design constraints:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -84,5 +85,5 @@ class signed_forward:  # lower case: used as a decorator, like property
         if instance is None:
             return self.function
         if torch.compiler.is_compiling():  # traced by torch.compile: a plain bound method
-            return types.MethodType(self.function, instance)
+            return functools.partial(self.function, instance)
         return BoundForward(self.function, instance)

@@ -10,6 +10,7 @@ module's tensors by their original names.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
@@ -19,17 +20,55 @@ from torch import Tensor, nn
 
 #: Attributes of the wrapper itself, never looked up on or set into the wrapped module.
 _OWN_ATTRIBUTES = frozenset({"module", "passes", "_capture", "training"})
-#: Marks the forward that :meth:`_Wrapper._routed` puts on the wrapped module.
-_ROUTED = "_unitscale_routed"
-_NO_FORWARD = object()
+#: The view class made for each wrapped class (see :func:`_view_class`).
+_VIEW_CLASSES: dict[type, type] = {}
+#: Each wrapper's view of its wrapped module (weak: a view never keeps a wrapper alive).
+_VIEWS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
-def _set_forward(module: nn.Module, forward: Any) -> None:
-    """Give ``module`` the instance ``forward`` it had (none: its class's)."""
-    if forward is _NO_FORWARD:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = forward
+def _view_class(cls: type) -> type | None:
+    """A subclass of ``cls`` whose instances are views of a wrapped module.
+
+    A view shares the wrapped module's ``__dict__`` (its parameters, submodules, hooks and
+    attributes are the module's own, so ``super()``, ``isinstance`` and every attribute
+    work as on the module), and only its call and its ``forward`` differ: they are the
+    wrapper's (a data descriptor, so an instance ``forward`` of the module, as accelerate's
+    hooks set, does not hide it; the wrapper's forward runs that one). Nothing of the wrapped
+    module is changed, so two threads can run its methods at once. None where ``cls``
+    cannot be subclassed.
+    """
+    view = _VIEW_CLASSES.get(cls)
+    if view is not None:
+        return view
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        wrapper = _wrapper_of(self)
+        return (
+            wrapper(*args, **kwargs) if wrapper is not None else cls.__call__(self, *args, **kwargs)
+        )
+
+    def forward(self: nn.Module) -> Any:
+        wrapper = _wrapper_of(self)
+        return wrapper.forward if wrapper is not None else cls.forward.__get__(self)  # type: ignore[attr-defined]
+
+    namespace = {
+        "__slots__": ("_unitscale_wrapper",),
+        "__call__": call,
+        "forward": property(forward),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    try:
+        view = type(cls.__name__, (cls,), namespace)
+    except Exception:  # a class that refuses subclasses (final, a metaclass's rule)
+        return None
+    _VIEW_CLASSES[cls] = view
+    return view
+
+
+def _wrapper_of(view: nn.Module) -> nn.Module | None:
+    ref: weakref.ref[nn.Module] = object.__getattribute__(view, "_unitscale_wrapper")
+    return ref()
 
 
 class _Wrapper(nn.Module):
@@ -55,33 +94,39 @@ class _Wrapper(nn.Module):
                 return self._routed(value)
             return value
 
+    def _view(self) -> nn.Module | None:
+        """The wrapped module seen through this module: its state, this module's call."""
+        view = _VIEWS.get(self)
+        inner = self.module
+        if view is None or view.__dict__ is not inner.__dict__:
+            cls = _view_class(type(inner))  # new, or the wrapped module was replaced
+            if cls is None:
+                return None
+            view = object.__new__(cls)
+            object.__setattr__(view, "__dict__", inner.__dict__)
+            object.__setattr__(view, "_unitscale_wrapper", weakref.ref(self))
+            _VIEWS[self] = view
+        return view
+
     def _routed(self, method: MethodType) -> Callable[..., Any]:
         """``method`` of the wrapped module, run so that what it calls of the module itself
         (``self(...)``, ``self.forward(...)``: transformers' ``generate()``, a user's
-        ``predict()``) runs through this module's forward, not untransformed."""
-        inner: nn.Module = self.module
+        ``predict()``) runs through this module's forward, not untransformed.
+
+        The method runs on a view of the wrapped module (:func:`_view_class`) instead of
+        the module: nothing is set on the module during the call, so concurrent calls and
+        a hook that keeps ``self.forward`` see no temporary state. A method that returns
+        the module itself returns this module.
+        """
+        view = self._view()
+        if view is None:
+            return method
+        function = method.__func__
 
         @functools.wraps(method)
         def call(*args: Any, **kwargs: Any) -> Any:
-            before = inner.__dict__.get("forward", _NO_FORWARD)
-            if getattr(before, _ROUTED, False):  # a method called by a routed method
-                return method(*args, **kwargs)
-
-            def forward(*forward_args: Any, **forward_kwargs: Any) -> Any:
-                # The wrapped module's own forward (an instance one included) while this
-                # module runs it, then the route again for the method's next call.
-                _set_forward(inner, before)
-                try:
-                    return self(*forward_args, **forward_kwargs)
-                finally:
-                    inner.__dict__["forward"] = forward
-
-            setattr(forward, _ROUTED, True)
-            inner.__dict__["forward"] = forward
-            try:
-                return method(*args, **kwargs)
-            finally:
-                _set_forward(inner, before)
+            result = function(view, *args, **kwargs)
+            return self if result is view else result
 
         return call
 

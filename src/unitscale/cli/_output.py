@@ -9,11 +9,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "Progress",
+    "add_out_options",
     "check_out_folder",
     "finish_summary",
+    "prepare_out_folder",
     "refuse_earlier_outputs",
     "require_analysis_extra",
     "slug",
@@ -123,6 +126,30 @@ def refuse_earlier_outputs(
             f"{option} {str(out)!r} holds the outputs of an earlier run ({shown}); give "
             "--overwrite to replace them, or choose another folder"
         )
+
+
+def add_out_options(parser: Any, default: str) -> None:
+    """``--out`` and ``--overwrite``: where a command writes, the same rule for every command
+    (a folder that holds an earlier run's outputs is refused unless ``--overwrite`` is given,
+    see :func:`prepare_out_folder`)."""
+    parser.add_argument(
+        "--out", default=default, metavar="DIR", help=f"output folder (default {default})"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier run in --out (without it, a folder that "
+        "holds them is refused)",
+    )
+
+
+def prepare_out_folder(args: Any, outputs: tuple[str, ...]) -> Path:
+    """The checked output folder of a command run with ``args`` (``--out``,
+    ``--overwrite``), before any work starts: :func:`check_out_folder`, then
+    :func:`refuse_earlier_outputs` for the files the command writes (``outputs``)."""
+    out = check_out_folder(args.out)
+    refuse_earlier_outputs(out, outputs, bool(getattr(args, "overwrite", False)))
+    return out
 
 
 def start_command(command: str) -> Progress:

@@ -21,11 +21,12 @@ from ._args import positive_int
 from ._memory import BUILTIN_GPT, check_memory
 from ._output import (
     Progress,
-    check_out_folder,
-    refuse_earlier_outputs,
+    add_out_options,
+    prepare_out_folder,
     require_analysis_extra,
     slug,
 )
+from ._threads import add_threads_option, pick_threads
 
 __all__ = ["HELP", "add_parser", "conclusion", "run"]
 
@@ -33,6 +34,18 @@ DEFAULT_OUT = "unitscale-report"
 #: The files ``unitscale analyse`` writes (``glob`` patterns): a folder that holds one of
 #: them is refused unless ``--overwrite`` is given.
 OUTPUTS: tuple[str, ...] = ("scales.csv", "scales_*.png", "report.html", "summary.txt")
+#: What the under/overflow counts mean for training, printed under the table.
+_MEANING = (
+    "what it means for training: a value that underflows is read as 0 by the FP8 op, a value "
+    "that overflows saturates at the format's largest value (or becomes inf). A forward "
+    "value or gradient with a few percent flushed loses that share of its signal; a weight "
+    "gradient flushed to zero does not update that weight at all, so gradients under E5M2 "
+    "matter most: in 'unitscale train' the plain model in FP8 without scales, whose "
+    "gradients fall below E5M2's smallest subnormal, trains much worse than in FP32. A few "
+    "tensors at 1-2% underflow are usually harmless; many tensors, tens of percent, or any "
+    "overflow call for a scale: unit scaling (the twin), or per-tensor scaling "
+    "(simulate_fp8(..., scaling='tensorwise')). The worst tensors are listed below."
+)
 #: The one-line summary ``unitscale --help`` lists.
 HELP = "track the scales of a model and its unit-scaled twin; write plots, a report, a CSV"
 
@@ -97,15 +110,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "blocks whose scale is clipped, and the relative rounding error (CSV columns, the "
         "report, a summary line per model and format; slower: computed for every tensor)",
     )
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the outputs of an earlier run in --out (without it, a folder that "
-        "holds them is refused)",
-    )
+    add_out_options(parser, DEFAULT_OUT)
+    add_threads_option(parser)
     parser.set_defaults(run=run)
     return parser
 
@@ -130,11 +136,11 @@ def run(args: argparse.Namespace) -> int:
         check_memory("analyse", args.batch_size, args.seq_len, *BUILTIN_GPT)
     progress = Progress()
     require_analysis_extra("analyse")
+    pick_threads(args.threads, progress)
     from ..data import example_batch
     from ._models import quiet_transformers
 
-    out = check_out_folder(args.out)
-    refuse_earlier_outputs(out, OUTPUTS, args.overwrite)
+    out = prepare_out_folder(args, OUTPUTS)
     batch = example_batch(args.batch_size, args.seq_len, seed=args.seed, path=args.text)
     source = args.text or "bundled CPython documentation text"
     progress(f"batch: {args.batch_size} x {args.seq_len} bytes of {source}")
@@ -218,6 +224,8 @@ def _summary_lines(
         "copies, casts); 'under' counts those with more than 1% of values flushed to zero "
         "(not counting structural zeros: parameter-gradient elements at rounding noise, "
         "|g| <= 2**-20 rms(g)), 'over' those with any value beyond the format's range.",
+        "",
+        _MEANING,
     ]
     lines += _block_lines(args, tables)
     for name, summary in summaries:

@@ -21,11 +21,29 @@ if TYPE_CHECKING:
 from . import Parser, usage_error
 from ._args import non_negative_int, positive_float, positive_int
 from ._memory import check_memory
-from ._output import check_out_folder, finish_summary, slug, start_command
+from ._output import (
+    add_out_options,
+    finish_summary,
+    prepare_out_folder,
+    slug,
+    start_command,
+)
+from ._threads import add_threads_option, pick_threads
 
 __all__ = ["DEFAULTS", "HELP", "add_parser", "run", "set_threads"]
 
 DEFAULT_OUT = "unitscale-train"
+#: The files ``unitscale train`` writes (``glob`` patterns): a folder that holds one of them
+#: is refused unless ``--overwrite`` is given.
+OUTPUTS: tuple[str, ...] = (
+    "summary.txt",
+    "results.json",
+    "losses.csv",
+    "loss_curves.png",
+    "scales_*",
+    "report.html",
+    "seed*/summary.txt",
+)
 #: The one-line summary ``unitscale --help`` lists (no import of torch needed to show it).
 HELP = (
     "train the built-in model plain and unit-scaled, in FP32 and simulated FP8; "
@@ -279,18 +297,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
     """Where the files go, progress, threads and processes."""
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
-    )
+    add_out_options(parser, DEFAULT_OUT)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="torch intra-op threads per process (default: torch's, one per core); on a "
-        "busy machine fewer threads are often much faster (1 is safest)",
-    )
+    add_threads_option(parser)
     parser.add_argument(
         "--nproc",
         type=positive_int,
@@ -324,10 +333,11 @@ def run(args: argparse.Namespace) -> int:
     from ._launch import group_from_environment, launch
 
     config = _config(args, training)
-    set_threads(args.threads)
+    first = int(os.environ.get("RANK", "0") or 0) == 0  # one line per job, not per rank
+    pick_threads(args.threads, progress if first else _silent)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         _check_shares(config.batch_size, args.nproc, "--nproc")
-        check_out_folder(args.out)
+        prepare_out_folder(args, OUTPUTS)
         launch(run, args.nproc, argparse.Namespace(**vars(args)))
         return 0
     if "WORLD_SIZE" in os.environ:  # under torchrun: checked before joining the group
@@ -361,7 +371,7 @@ def _train(
         progress = _silent
         out = Path(args.out)  # checked by rank 0 (ranks checking at once would race)
     else:
-        out = check_out_folder(args.out)
+        out = prepare_out_folder(args, OUTPUTS)
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
     progress(f"torch threads: {set_threads(None)} per process (--threads)")
@@ -374,21 +384,28 @@ def _train(
     )  # fmt: skip
     by_seed: dict[int, dict[str, Any]] = {}
     written: list[Path] = []
-    for seed in seeds:
-        seed_config = dataclasses.replace(config, seed=seed)
-        results = {}
-        for name in config.runs:
-            results[name] = training.train_run(name, seed_config, progress=not args.no_progress)
-            which = f"{name} (seed {seed})" if len(seeds) > 1 else name
-            progress(f"{which}: done in {results[name].seconds:.0f}s")
-        by_seed[seed] = results
-        if is_rank_zero() and len(seeds) > 1:
-            folder = out / f"seed{seed}"
-            folder.mkdir(exist_ok=True)
-            _write_outputs(results, seed_config, folder, progress)
-            summary = training.summary_text(results, seed_config)
-            (folder / "summary.txt").write_text(summary, encoding="utf-8")
-            written.append(folder)
+    results: dict[str, Any] = {}
+    seed_config = config
+    try:
+        for seed in seeds:
+            seed_config = dataclasses.replace(config, seed=seed)
+            results = {}
+            for name in config.runs:
+                results[name] = training.train_run(name, seed_config, not args.no_progress)
+                which = f"{name} (seed {seed})" if len(seeds) > 1 else name
+                progress(f"{which}: done in {results[name].seconds:.0f}s")
+            by_seed[seed] = results
+            if is_rank_zero() and len(seeds) > 1:
+                folder = out / f"seed{seed}"
+                folder.mkdir(exist_ok=True)
+                _write_outputs(results, seed_config, folder, progress)
+                summary = training.summary_text(results, seed_config)
+                (folder / "summary.txt").write_text(summary, encoding="utf-8")
+                written.append(folder)
+    except KeyboardInterrupt as exc:
+        if several:  # the other ranks are stopped too: nothing consistent to keep
+            raise
+        return _keep_interrupted(exc, results, seed_config, by_seed, out, written, len(seeds))
     if not is_rank_zero():
         return 0
     if len(seeds) > 1:
@@ -398,6 +415,54 @@ def _train(
     written = _write_outputs(results, seed_config, out, progress)
     written.append(training.write_seeds_json(by_seed, seed_config, out / "results.json"))
     return finish_summary(training.summary_text(results, seed_config), out, written, progress)
+
+
+def _keep_interrupted(
+    exc: KeyboardInterrupt,
+    finished: dict[str, Any],
+    config: Any,
+    by_seed: dict[int, dict[str, Any]],
+    out: Path,
+    written: list[Path],
+    seeds: int,
+) -> int:
+    """Ctrl-C: keep what finished and say so; return 130 (the status of an interrupt).
+
+    ``finished`` holds the runs of the interrupted seed that completed, ``by_seed`` the seeds
+    that completed (their folders are written already). The losses so far, of the completed
+    runs and of the interrupted one, go to ``losses.csv`` and ``loss_curves.png`` (in
+    ``seed<N>/`` with several seeds); ``summary.txt`` says where it stopped.
+    """
+    from ..experiments import report, training
+
+    partial = getattr(exc, "partial", None)
+    shown = {**finished, **({partial.name: partial} if partial is not None else {})}
+    folder = out / f"seed{config.seed}" if seeds > 1 else out
+    if shown:
+        folder.mkdir(parents=True, exist_ok=True)
+        written.append(training.write_losses_csv(shown, folder / "losses.csv"))
+        written.append(report.save_png(training.plot_losses(shown), folder / "loss_curves.png"))
+    if by_seed:
+        written.append(training.write_seeds_json(by_seed, config, out / "results.json"))
+    where = "before the first step" if partial is None else (
+        f"during {partial.name} after {getattr(exc, 'steps_done', 0)} of {config.steps} steps"
+    )  # fmt: skip
+    text = (
+        f"INTERRUPTED (Ctrl-C) {where}, seed {config.seed}: not a complete result.\n"
+        f"runs completed: {', '.join(finished) or 'none'}"
+        + (f"; seeds completed: {', '.join(map(str, by_seed))}" if by_seed else "")
+        + (" (the interrupted run's losses so far are in losses.csv)" if partial else "")
+        + "\n"
+    )
+    if finished:
+        text += "\n" + training.summary_text(finished, config)
+    summary = out / "summary.txt"
+    names = [p.name for p in [*written, summary]]
+    text += f"\nwrote {len(names)} outputs to {out}/: " + ", ".join(names) + "\n"
+    summary.write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    print("unitscale train: interrupted; kept what finished", file=sys.stderr)
+    return 130
 
 
 def _write_outputs(

@@ -12,10 +12,19 @@ from typing import Any
 
 from . import Parser, usage_error
 from ._args import positive_int
-from ._output import check_out_folder, finish_summary, start_command
+from ._output import add_out_options, finish_summary, prepare_out_folder, start_command
 
 __all__ = ["HELP", "add_parser", "run"]
 
+#: The files ``unitscale transfer`` writes (``glob`` patterns): a folder that holds one of
+#: them is refused unless ``--overwrite`` is given.
+OUTPUTS: tuple[str, ...] = (
+    "transfer.csv",
+    "transfer.json",
+    "transfer.png",
+    "report.html",
+    "summary.txt",
+)
 #: The one-line help that ``unitscale --help`` lists (without building this parser).
 HELP = (
     "sweep the learning rate across widths (or depths) for the standard parametrisation and "
@@ -95,9 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_size_options(parser)
     _add_run_options(parser)
     parser.add_argument("--no-fp8", action="store_true", help="skip the simulated-FP8 runs")
-    parser.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
-    )
+    add_out_options(parser, DEFAULT_OUT)
     parser.add_argument("--no-progress", action="store_true", help="no progress lines")
     parser.set_defaults(run=run)
     if isinstance(parser, Parser):
@@ -218,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except sweep.TransferConfigError as exc:  # options that do not go together
         raise usage_error("transfer", str(exc).removeprefix("TransferConfig: ")) from None
-    out = check_out_folder(args.out)
+    out = prepare_out_folder(args, OUTPUTS)
     sweeps = len(config.sizes) * len(config.lr_steps) * len(sweep.PARAMETRISATIONS)
     runs = (sweeps + (len(config.sizes) if config.fp8 else 0)) * config.seeds
     progress(

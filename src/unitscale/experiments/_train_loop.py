@@ -182,6 +182,20 @@ def _eval_batches(config: TrainConfig, split: Literal["train", "heldout"]) -> li
     )
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`train_run`: ``partial`` is the run's :class:`RunResult` so far
+    (the training loss of every finished step, NaN after; no final losses).
+
+    A :class:`KeyboardInterrupt`, so code that stops on Ctrl-C still stops.
+    """
+
+    def __init__(self, partial: RunResult) -> None:
+        done = sum(1 for loss in partial.train_losses if not math.isnan(loss))
+        super().__init__(f"{partial.name} interrupted after {done} step(s)")
+        self.partial = partial
+        self.steps_done = done
+
+
 def train_run(
     run: str,
     config: TrainConfig,
@@ -220,6 +234,8 @@ def train_run(
 
     Raises:
         TrainConfigError: for an unknown run.
+        RunInterrupted: on Ctrl-C (a :class:`KeyboardInterrupt` that carries the losses so
+            far).
 
     Example:
         >>> c = TrainConfig(steps=2, batch_size=2, seq_len=16, hidden_size=16, heads=2,
@@ -272,6 +288,10 @@ def train_run(
                 on_step=bar.update,
                 grad_scaler=scaler,
             )
+        except KeyboardInterrupt as exc:  # Ctrl-C: the losses so far go with the interrupt
+            result.train_losses = bar.losses + [math.nan] * (config.steps - len(bar.losses))
+            result.seconds = time.perf_counter() - start
+            raise RunInterrupted(result) from exc
         finally:
             bar.close()
         if monitor is not None:
@@ -312,6 +332,7 @@ class _StepProgress:
 
     def __init__(self, run: str, steps: int, enabled: bool) -> None:
         self.run, self.steps, self.done = run, steps, 0
+        self.losses: list[float] = []  # every step's loss so far (kept on Ctrl-C)
         self.bar: Any = None
         self.plain = enabled and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
         if enabled and not self.plain:
@@ -325,6 +346,7 @@ class _StepProgress:
 
     def update(self, loss: float) -> None:
         self.done += 1
+        self.losses.append(loss)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)

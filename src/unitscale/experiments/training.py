@@ -91,6 +91,7 @@ from ._train_config import (
     TrainConfigError,
 )
 from ._train_loop import (
+    RunInterrupted,
     RunResult,
     _eval_batches,  # noqa: F401
     build_optimiser,
@@ -134,6 +135,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "TrainConfig",
     # training
     "RunResult",
+    "RunInterrupted",
     "build_run_model",
     "build_optimiser",
     "unit_scaled_model",

@@ -11,7 +11,7 @@ import dataclasses
 
 from torch import nn
 
-from ..capture import TransformedModule
+from ..capture import TransformedModule, unwrap_compiled
 from ..errors import UnitScaleError
 
 __all__ = ["TrackingCoverage", "tracking_coverage"]
@@ -79,6 +79,7 @@ def tracking_coverage(module: nn.Module) -> TrackingCoverage:
     """
     from ._recording._pass import TrackScalesPass
 
+    module = unwrap_compiled(module)  # torch.compile's OptimizedModule: its _orig_mod
     track = module.pass_of_type(TrackScalesPass) if isinstance(module, TransformedModule) else None
     if not isinstance(module, TransformedModule) or not isinstance(track, TrackScalesPass):
         raise UnitScaleError(

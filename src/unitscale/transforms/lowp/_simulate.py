@@ -24,7 +24,7 @@ from typing import Any
 import torch  # noqa: F401 (the examples use it)
 from torch import nn
 
-from ...capture import Invocation, TransformedModule, transformed
+from ...capture import Invocation, TransformedModule, transformed, unwrap_compiled
 from ...errors import UnitScaleError
 from ...formats import (
     BLOCK_PRESETS,
@@ -517,6 +517,7 @@ def scaling_cost(module: nn.Module) -> ScalingCost:
         >>> cost.forward, cost.backward, cost.amax_reductions
         (4, 2, 6)
     """
+    module = unwrap_compiled(module)  # torch.compile's OptimizedModule: its _orig_mod
     graph_pass = None
     if isinstance(module, TransformedModule):
         # simulate_fp8's pass, or to_fp8's (which counts its scales the same way)

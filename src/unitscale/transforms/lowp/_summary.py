@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from ...capture import Piece, TransformedModule, warn_user
+from ...capture import Piece, TransformedModule, unwrap_compiled, warn_user
 from ...errors import UnitScaleError
 from ._fsdp import GATHER_KEY
 
@@ -161,6 +161,7 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
         >>> fp8_summary(model).converted  # module path: op (graph node)
         ('0: linear (input_1)', '1: linear (input_2)')
     """
+    module = unwrap_compiled(module)  # torch.compile's OptimizedModule: its _orig_mod
     if not isinstance(module, TransformedModule):
         raise UnitScaleError(
             f"fp8_summary: {type(module).__name__} is not a transformed model; pass a model "

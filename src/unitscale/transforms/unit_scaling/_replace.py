@@ -75,5 +75,20 @@ def _check_replace(
                 f"unitscale.unit_scale: replace[{_op_name(key)}]={value!r} is not callable; "
                 "map it to a function that takes the same arguments"
             )
-        checked[key] = value
+        checked[key] = _unit_scaled(key, value, domain)
     return checked
+
+
+def _unit_scaled(
+    key: Any, value: Callable[..., Any], domain: Mapping[Any, Callable[..., Any]]
+) -> Callable[..., Any]:
+    """The replacement ``unit_scale`` uses for ``replace[key] = value``: a torch op (a key of
+    ``torch_map``, ``F.gelu``) becomes its unit-scaled counterpart (``U.gelu``), as in the
+    reference library, since the torch op itself would keep the op unscaled; an op mapped
+    to itself (``{F.gelu: F.gelu}``) is kept as it is."""
+    if value is key:
+        return value
+    try:
+        return domain.get(value, value)
+    except TypeError:  # unhashable callable: not a torch op
+        return value

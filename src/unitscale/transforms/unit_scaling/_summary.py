@@ -12,9 +12,10 @@ into three lists kept in ``piece.data`` (:func:`classify`):
 - *left as is*: every other op with a floating-point output (``relu``, ``x * 0.5``, a
   hand-written norm's ``pow``/``rsqrt``...).
 
-The ops left as they are are logged once, when their graph is captured, at WARNING on the
-``"unitscale.unit_scale"`` logger (a child of ``"unitscale"``), grouped by op with counts
-(:func:`log_left_as_is`); :func:`unit_scale_summary` lists each one by node.
+The ops left as they are are logged once per model, when the first graph holding them is
+captured, at WARNING on the ``"unitscale.unit_scale"`` logger (a child of ``"unitscale"``),
+grouped by op with counts (:func:`log_left_as_is`); :func:`unit_scale_summary` lists each
+one by node, as a table.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,6 +40,7 @@ from ...capture import (
     TransformedModule,
     example_value,
     is_float_node,
+    unwrap_compiled,
 )
 from ...errors import UnitScaleError
 
@@ -66,6 +69,8 @@ def op_label(node: fx.Node) -> str:
         return f"torch.Tensor.{node.target}"
     if node.op == "call_module":
         return str(node.target)
+    from ... import functional as U
+
     target = node.target
     name = getattr(target, "__name__", None)
     if isinstance(name, str):
@@ -73,6 +78,7 @@ def op_label(node: fx.Node) -> str:
             ("torch.nn.functional", F),
             ("torch", torch),
             ("operator", operator),
+            ("unitscale.functional", U),
         ):
             if getattr(namespace, name, None) is target:
                 return f"{prefix}.{name}"
@@ -115,9 +121,15 @@ def classify(
     return {"left_as_is": left, "scale_neutral": neutral}
 
 
+#: The op labels each model's capture has logged as left as they are.
+_LOGGED: weakref.WeakKeyDictionary[Capture, set[str]] = weakref.WeakKeyDictionary()
+
+
 def log_left_as_is(capture: Capture, key: str) -> None:
-    """Log, once per captured graph, the ops its ``unit_scale`` pass (``piece.data[key]``)
-    left as they are: one WARNING line for the graphs first run in this call."""
+    """Log the ops that the graphs first run in this call left as they are (their
+    ``unit_scale`` pass's ``piece.data[key]``): one WARNING line, naming only ops not yet
+    logged for this model, so that the graphs a model captures later (each step of
+    ``generate()``, a new sequence length) repeat nothing."""
     counts: Counter[str] = Counter()
     graphs = 0
     for invocation in capture.trace:
@@ -127,14 +139,19 @@ def log_left_as_is(capture: Capture, key: str) -> None:
         data["reported"] = True
         graphs += 1
         counts.update(label for _, label in data.get("left_as_is", ()))
-    if not counts:
+    logged = _LOGGED.setdefault(capture, set())
+    new = {label: n for label, n in counts.items() if label not in logged}
+    if not new:
         return
-    listed = ", ".join(f"{label} x{n}" if n > 1 else label for label, n in counts.items())
+    earlier = " more" if logged else ""
+    logged.update(new)
+    listed = ", ".join(f"{label} x{n}" if n > 1 else label for label, n in new.items())
     logger.warning(
-        "unit_scale left %d op(s) of %d captured graph(s) as they are (no unit-scaled rule: "
+        "unit_scale left %d%s op(s) of %d captured graph(s) as they are (no unit-scaled rule: "
         "their outputs keep the scale they get): %s. "
         "unitscale.transforms.unit_scale_summary(model) lists each",
-        sum(counts.values()),
+        sum(new.values()),
+        earlier,
         graphs,
         listed,
     )
@@ -144,32 +161,76 @@ def log_left_as_is(capture: Capture, key: str) -> None:
 class UnitScaleSummary:
     """What ``unit_scale`` did to the ops of a model's last call.
 
+    Printed, it is a table with one row per op and outcome, counts first: the ops left as
+    they are (their outputs' scale is not unit), the ops replaced and what they became, the
+    residual adds, and the scale-neutral ops.
+
     Attributes:
         replaced: graph nodes rewritten to a unit-scaled op (residual adds included).
         left_as_is: ``(node, op)`` for each op with a floating-point output that keeps its
             plain definition (no unit-scaled rule for it): its output's scale is not unit.
         scale_neutral: nodes of ops that only move, select, copy or re-type values, or take
             no floating-point tensor (constants): they change no scale.
+        replacements: ``(node, op, became)`` for each replaced op other than a residual add:
+            the op it was (``torch.nn.functional.gelu``, a function of ``replace``) and the
+            unit-scaled op it became (``unitscale.functional.gelu``).
 
     Example:
-        >>> s = UnitScaleSummary(("linear",), (("relu", "torch.relu"),), ("view",))
+        >>> s = UnitScaleSummary(
+        ...     ("linear", "add"),
+        ...     (("relu", "torch.relu"),),
+        ...     ("view",),
+        ...     (("linear", "torch.nn.functional.linear", "unitscale.functional.linear"),),
+        ... )
         >>> print(s)
-        unit_scale: 1 op(s) replaced, 1 scale-neutral, 1 left as is: relu (torch.relu)
+        unit_scale: 2 op(s) replaced, 1 scale-neutral, 1 left as is
+          count  op                          outcome
+              1  torch.relu                  left as is (scale not unit): relu
+              1  torch.nn.functional.linear  -> unitscale.functional.linear: linear
+              1  residual add                -> unitscale residual add: add
+              1  (scale-neutral)             scale kept: view
     """
 
     replaced: tuple[str, ...]
     left_as_is: tuple[tuple[str, str], ...]
     scale_neutral: tuple[str, ...]
+    replacements: tuple[tuple[str, str, str], ...] = ()
+
+    def rows(self) -> list[tuple[int, str, str]]:
+        """The table's rows: ``(count, op, outcome with the nodes)``, one per op and
+        outcome, left as is first, then replaced, residual adds, scale-neutral."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for node, op in self.left_as_is:
+            groups.setdefault((op, "left as is (scale not unit)"), []).append(node)
+        named = set()
+        for node, op, became in self.replacements:
+            groups.setdefault((op, f"-> {became}"), []).append(node)
+            named.add(node)
+        for node in self.replaced:  # the rest: residual adds
+            if node not in named:
+                groups.setdefault(("residual add", "-> unitscale residual add"), []).append(node)
+        if self.scale_neutral:
+            groups[("(scale-neutral)", "scale kept")] = list(self.scale_neutral)
+        return [(len(nodes), op, f"{how}: {_nodes(nodes)}") for (op, how), nodes in groups.items()]
 
     def __str__(self) -> str:
-        text = (
+        left = f"{len(self.left_as_is)} left as is" if self.left_as_is else "none left as is"
+        head = (
             f"unit_scale: {len(self.replaced)} op(s) replaced, "
-            f"{len(self.scale_neutral)} scale-neutral"
+            f"{len(self.scale_neutral)} scale-neutral, {left}"
         )
-        if not self.left_as_is:
-            return text + ", none left as is"
-        left = ", ".join(f"{node} ({op})" for node, op in self.left_as_is)
-        return f"{text}, {len(self.left_as_is)} left as is: {left}"
+        rows = self.rows()
+        if not rows:
+            return head
+        width = max(len("op"), *(len(op) for _, op, _ in rows))
+        lines = [head, f"  count  {'op':<{width}}  outcome"]
+        lines += [f"  {n:>5}  {op:<{width}}  {outcome}" for n, op, outcome in rows]
+        return "\n".join(lines)
+
+
+def _nodes(names: list[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
@@ -194,6 +255,7 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
         >>> unit_scale_summary(model).left_as_is
         (('input_2', 'torch.nn.functional.relu'),)
     """
+    module = unwrap_compiled(module)  # torch.compile's OptimizedModule: its _orig_mod
     passes = module.passes if isinstance(module, TransformedModule) else ()
     # The unit_scale passes: the rewrite passes that say where they write in ``piece.data``
     # (read by attribute, so that this module does not import ``_unit_scale``, which imports it).
@@ -222,11 +284,13 @@ def unit_scale_summary(module: nn.Module) -> UnitScaleSummary:
     replaced: list[str] = []
     left: list[tuple[str, str]] = []
     neutral: list[str] = []
+    replacements: list[tuple[str, str, str]] = []
     for piece in pieces:
         for key in keys:
             data = piece.data.get(key, {})
             replaced.extend(data.get("replaced", ()))
+            replacements.extend(data.get("replacements", ()))
             replaced.extend(name for name, _, _ in data.get("residual_adds", ()))
             left.extend(data.get("left_as_is", ()))
             neutral.extend(data.get("scale_neutral", ()))
-    return UnitScaleSummary(tuple(replaced), tuple(left), tuple(neutral))
+    return UnitScaleSummary(tuple(replaced), tuple(left), tuple(neutral), tuple(replacements))

@@ -111,7 +111,7 @@ from ._norms import freeze_norms
 from ._replace import _check_replace, _op_name, _torch_map
 from ._residual_rewrite import rewrite_residual_adds
 from ._residual_tau import ResidualTau, mark_depth_rule, residual_stack_length
-from ._summary import classify, log_left_as_is
+from ._summary import classify, log_left_as_is, op_label
 from ._user_ops import KeptWhole, is_user_function
 
 __all__ = [
@@ -192,7 +192,7 @@ class UnitScalePass(RewritePass):
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         self._kept.exit()
         super().after_call(module, capture, output)
-        log_left_as_is(capture, self.data_key)  # once per graph, when it first ran
+        log_left_as_is(capture, self.data_key)  # once per model and op, when first run
 
     def scoped(self, prefix: str) -> UnitScalePass:
         """This pass for the submodule ``prefix`` only: its parameter names gain the prefix."""
@@ -259,6 +259,7 @@ class UnitScalePass(RewritePass):
         residual_adds = rewrite_residual_adds(
             graph, params, before, in_scope, self.residual_tau, self.residual_layers
         )
+        was = {n: op_label(n) for n in graph.nodes if n.op in ("call_function", "call_method")}
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
         replaced.extend(self._mup_readout(graph, gm, piece, replaced))
@@ -284,6 +285,7 @@ class UnitScalePass(RewritePass):
                 logger.info("unit scaling function: %s", node.name)
         piece.data[self.data_key] = {
             "replaced": [n.name for n in replaced],
+            "replacements": [(n.name, was.get(n, op_label(n)), op_label(n)) for n in replaced],
             "matmul_weights": weights,
             "residual_adds": [(r.node.name, r.kind, r.node.kwargs["share"]) for r in residual_adds],
             # the other float ops: left as they are, or scale-neutral (see unit_scale_summary)
@@ -461,8 +463,8 @@ def unit_scale(
             your own (a hand-written GELU: while the model runs, TorchDynamo keeps each
             call of it as one op, rather than tracing into it, so that the call is
             replaced whole), and each value a callable taking the same arguments (map a
-            function to itself to leave it as it is). Use module-level functions if the
-            result is to be pickled.
+            function to itself to leave it as it is; a torch op as a value means its unit-scaled
+            op: ``{f: F.gelu}`` gives ``U.gelu``). Use module-level functions to pickle it.
         mup: u-μP (default, above); False for plain unit scaling.
         residual_tau: residual weights per kind of branch (default: u-μP's rule, Appendix
             G of the paper, see :class:`ResidualTau`; with ``mup=False`` and no mult given,
