@@ -33,7 +33,9 @@ from unitscale.transforms import (
     unit_scale,
 )
 from unitscale.transforms.lowp import _gemm
+from unitscale.transforms.lowp import _scaled_mm as _mm
 from unitscale.transforms.lowp._scaling import amax_scale, tensor_amax
+from unitscale.transforms.lowp._to_fp8 import ToFP8Pass
 
 _E4M3 = dataclasses.replace(E4M3, rounding="nearest")
 _E5M2 = dataclasses.replace(E5M2, rounding="nearest")
@@ -120,7 +122,7 @@ class ReferenceMatmul(torch.autograd.Function):
         gq, gs = _round(grad.reshape(-1, grad.shape[-1]), _E5M2, scaling)
         grad_x = _gemm_oracle(gq, _E5M2, wq, _E4M3, gs, ws * out_f).to(x_dtype).reshape(shape)
         grad_w = _gemm_oracle(gq.t(), _E5M2, xq, _E4M3, gs, xs).to(w_dtype) * wg_f
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, *[None] * 8
 
 
 @pytest.fixture
@@ -261,11 +263,14 @@ def test_decoder_summary_says_what_runs_in_fp8() -> None:
     ]  # fmt: skip
     ((attention, reason),) = summary.not_converted
     assert "scaled_dot_product_attention" in attention and reason == "outside ops='linear'"
-    assert "to_fp8: 5 op(s) in FP8" in str(summary)
+    assert "to_fp8: 5 op(s) in FP8 (100% of the linear ops' FLOPs)" in str(summary)
+    assert summary.converted_flop_share == 1.0  # SwiGLU's 170 wide hidden layer included
     # the one summary, and the one scope: simulate_fp8(ops="linear") names the same ops
     simulated = simulate_fp8(_decoder(), ops="linear")
     simulated(_ids())
-    assert dataclasses.replace(fp8_summary(simulated), transform="to_fp8") == summary
+    assert fp8_summary(simulated).converted_flop_share is None  # no FLOPs recorded
+    same = dataclasses.replace(fp8_summary(simulated), transform="to_fp8", converted_flop_share=1.0)
+    assert same == summary
     with pytest.raises(UnitScaleError, match="to_fp8"):
         fp8_summary(_decoder())
 
@@ -373,9 +378,13 @@ def test_a_recipe_float8_gemms_cannot_run_is_refused(recipe: Any, match: str) ->
     assert to_fp8(nn.Linear(4, 4), recipe=FP8_RECIPES["hardware"]) is not None
 
 
-def test_bad_scaling_is_refused() -> None:
-    with pytest.raises(FormatError, match="scaling"):
-        to_fp8(nn.Linear(4, 4), scaling="rowwise")  # type: ignore[arg-type]
+def test_bad_scaling_and_fast_accum_are_refused() -> None:
+    with pytest.raises(FormatError, match=r"scaling.*rowwise_with_gw_hp"):
+        to_fp8(nn.Linear(4, 4), scaling="blockwise")  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match="history_len"):
+        to_fp8(nn.Linear(4, 4), scaling="rowwise", history_len=0)
+    with pytest.raises(FormatError, match="fast_accum"):
+        to_fp8(nn.Linear(4, 4), fast_accum="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("op", ["addmm", "unit_addmm"])
@@ -406,24 +415,28 @@ def test_a_build_or_device_without_float8_gemms_gets_a_format_error(
     with pytest.raises(FormatError, match=r"_scaled_mm.*simulate_fp8"):
         to_fp8(nn.Linear(4, 4))
     monkeypatch.undo()
-    _gemm._trial.cache_clear()
-    monkeypatch.setattr(_gemm, "_scaled_mm", _raise)
+    _mm._TRIALS.clear()
+    monkeypatch.setattr(_mm, "_call", _raise)
     try:
         with pytest.raises(FormatError, match=r"fails on cpu.*simulate_fp8"):
             to_fp8(nn.Linear(4, 4))
     finally:
-        _gemm._trial.cache_clear()
+        _mm._TRIALS.clear()
 
 
-def test_a_device_without_float8_gemms_found_at_the_first_call_gets_a_format_error(
+def test_a_device_without_float8_gemms_found_at_the_first_call_is_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A model moved, after to_fp8, to a device without float8 GEMMs: the error comes when
-    its graph is rewritten, as the FormatError itself."""
+    """A model moved, after to_fp8, to a device without float8 GEMMs: when its graph is
+    rewritten, the refusal is a reason (not an exception): the op runs as before, the
+    summary says why, and the user is warned."""
     model = to_fp8(nn.Linear(4, 4))
-    monkeypatch.setattr(_gemm, "float8_device_error", lambda device: "old device")
-    with pytest.raises(FormatError, match=r"old device.*simulate_fp8"):
+    monkeypatch.setattr(_gemm, "float8_device_error", lambda device, rowwise=False: "old device")
+    with pytest.warns(UserWarning, match="no linear op"):
         model(torch.randn(2, 4))
+    ((_, reason),) = fp8_summary(model).not_converted
+    assert "old device" in reason and "move the model" in reason
+    assert fp8_summary(model).converted_flop_share == 0.0
 
 
 def _raise(*args: Any) -> Tensor:
@@ -585,31 +598,24 @@ def test_20_adamw_steps_of_to_fp8_and_simulate_fp8_linear_give_the_same_losses()
 def test_a_linear_op_the_backend_rejects_runs_as_before_and_is_reported(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """As a GPU rejects a weight whose dimensions are not multiples of 16."""
+    """As a device without float8 GEMMs would refuse one op; a third of the FLOPs left in
+    high precision gets a warning."""
     stack = _stack()
-    monkeypatch.setattr(
-        _gemm,
-        "float8_shape_error",
-        lambda fan_in, fan_out, device: "odd" if fan_out == 16 else None,
-    )
+
+    def refusal(self: Any, op: Any, bound: dict[str, Any]) -> str | None:
+        return "odd" if bound["weight"].meta["example_value"].shape[0] == 16 else None
+
+    monkeypatch.setattr(ToFP8Pass, "_refusal", refusal)
     model = to_fp8(stack)
     x = torch.randn(4, 32)
-    with caplog.at_level("INFO", logger="unitscale"):
+    with caplog.at_level("INFO", logger="unitscale"), pytest.warns(UserWarning, match="67%"):
         out = model(x)
     assert fp8_summary(model).not_converted == (("2: linear (input_3)", "odd"),)
+    # 4 x 32 x 64 of 4 x 32 x 64 + 4 x 64 x 16 multiply-adds ran in FP8
+    assert fp8_summary(model).converted_flop_share == pytest.approx(2 / 3)
     assert fp8_summary(model).converted == ("0: linear (input_1)",)
     logged = "to_fp8: 1 op(s) in FP8, 1 matmul-like op(s) not: 2: linear (input_3) (odd)"
     assert logged in caplog.text
     with torch.no_grad():
         hidden = stack[1](RoundedLinear.apply(x, stack[0].weight) + stack[0].bias)
         assert torch.equal(out, stack[2](hidden))  # the rejected layer ran in FP32
-
-
-def test_weight_gradient_rows_are_padded_to_16_off_the_cpu() -> None:
-    g, x = torch.ones(17, 8, device="meta"), torch.ones(17, 4, device="meta")
-    assert [t.shape for t in _gemm._pad_rows(g, x)] == [(32, 8), (32, 4)]
-    cpu = torch.ones(17, 8)
-    assert _gemm._pad_rows(cpu)[0] is cpu
-    error = _gemm.float8_shape_error(24, 32, torch.device("cuda"))
-    assert error is not None and "in=24" in error
-    assert _gemm.float8_shape_error(24, 32, torch.device("cpu")) is None

@@ -7,10 +7,13 @@ whose second matrix is a parameter, transformers' ``Conv1D``, or ``unit_scale``'
 it), calls its float8 counterpart in :mod:`unitscale.transforms.lowp._gemm` instead, with the
 same arguments. Every other op runs as before, in the model's precision: the matmul-like ops
 that are not linear ops (attention's batched matmuls, ``matmul`` of two activations,
-convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float or
-mixed-dtype operands, weight shapes the device rejects) are listed, with the reason, in
+convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float
+operands, a device without float8 GEMMs) are listed, with the reason, in
 :func:`~unitscale.transforms.fp8_summary` (the summary ``simulate_fp8`` keeps, with the
-same op names and reasons) and in one INFO log line per captured graph.
+same op names and reasons) and in one INFO log line per captured graph; the summary's
+``converted_flop_share`` is the share of the linear ops' FLOPs that ran in FP8, and
+``to_fp8`` warns when it is under 90%. Any weight shape converts (the GEMMs pad to CUDA's
+alignment, :mod:`~._scaled_mm`).
 
 The numerics are those of ``simulate_fp8`` restricted to the same ops (see
 docs/guide/fp8-real.rst): operands rounded to nearest in E4M3, the output gradient in E5M2,
@@ -26,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -49,13 +52,20 @@ from .._rewrite import RewritePass, placeholder_names
 from . import _gemm as fp8
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
 from ._pass import SimulateFormatPass, _Sites
-from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
+from ._rowwise import ROWWISE
+from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
-from ._summary import fp8_summary, record  # noqa: F401 (fp8_summary: to_fp8's example)
+from ._summary import flop_share, fp8_summary, linear_flops, record  # noqa: F401 (example)
 
 __all__ = ["ToFP8Pass", "to_fp8"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The scalings ``to_fp8`` takes: ``simulate_fp8``'s and torchao's rowwise recipes.
+FP8Scaling = Scaling | Literal["rowwise", "rowwise_with_gw_hp"]
+#: Below this share of the linear ops' FLOPs in FP8, ``to_fp8`` warns.
+MIN_FLOP_SHARE = 0.9
+# scaled casts in the backward of one linear op, by scaling (the forward's: 2)
+_BACKWARD_CASTS = {"none": 0, "tensorwise": 1, "delayed": 1, "rowwise": 4, "rowwise_with_gw_hp": 2}
 
 
 # Each linear op: what the summary calls it, its float8 counterpart, the names of its
@@ -116,12 +126,18 @@ class ToFP8Pass(RewritePass):
     applied = "already runs its linear ops in FP8 (to_fp8)"
     order_fix = "unit-scale first, e.g. to_fp8(unit_scale(model))"
 
-    def __init__(self, scaling: Scaling = "none", history_len: int = DEFAULT_HISTORY_LEN) -> None:
+    def __init__(
+        self,
+        scaling: FP8Scaling = "none",
+        history_len: int = DEFAULT_HISTORY_LEN,
+        fast_accum: bool = True,
+    ) -> None:
         self.scaling = scaling
         self.history_len = history_len
+        self.fast_accum = fast_accum
 
     def __repr__(self) -> str:
-        return f"ToFP8Pass(scaling={self.scaling!r})"
+        return f"ToFP8Pass(scaling={self.scaling!r}, fast_accum={self.fast_accum!r})"
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         root = capture.owner_module if self.scaling == "delayed" else None
@@ -130,18 +146,29 @@ class ToFP8Pass(RewritePass):
         left: list[tuple[str, str]] = []
         table = _linear_ops()
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
+        flops = [0.0, 0.0]  # converted, all (linear ops, per forward)
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
-        for node, label, _ in fp8_candidates(self, gm, piece, capture, "linear", left):
+        for node, label, slots in fp8_candidates(self, gm, piece, capture, "linear", left):
             op = table.get(node.target)
             bound = _bind(node, op.params) if op is not None else {}
             reason = "no float8 counterpart" if op is None else self._refusal(op, bound)
+            cost = linear_flops(node, slots)
+            flops[1] += cost
             if reason is not None:
                 left.append((label, reason))
                 continue
             assert op is not None  # for mypy: reason is None only with an op
             self._convert(gm.graph, node, op, bound, names, sites)
             converted.append(label)
-        record(piece, self.transform_name, converted, left, warn_reasons=(UNRECOGNISED,))
+            flops[0] += cost
+        record(
+            piece,
+            self.transform_name,
+            converted,
+            left,
+            warn_reasons=(UNRECOGNISED,),
+            flops=(flops[0], flops[1]),
+        )
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
         gm.recompile()
         return gm
@@ -155,16 +182,17 @@ class ToFP8Pass(RewritePass):
         if not (is_float_node(x) and is_float_node(weight)):
             return NO_FLOAT_OPERAND
         x_value, w_value = example_value(x), example_value(weight)
-        if x_value.dtype not in _FLOAT_DTYPES or w_value.dtype != x_value.dtype:
+        if x_value.dtype not in _FLOAT_DTYPES or w_value.dtype not in _FLOAT_DTYPES:
             return (
-                f"operands in {x_value.dtype} and {w_value.dtype}: float8 GEMMs take one "
-                "dtype of float32, bfloat16 or float16"
+                f"operands in {x_value.dtype} and {w_value.dtype}: float8 GEMMs cast from "
+                "float32, bfloat16 or float16"
             )
         if w_value.dim() != 2 or x_value.dim() < 1:
             return f"operand shapes {tuple(x_value.shape)} and {tuple(w_value.shape)}"
-        fp8.check_float8(x_value.device, "to_fp8")
-        fan_out, fan_in = w_value.shape[::-1] if op.weight_transposed else w_value.shape
-        return fp8.float8_shape_error(int(fan_in), int(fan_out), x_value.device)
+        error = fp8.float8_device_error(x_value.device, rowwise=self.scaling in ROWWISE)
+        if error is not None:
+            return f"{error}; move the model to a device with float8 GEMMs"
+        return None
 
     def _convert(
         self,
@@ -175,10 +203,10 @@ class ToFP8Pass(RewritePass):
         names: dict[fx.Node, str],
         sites: _Sites,
     ) -> None:
-        kwargs: dict[str, Any] = {**bound, "scaling": self.scaling}
+        kwargs: dict[str, Any] = {**bound, "scaling": self.scaling, "fast_accum": self.fast_accum}
         if self.scaling != "none":
             sites.counts[0] += 2
-            sites.counts[1] += 1
+            sites.counts[1] += _BACKWARD_CASTS[self.scaling]
         if self.scaling == "delayed":
             histories = []
             with graph.inserting_before(node):
@@ -201,11 +229,22 @@ class ToFP8Pass(RewritePass):
             return
         self._checked = True
         records = [inv.piece.data.get("fp8_summary", {}).get("to_fp8") for inv in trace]
+        name = type(module.module).__name__
         if not any(converted for converted, _ in filter(None, records)):
             warnings.warn(
-                f"to_fp8: {type(module.module).__name__} has no linear op that can run as "
+                f"to_fp8: {name} has no linear op that can run as "
                 "float8 GEMMs (nn.Linear, F.linear, unitscale's linear and readout, "
                 "transformers' Conv1D); it runs as before, nothing in FP8",
+                UserWarning,
+                stacklevel=6,
+            )
+            return
+        share = flop_share([inv.piece for inv in trace], "to_fp8")
+        if share is not None and share < MIN_FLOP_SHARE:
+            warnings.warn(
+                f"to_fp8: only {share:.0%} of {name}'s linear-op FLOPs run in FP8 (under "
+                f"{MIN_FLOP_SHARE:.0%}); unitscale.transforms.fp8_summary(model) lists the "
+                "ops left in high precision and why",
                 UserWarning,
                 stacklevel=6,
             )
@@ -255,11 +294,24 @@ def _check_recipe(recipe: Any) -> None:
     )
 
 
+def _check_fp8_scaling(scaling: Any, history_len: Any) -> None:
+    if isinstance(scaling, str) and scaling in ROWWISE:
+        _check_scaling("to_fp8", "none", history_len)
+        return
+    if not isinstance(scaling, str) or scaling not in SCALINGS:
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: argument 'scaling'={scaling!r} is not supported; "
+            f"use one of {(*SCALINGS, *ROWWISE)}"
+        )
+    _check_scaling("to_fp8", scaling, history_len)
+
+
 def to_fp8(
     module: nn.Module,
     recipe: FP8Recipe | str = "hardware",
-    scaling: Scaling = "none",
+    scaling: FP8Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    fast_accum: bool = True,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
 
@@ -278,9 +330,14 @@ def to_fp8(
             TorchDynamo can capture.
         recipe: ``"hardware"`` (or the equal :class:`FP8Recipe`); others are refused.
         scaling: ``"none"`` (default: scale 1, no amax anywhere, what a unit-scaled model
-            needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config) or
-            ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
+            needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config),
+            ``"delayed"`` (amax histories, as in :func:`simulate_fp8`), or torchao's
+            rowwise recipes ``"rowwise"`` and ``"rowwise_with_gw_hp"`` (see
+            docs/guide/fp8-real.rst).
         history_len: amax-history length for ``scaling="delayed"``.
+        fast_accum: the forward GEMM accumulates with cuBLAS's fast float8 accumulation
+            (torchao's default, ``True``); the backward's never do. On CUDA it trades
+            accumulation precision in the forward for speed; on the CPU it changes nothing.
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -303,7 +360,12 @@ def to_fp8(
         ('linear',)
     """
     _check_recipe(recipe)
-    _check_scaling("to_fp8", scaling, history_len)
+    _check_fp8_scaling(scaling, history_len)
+    if not isinstance(fast_accum, bool):
+        raise FormatError(
+            f"unitscale.transforms.to_fp8: argument 'fast_accum'={fast_accum!r} must be a "
+            "bool (True: the forward GEMM accumulates fast, as torchao's default)"
+        )
     build = fp8.float8_build_error()
     if build is not None:
         raise FormatError(
@@ -313,13 +375,13 @@ def to_fp8(
         )
     if isinstance(module, nn.Module):
         for device in {p.device for p in module.parameters()}:
-            fp8.check_float8(device, "to_fp8")
+            fp8.check_float8(device, "to_fp8", rowwise=scaling in ROWWISE)
     if isinstance(module, TransformedModule) and module.pass_of_type(SimulateFormatPass):
         raise CaptureError(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
-    result = transformed(module, ToFP8Pass(scaling, history_len), "to_fp8")
+    result = transformed(module, ToFP8Pass(scaling, history_len, fast_accum), "to_fp8")
     if scaling == "delayed":
         keep_histories(result.module)
     return result
