@@ -215,3 +215,112 @@ def test_rowwise_equals_torchao_bit_for_bit(
     # and not tensorwise's numbers
     tensorwise = _step(to_fp8(copy.deepcopy(stack), scaling="tensorwise"), x, grad)
     assert not torch.equal(ours[0], tensorwise[0])
+
+
+def test_autocast_casts_the_input_and_writes_bf16_as_torchao_does() -> None:
+    """Under ``torch.autocast`` (bfloat16) a float32 linear op converts: the input cast to
+    bfloat16 then E4M3, the weight cast to E4M3 from float32, the products accumulated in
+    FP32 and rounded once to bfloat16 (torchao's ``Float8Linear``, cuBLAS): bit for bit
+    against that arithmetic written out; the gradients in the leaves' dtypes."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48, bias=False)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    model = to_fp8(copy.deepcopy(layer))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().sum().backward()
+    w8 = layer.weight.detach().to(E4)
+    x8 = x.detach().to(torch.bfloat16).to(E4)
+    expected = (x8.float() @ w8.float().t()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    weight_grad = next(model.parameters()).grad
+    assert weight_grad is not None and weight_grad.dtype == torch.float32
+    assert fp8_summary(model).converted_flop_share == 1.0
+
+
+def _deviation(ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> dict[str, float]:
+    return {
+        name: ((ours[name].float() - t.float()).norm() / t.float().norm()).item()
+        for name, t in theirs.items()
+    }
+
+
+def _loss_and_grads(model: nn.Module, autocast: bool, **kwargs: Any) -> dict[str, Tensor]:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(**kwargs)
+    loss = getattr(out, "loss", out)
+    loss.float().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), **grads}
+
+
+def _bf16_models() -> dict[str, Any]:
+    import unitscale
+    from unitscale.transforms import unit_scale
+
+    def decoder() -> nn.Module:
+        torch.manual_seed(0)
+        return unitscale.TransformerDecoder(64, depth=1, heads=4, vocab_size=128)
+
+    def llama() -> nn.Module:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+            vocab_size=128, num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return unit_scale(transformers.LlamaForCausalLM(config))
+
+    return {"decoder": decoder, "llama": llama}
+
+
+@pytest.mark.parametrize("name", ["decoder", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["autocast", "bf16"])
+def test_bf16_and_autocast_models_convert_every_linear_op_and_track_the_simulation(
+    name: str, mode: str
+) -> None:
+    """A bfloat16 model, and a float32 one under ``torch.autocast(bfloat16)``: every linear
+    op runs in FP8 and the result tracks ``simulate_fp8(ops="linear")`` under the same casts.
+
+    Not bit for bit, and why: the simulation multiplies the rounded operands with the CPU's
+    bfloat16 matmul, which does not round its FP32 sum once (measured on this CPU: up to 2
+    bfloat16 ulps off on a 32 x 64 x 64 GEMM, with or without oneDNN), where the float8
+    GEMM accumulates in FP32 and rounds once (as cuBLAS does); ``to_fp8`` also adds the bias
+    after the bfloat16 result, as torchao does (autocast's linear adds it before rounding).
+    Each one-ulp difference can flip a later E4M3 or E5M2 rounding (E5M2 keeps 2 mantissa
+    bits: a flip moves a gradient element by up to a quarter), so the gradients agree
+    within 20% of their norm (measured: at most 12%), the loss within 1e-3 relative. The
+    exact check of the arithmetic is
+    :func:`test_autocast_casts_the_input_and_writes_bf16_as_torchao_does`."""
+    from unitscale.transforms import simulate_fp8
+
+    build = _bf16_models()[name]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids} if name == "llama" else {"input_ids": ids, "labels": ids}
+    model = build() if mode == "autocast" else build().to(torch.bfloat16)
+    fp8_model = to_fp8(model)
+    ours = _loss_and_grads(fp8_model, mode == "autocast", **kwargs)
+    summary = fp8_summary(fp8_model)
+    assert summary.converted_flop_share == 1.0
+    assert len(summary.converted) == (5 if name == "decoder" else 8)
+    theirs = _loss_and_grads(simulate_fp8(model, ops="linear"), mode == "autocast", **kwargs)
+    deviation = _deviation(ours, theirs)
+    assert deviation.pop("loss") < 1e-3
+    assert max(deviation.values()) < 0.2, deviation
+    assert all(ours[n].dtype == theirs[n].dtype for n in theirs)
+
+
+def test_the_decoders_swiglu_width_can_be_rounded_up_as_llamas_multiple_of() -> None:
+    import unitscale
+    from unitscale.errors import UnsupportedArgumentError
+
+    widths = {}
+    for multiple_of in (1, 64):
+        model = unitscale.TransformerDecoder(
+            64, depth=1, heads=4, vocab_size=16, mlp_multiple_of=multiple_of
+        )
+        widths[multiple_of] = model.layers[0].mlp.down.weight.shape[1]
+    assert widths == {1: 170, 64: 192}  # the default stays unrounded (170)
+    with pytest.raises(UnsupportedArgumentError, match="mlp_multiple_of"):
+        unitscale.TransformerLayer(64, heads=4, mlp_multiple_of=0)

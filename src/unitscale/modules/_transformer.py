@@ -199,6 +199,13 @@ def _check_block(where: str, block: str) -> None:
         raise UnsupportedArgumentError(where, "block", block, f"use one of {_BLOCKS}")
 
 
+def _check_multiple_of(module: str, multiple_of: Any) -> None:
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise UnsupportedArgumentError(
+            module, "mlp_multiple_of", multiple_of, "use a positive int (1: no rounding)"
+        )
+
+
 def _swiglu(
     hidden_size: int,
     expansion_factor: int,
@@ -207,10 +214,13 @@ def _swiglu(
     device: Any,
     dtype: torch.dtype | None,
     activation_mult: float,
+    multiple_of: int = 1,
 ) -> MLP:
-    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's (the same parameter count)."""
+    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's (the same parameter count),
+    rounded up to a multiple of ``multiple_of`` (Llama's ``multiple_of``)."""
     mlp = MLP(hidden_size, 1, bias, constraint, device, dtype, activation_mult, gated=True)
     inner = max(1, 2 * expansion_factor * hidden_size // 3)
+    inner = -(-inner // multiple_of) * multiple_of
     mlp.up = Linear(hidden_size, 2 * inner, bias, device, dtype, constraint)
     mlp.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
     return mlp
@@ -249,9 +259,13 @@ class TransformerLayer(nn.Module):
             (``MLP(gated=True)``) of inner width ``2/3 * mlp_expansion_factor *
             hidden_size`` (Llama's rule: as many parameters as the GELU MLP), rounded down
             to a whole number; ``"gpt"``: :class:`LayerNorm` and the GELU :class:`MLP`.
+        mlp_multiple_of: round the SwiGLU inner width up to a multiple of this (Llama's
+            ``multiple_of``; e.g. 64, so that float8 GEMMs need no padding: CUDA's take
+            multiples of 16). Default 1: the width as above (width 64 gives 170).
 
     Raises:
-        UnsupportedArgumentError: a ``tau`` outside (0, 1), bad ``heads`` or ``block``.
+        UnsupportedArgumentError: a ``tau`` outside (0, 1), bad ``heads``, ``block`` or
+            ``mlp_multiple_of``.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -279,9 +293,11 @@ class TransformerLayer(nn.Module):
         trainable_norms: bool = False,
         rope: bool = False,
         block: str = "llama",
+        mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerLayer", block)
+        _check_multiple_of("TransformerLayer", mlp_multiple_of)
         for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
             if not 0.0 < tau < 1.0:
                 raise UnsupportedArgumentError(
@@ -309,7 +325,14 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = norm_class(hidden_size, **norm)
         if block == "llama":
             self.mlp = _swiglu(
-                hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
+                hidden_size,
+                mlp_expansion_factor,
+                bias,
+                constraint,
+                device,
+                dtype,
+                activation_mult,
+                mlp_multiple_of,
             )
         else:
             self.mlp = MLP(
@@ -402,6 +425,8 @@ class TransformerDecoder(nn.Module):
             above: a trainable norm's weight is tagged ``"norm"`` (``lr / sqrt(depth)`` in
             the layers, ``lr`` for the final norm), biases ``"bias"``
             (``lr / sqrt(depth)``).
+        mlp_multiple_of: round every SwiGLU inner width up to a multiple of this (see
+            :class:`TransformerLayer`; default 1, unrounded).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -439,9 +464,11 @@ class TransformerDecoder(nn.Module):
         trainable_norms: bool = False,
         rope: bool = True,
         block: str = "llama",
+        mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerDecoder", block)
+        _check_multiple_of("TransformerDecoder", mlp_multiple_of)
         self.mup = mup
         self.loss_mult = check_mult("TransformerDecoder", loss_mult)
         if mup or residual_mult is not None or residual_attn_ratio is not None:
@@ -472,6 +499,7 @@ class TransformerDecoder(nn.Module):
                 trainable_norms,
                 rope,
                 block,
+                mlp_multiple_of,
             )
             for i in range(depth)
         )
