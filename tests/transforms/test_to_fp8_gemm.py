@@ -37,7 +37,7 @@ def test_rowwise_is_refused_with_the_reason_where_the_cpu_has_none() -> None:
     if _NO_ROWWISE is None:
         assert to_fp8(nn.Linear(4, 4), scaling="rowwise") is not None
         return
-    with pytest.raises(FormatError, match="rowwise scales.*simulate_fp8"):
+    with pytest.raises(FormatError, match=r"rowwise scales.*simulate_fp8"):
         to_fp8(nn.Linear(4, 4), scaling="rowwise")
 
 
@@ -340,3 +340,21 @@ def test_the_decoders_swiglu_width_can_be_rounded_up_as_llamas_multiple_of() -> 
     assert widths == {1: 170, 64: 192}  # the default stays unrounded (170)
     with pytest.raises(UnsupportedArgumentError, match="mlp_multiple_of"):
         unitscale.TransformerLayer(64, heads=4, mlp_multiple_of=0)
+
+
+def test_compiling_is_refused_with_the_reason_where_inductor_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.8's Inductor fails to compile the float8 cast on the CPU (its C++ vector
+    type of float8 has no ``blendv``): compile(to_fp8(m)) is refused there, to_fp8 itself
+    runs. Simulated on releases whose Inductor compiles it."""
+    from unitscale.errors import CaptureError
+    from unitscale.transforms import compile
+
+    model = to_fp8(nn.Linear(16, 16))
+    assert model(torch.randn(2, 16)).shape == (2, 16)  # eager: always
+    if _mm.float8_compile_error("cpu") is None:
+        monkeypatch.setitem(_mm._COMPILE_TRIALS, "cpu", "torch 2.8's Inductor cannot compile")
+        assert compile(nn.Linear(16, 16)) is not None  # no to_fp8: not concerned
+    with pytest.raises(CaptureError, match=r"Inductor cannot compile.*without compile"):
+        compile(model)

@@ -38,6 +38,7 @@ __all__ = [
     "OUT_DTYPES",
     "check_float8",
     "float8_build_error",
+    "float8_compile_error",
     "float8_device_error",
     "padded_mm",
     "scaled_mm",
@@ -113,6 +114,38 @@ def check_float8(device: torch.device | str, op: str, rowwise: bool = False) -> 
     error = float8_device_error(device, rowwise)
     if error is not None:
         raise FormatError(f"unitscale.transforms.{op}: {error}; {_FALLBACK} on any device")
+
+
+def _trial_cast(x: Tensor) -> Tensor:
+    """The float8 cast of ``to_fp8`` (saturated) and its zero padding, for
+    :func:`float8_compile_error`."""
+    fmax = torch.finfo(E4M3_DTYPE).max
+    return F.pad((x * 2.0).clamp(-fmax, fmax).to(E4M3_DTYPE), (0, 3))
+
+
+_COMPILE_TRIALS: dict[str, str | None] = {}
+
+
+def float8_compile_error(device: torch.device | str) -> str | None:
+    """Why this torch's Inductor cannot compile ``to_fp8``'s float8 casts on ``device``
+    and pads on ``device`` (a tiny compiled trial on the CPU, cached; torch 2.8's C++ code
+    generator fails on the padding, ``Vectorized<Float8_e4m3fn>`` having no ``blendv``), or
+    None. Other devices: None."""
+    device = torch.device(device)
+    if device.type != "cpu" or float8_build_error() is not None:
+        return None
+    if "cpu" not in _COMPILE_TRIALS:
+        try:
+            compiled = torch.compile(_trial_cast, backend="inductor", dynamic=False)
+            compiled(torch.randn(8, 13))
+            _COMPILE_TRIALS["cpu"] = None
+        except Exception as error:  # any failure: Inductor cannot compile it here
+            first = str(error).strip().split("\n")[0][:200]
+            _COMPILE_TRIALS["cpu"] = (
+                f"torch {torch.__version__}'s Inductor cannot compile a float8 cast and its "
+                f"padding on the CPU ({type(error).__name__}: {first})"
+            )
+    return _COMPILE_TRIALS["cpu"]
 
 
 def _scale_error(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out: Any) -> str | None:
