@@ -534,8 +534,15 @@ def _assert_close_by_norm(
         assert error < 1e-3, f"{name}: {error:.3g}"
 
 
+def _skip_without_compile() -> None:
+    """Skip where Inductor cannot compile to_fp8's float8 casts on the CPU (torch 2.8)."""
+    if (reason := _mm.float8_compile_error("cpu")) is not None:
+        pytest.skip(reason)
+
+
 @pytest.mark.slow
 def test_compiled_to_fp8_decoder_matches_eager() -> None:
+    _skip_without_compile()
     ids = _ids()
     eager = _grads(to_fp8(unit_scale(_decoder())), ids, ids)
     compiled = compile(to_fp8(unit_scale(_decoder())))
