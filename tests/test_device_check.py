@@ -1,0 +1,40 @@
+"""benchmarks/device_check.sh, the run prepared for a lent GPU, as a dry run on the CPU: every
+step runs at a tiny size, and the FP8 step writes one JSON record per variant."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_device_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "device_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    preflight = json.loads((tmp_path / "preflight.json").read_text())
+    assert preflight["device"] == "cpu" and "torch" in preflight and "torchao" in preflight
+    runs = json.loads((tmp_path / "fp8_step.json").read_text())["runs"]
+    ours = {run["variant"]: run["result"] for run in runs if run.get("variant")}
+    assert list(ours)[:2] == ["bf16-plain", "to_fp8-none-unit_scale"]  # the FP8 step first
+    assert len(ours) == 8
+    for name, result in ours.items():
+        if name.startswith("to_fp8"):  # what ran in FP8 is recorded, so no silent fallback
+            assert result["converted_flop_share"] == 1.0, (name, result)
+        elif name.startswith("torchao") and "status" in result:
+            assert result["status"].startswith("absent")
+    log = done.stdout
+    assert log.index("=== preflight") < log.index("=== fp8_tests") < log.index("=== fp8_step")
