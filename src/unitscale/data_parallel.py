@@ -287,11 +287,11 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
 
     ``fully_shard`` replaces each parameter by a sharded ``DTensor`` parameter, which does
     not carry the original's attributes; this copies ``mup_type``, ``mup_scaling_depth``
-    (and ``fan_in_dim`` where set) onto the new parameters by name, so ``unitscale.optim``
-    works on the sharded model (fan-ins are read from the global shape). It also declares the
-    data-parallel size (the mesh's) to unit-scaled ops while the module's forward runs; FSDP2's
-    reduce-scatter then averages gradients, as they expect. Torch's own ``fully_shard``
-    declares nothing: with it, call :func:`set_data_parallel`.
+    (and ``fan_in_dim``/``mup_depth_rule`` where set) onto the new parameters by name, so
+    ``unitscale.optim`` works on the sharded model (fan-ins are read from the global shape).
+    It also declares the data-parallel size (the mesh's) to unit-scaled ops while the
+    module's forward runs; FSDP2's reduce-scatter then averages gradients, as they expect.
+    Torch's own ``fully_shard`` declares nothing: with it, call :func:`set_data_parallel`.
 
     Args:
         module: the module to shard (call it on sub-modules first, as with torch's).
@@ -305,16 +305,24 @@ def fully_shard(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     except ImportError:  # pragma: no cover - torch < 2.6 kept it private
         from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
     tags = {
-        name: (param.mup_type, param.mup_scaling_depth, getattr(param, "fan_in_dim", None))  # type: ignore[attr-defined]
+        name: (
+            param.mup_type,  # type: ignore[attr-defined]
+            param.mup_scaling_depth,  # type: ignore[attr-defined]
+            {
+                k: param.__dict__[k]
+                for k in ("fan_in_dim", "mup_depth_rule", "mup_embedding")
+                if k in param.__dict__
+            },
+        )
         for name, param in module.named_parameters()
         if has_mup_tags(param)
     }
     sharded: Any = torch_fully_shard(module, **kwargs)
     for name, param in module.named_parameters():
         if name in tags:
-            param.mup_type, param.mup_scaling_depth, fan_in_dim = tags[name]  # type: ignore[attr-defined]
-            if fan_in_dim is not None:
-                param.fan_in_dim = fan_in_dim  # type: ignore[attr-defined]
+            param.mup_type, param.mup_scaling_depth, extra = tags[name]  # type: ignore[attr-defined]
+            for key, value in extra.items():
+                setattr(param, key, value)
     declared = _mesh_size_and_group(kwargs)
 
     def enter(*_: Any) -> None:

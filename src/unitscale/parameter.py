@@ -68,6 +68,18 @@ def _check_tags(mup_type: object, mup_scaling_depth: object) -> None:
 #: :mod:`unitscale.optim` reads it. Kept by deepcopy and pickle like the tags.
 FAN_IN_DIM = "fan_in_dim"
 
+#: Optional attribute: the depth rule of the residual stack holding the parameter,
+#: ``"depth-mup"`` (the default where unset) or ``"completep"``; set with
+#: ``mup_scaling_depth`` by :class:`unitscale.TransformerDecoder` and
+#: :func:`unitscale.transforms.unit_scale` (``depth_rule=``), read by :mod:`unitscale.optim`
+#: for the depth factor of the learning rate. Kept by deepcopy and pickle like the tags.
+DEPTH_RULE = "mup_depth_rule"
+
+#: Optional attribute: True on an embedding's weight (an ``nn.Embedding``'s, set by
+#: :func:`tag_module`), a ``"weight"`` that :class:`unitscale.optim.Muon` leaves to AdamW (a
+#: lookup table, not a matrix applied to a vector). Kept by deepcopy and pickle like the tags.
+EMBEDDING = "mup_embedding"
+
 
 def _rebuild(
     data: Tensor,
@@ -83,7 +95,11 @@ def _rebuild(
 
 
 def _extra(param: Tensor) -> dict[str, Any]:
-    return {FAN_IN_DIM: param.__dict__[FAN_IN_DIM]} if FAN_IN_DIM in param.__dict__ else {}
+    return {
+        key: param.__dict__[key]
+        for key in (FAN_IN_DIM, DEPTH_RULE, EMBEDDING)
+        if key in param.__dict__
+    }
 
 
 class Parameter(nn.Parameter):
@@ -272,6 +288,8 @@ def tag_module(
             if depth is None and has_mup_tags(param):
                 depth = param.mup_scaling_depth  # type: ignore[attr-defined]
             tag_parameter(param, mup_type, depth)
+            if isinstance(sub, nn.Embedding) and name == "weight" and mup_type == "weight":
+                setattr(param, EMBEDDING, True)
     return module
 
 

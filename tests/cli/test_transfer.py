@@ -45,6 +45,8 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--seeds", "0"], 2, r"argument --seeds: '0' must be at least 1"),
         (["--seed", "-1"], 2, r"seed=-1 must be a non-negative integer"),
         (["--model", "hf:gpt9"], 2, r"argument --model: invalid choice: 'hf:gpt9'"),
+        (["--optimizer", "sgd"], 2, r"argument --optimizer: invalid choice: 'sgd'"),
+        (["--depth-rule", "mup"], 2, r"argument --depth-rule: invalid choice: 'mup'"),
     ],
 )
 def test_bad_options_are_one_line_errors(
@@ -97,7 +99,19 @@ def test_quick_run_writes_every_output_and_is_deterministic(tmp_path: Path) -> N
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "again" / "transfer.csv").read_bytes() == (out / "transfer.csv").read_bytes()
     names = {p.name for p in out.iterdir()}
-    assert names == {"transfer.csv", "transfer.json", "transfer.png", "report.html", "summary.txt"}
+    assert names == {
+        "transfer.csv",
+        "transfer.json",
+        "transfer.png",
+        "report.html",
+        "summary.txt",
+        "effective_rates.csv",
+    }
+    rates = list(csv.DictReader((out / "effective_rates.csv").open(newline="")))
+    assert {r["width"] for r in rates} == {"32", "64"} and {r["tag"] for r in rates} == {
+        "weight",
+        "output",
+    }
     with (out / "transfer.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == CSV_COLUMNS

@@ -229,7 +229,7 @@ def test_command_writes_outputs_and_is_deterministic(tmp_path: Path) -> None:
     stdout, stderr = outputs[0]
 
     # Same seed: byte-identical loss and scale tables.
-    csvs = ["losses.csv", *(f"scales_{run}.csv" for run in DEFAULT_RUNS)]
+    csvs = ["losses.csv", "effective_rates.csv", *(f"scales_{run}.csv" for run in DEFAULT_RUNS)]
     for name in csvs:
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name
 
@@ -319,7 +319,8 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
 
     assert FP8_OPS == "linear"
     for kind in RUN_KINDS:
-        expected = {"fp32": "", "fp8": "linear", "fp16": "matmuls"}[kind.precision]
+        expected = {"fp32": "", "fp8": "linear", "fp16": "matmuls", "mxfp8": "linear",
+                    "mxfp4": "linear", "nvfp4": "linear"}[kind.precision]  # fmt: skip
         assert kind.ops == expected, kind.name
     config = TrainConfig(hidden_size=16, heads=2)
     for run in ("plain-fp8", "plain-fp8-tensorwise", "unit-scaled-fp8"):
@@ -327,6 +328,36 @@ def test_every_fp8_run_rounds_the_linear_ops_explicitly() -> None:
         assert graph_pass.ops == "linear", run
     (fp16_pass,) = build_run_model("unit-scaled-fp16", config).passes  # type: ignore[union-attr]
     assert fp16_pass.ops == "matmuls"
+
+
+def test_block_scaled_run_kinds() -> None:
+    """The six block-scaled kinds (not default): each family's linear ops as block-scaled
+    GEMMs against its own FP32 run; a tiny run of one trains and is summarised."""
+    from unitscale.experiments.training import RUN_KINDS
+    from unitscale.formats import get_format
+    from unitscale.transforms.lowp._blocks import BlockFormatPass
+
+    names = [f"{family}-{fmt}" for fmt in ("mxfp8", "mxfp4", "nvfp4")
+             for family in ("plain", "unit-scaled")]  # fmt: skip
+    kinds = {kind.name: kind for kind in RUN_KINDS}
+    for name in names:
+        assert name in RUN_NAMES and name not in DEFAULT_RUNS
+        assert kinds[name].baseline == name.rsplit("-", 1)[0] + "-fp32"
+    config = TrainConfig(hidden_size=32, heads=2)
+    (graph_pass,) = build_run_model("unit-scaled-nvfp4", config).passes  # type: ignore[union-attr]
+    assert isinstance(graph_pass, BlockFormatPass) and graph_pass.ops == "linear"
+    assert graph_pass.bwd_block == get_format("nvfp4", rounding="stochastic")
+    config = TrainConfig(
+        steps=2, batch_size=2, seq_len=16, hidden_size=32, heads=2, depth=1, eval_every=2,
+        eval_batches=1, runs=("unit-scaled-fp32", "unit-scaled-mxfp8"),
+    )  # fmt: skip
+    results = train_runs(config, progress=False)
+    first = {name: r.train_losses[0] for name, r in results.items()}
+    assert first["unit-scaled-mxfp8"] == pytest.approx(first["unit-scaled-fp32"], abs=0.05)
+    assert first["unit-scaled-mxfp8"] != first["unit-scaled-fp32"]
+    text = summary_text(results, config)
+    assert "unit-scaled in simulated MXFP8 (unit-scaled-mxfp8, " in text
+    assert "MXFP8, per-block scales" in text
 
 
 def _has_to_fp8() -> bool:
@@ -343,9 +374,14 @@ def test_real_fp8_runs_are_not_default_and_name_their_scaling() -> None:
     from unitscale.experiments.training import RUN_KINDS
 
     real = {kind.name: kind for kind in RUN_KINDS if kind.real}
-    assert set(real) == {"plain-fp8-tensorwise-real", "unit-scaled-fp8-real"}
+    assert set(real) == {
+        "plain-fp8-tensorwise-real",
+        "plain-fp8-rowwise-real",
+        "unit-scaled-fp8-real",
+    }
     assert not set(real) & set(DEFAULT_RUNS)
     assert real["plain-fp8-tensorwise-real"].scaling == "tensorwise"
+    assert real["plain-fp8-rowwise-real"].scaling == "rowwise"
     assert real["unit-scaled-fp8-real"].scaling == "none"
     assert all(kind.ops == "linear" for kind in real.values())
 
@@ -373,6 +409,56 @@ def test_real_fp8_runs_equal_the_simulated_runs_on_the_cpu() -> None:
         # the same ops, the same arithmetic (tests/transforms/test_to_fp8.py): equal
         assert real.train_losses == results[simulated].train_losses, simulated
         assert real.final_heldout_loss == results[simulated].final_heldout_loss, simulated
+
+
+def test_rowwise_runs_are_torchaos_rowwise_recipe_on_request() -> None:
+    """plain-fp8-rowwise simulates torchao's rowwise recipe (the linear ops, its own
+    scales), plain-fp8-rowwise-real runs it through to_fp8; neither is in the default set."""
+    from unitscale.experiments.training import RUN_KINDS
+
+    kinds = {kind.name: kind for kind in RUN_KINDS}
+    for name in ("plain-fp8-rowwise", "plain-fp8-rowwise-real"):
+        assert name in RUN_NAMES and name not in DEFAULT_RUNS
+        assert kinds[name].scaling == "rowwise" and kinds[name].ops == "linear"
+        assert kinds[name].family == "plain" and kinds[name].baseline == "plain-fp32"
+    assert not kinds["plain-fp8-rowwise"].real and kinds["plain-fp8-rowwise-real"].real
+    config = TrainConfig(hidden_size=16, heads=2)
+    (graph_pass,) = build_run_model("plain-fp8-rowwise", config).passes  # type: ignore[union-attr]
+    assert (graph_pass.scaling, graph_pass.ops) == ("rowwise", "linear")
+
+
+def _to_fp8_runs_rowwise() -> bool:
+    """Whether ``to_fp8`` runs the rowwise recipe here (float8 GEMMs, and the recipe built)."""
+    if not _has_to_fp8():
+        return False
+    from unitscale.formats import FormatError
+    from unitscale.transforms import to_fp8
+
+    try:
+        to_fp8(torch.nn.Linear(16, 16), scaling="rowwise")
+    except FormatError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_rowwise_runs_train_and_real_equals_simulated_on_the_cpu() -> None:
+    runs = ["plain-fp32", "plain-fp8-rowwise"]
+    real = _to_fp8_runs_rowwise()
+    if real:
+        runs.append("plain-fp8-rowwise-real")
+    config = TrainConfig(
+        steps=2, batch_size=2, seq_len=16, hidden_size=16, heads=2, depth=1, eval_every=2,
+        eval_batches=1, runs=tuple(runs),
+    )  # fmt: skip
+    results = train_runs(config, progress=False)
+    first = {name: r.train_losses[0] for name, r in results.items()}
+    assert first["plain-fp8-rowwise"] == pytest.approx(first["plain-fp32"], abs=0.02)
+    assert first["plain-fp8-rowwise"] != first["plain-fp32"]  # rounded
+    if not real:
+        pytest.skip("to_fp8 has no rowwise float8 GEMMs here: the simulated run alone ran")
+    rowwise = results["plain-fp8-rowwise"]
+    assert results["plain-fp8-rowwise-real"].train_losses == rowwise.train_losses
 
 
 def test_seeds_option_runs_each_seed_and_summarises_mean_and_spread(tmp_path: Path) -> None:

@@ -267,8 +267,8 @@ def test_add_unit_scale(left: tuple[int, ...], right: tuple[int, ...], alpha: fl
 @pytest.mark.parametrize("width", [16, 128, 512])
 def test_residual_block_unit_scale(tau: float, width: int) -> None:
     def block(x: Tensor, w: Tensor) -> Tensor:
-        residual, skip = U.residual_split(x, tau)
-        return U.residual_add(U.linear(residual, w, constraint=None), skip, tau)
+        residual, skip = U.residual_split(x, share=tau)
+        return U.residual_add(U.linear(residual, w, constraint=None), skip, share=tau)
 
     out, (grad_x, grad_w) = scale_stats(block, randn((8192 // width, width), (width, width)), 4)
     assert_unit(out, TIGHT, "output")
@@ -278,11 +278,15 @@ def test_residual_block_unit_scale(tau: float, width: int) -> None:
 
 @pytest.mark.parametrize("tau", [0.1, 0.5, 0.9])
 def test_residual_ops_are_unit_on_their_own(tau: float) -> None:
-    out, grads = scale_stats(lambda r, s: U.residual_add(r, s, tau), randn((512, 64), (512, 64)))
+    out, grads = scale_stats(
+        lambda r, s: U.residual_add(r, s, share=tau), randn((512, 64), (512, 64))
+    )
     assert_unit(out, TIGHT, "residual_add output")
     for grad in grads:
         assert_unit(grad, TIGHT, "residual_add grad")
-    out, (grad,) = scale_stats(lambda x: torch.cat(U.residual_split(x, tau)), randn((512, 64)))
+    out, (grad,) = scale_stats(
+        lambda x: torch.cat(U.residual_split(x, share=tau)), randn((512, 64))
+    )
     assert_unit(out, TIGHT, "residual_split outputs")
     assert_unit(grad, TIGHT, "residual_split grad")
 
@@ -615,8 +619,8 @@ def test_residual_split_and_add_together_give_true_gradients() -> None:
     w = f64(4, 4, grad=False)
 
     def block(x: Tensor) -> Tensor:
-        residual, skip = U.residual_split(x, 0.3)
-        return U.residual_add(U.gelu(U.linear(residual, w)), skip, 0.3)
+        residual, skip = U.residual_split(x, share=0.3)
+        return U.residual_add(U.gelu(U.linear(residual, w)), skip, share=0.3)
 
     assert torch.autograd.gradcheck(block, (f64(3, 4),))
 
@@ -669,11 +673,11 @@ def test_weight_gradients_are_scaled_not_true() -> None:
 def test_residual_add_alone_unscales_each_gradient() -> None:
     r, s = f64(5), f64(5)
     upstream = torch.randn(5, dtype=torch.float64)
-    grad_r, grad_s = _grads(lambda a, b: U.residual_add(a, b, 0.25), [r, s], upstream)
+    grad_r, grad_s = _grads(lambda a, b: U.residual_add(a, b, share=0.25), [r, s], upstream)
     assert torch.allclose(grad_r, upstream) and torch.allclose(grad_s, upstream)
     x = f64(5)
     g_r, g_s = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
-    residual, skip = U.residual_split(x, 0.25)
+    residual, skip = U.residual_split(x, share=0.25)
     (grad_x,) = torch.autograd.grad([residual, skip], x, [g_r, g_s])
     assert torch.allclose(grad_x, 0.5 * g_r + math.sqrt(0.75) * g_s)
 
@@ -736,7 +740,9 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
     ("mse weight", lambda: U.mse_loss(X, X, weight=X), "'weight'"),
     ("mse reduce", lambda: U.mse_loss(X, X, reduce=True), "'reduce'"),
     ("split tau", lambda: U.residual_split(X, 0.0), "'tau'=0.0"),
-    ("add tau", lambda: U.residual_add(X, X, 1.5), "'tau'=1.5"),
+    ("add tau", lambda: U.residual_add(X, X, -1.0), "'tau'=-1.0"),
+    ("add share", lambda: U.residual_add(X, X, share=1.5), "'share'=1.5"),
+    ("split both", lambda: U.residual_split(X, 1.0, share=0.5), "not both"),
 ]
 
 

@@ -164,27 +164,34 @@ def test_bad_mult_is_rejected(mult: object) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _paper_tau(index: int, layers: int, residual_mult: float, ratio: float) -> float:
+def _paper_tau(
+    index: int, layers: int, residual_mult: float, ratio: float, alpha: float = 0.5
+) -> float:
     """The paper's rule (u-μP, Appendix G) in its own form: the std ratio of branch to skip,
-    ``alpha_k / sqrt(layers/2)`` over the std of the stream before the add, with
-    ``alpha_mlp = residual_mult sqrt(2 / (1 + ratio²))`` and ``alpha_attn = ratio alpha_mlp``;
-    converted to unitscale's tau (the branch's share of the variance, ``t² / (1 + t²)``)."""
+    ``alpha_k / (layers/2)^alpha`` over the std of the stream before the add, with
+    ``alpha_mlp = residual_mult sqrt(2 / (1 + ratio²))`` and ``alpha_attn = ratio alpha_mlp``
+    (the reference's ``tau``). ``alpha`` is the depth exponent of the branch multiplier:
+    1/2 for depth-μP, 1 for CompleteP (Dey et al. 2025, multipliers ``L^-alpha``)."""
     alpha_mlp = residual_mult * math.sqrt(2.0 / (1.0 + ratio**2))
     alpha_attn = ratio * alpha_mlp
     pairs = layers / 2
     attn_before, mlp_before = (index + 1) // 2, index // 2
-    stream_var = 1.0 + (attn_before * alpha_attn**2 + mlp_before * alpha_mlp**2) / pairs
-    branch = (alpha_attn if index % 2 == 0 else alpha_mlp) / math.sqrt(pairs)
-    ratio_to_skip = branch / math.sqrt(stream_var)
-    return ratio_to_skip**2 / (1.0 + ratio_to_skip**2)
+    stream_var = 1.0 + (attn_before * alpha_attn**2 + mlp_before * alpha_mlp**2) / pairs ** (
+        2 * alpha
+    )
+    branch = (alpha_attn if index % 2 == 0 else alpha_mlp) / pairs**alpha
+    return branch / math.sqrt(stream_var)
 
 
 @pytest.mark.parametrize(("residual_mult", "ratio"), [(1.0, 1.0), (2.0, 0.5), (0.3, 3.0)])
 @pytest.mark.parametrize("layers", [2, 4, 12])
-def test_residual_rule_is_the_papers(residual_mult: float, ratio: float, layers: int) -> None:
-    tau = U.transformer_residual_scaling_rule(residual_mult, ratio)
+@pytest.mark.parametrize(("depth_rule", "alpha"), [("depth-mup", 0.5), ("completep", 1.0)])
+def test_residual_rule_is_the_papers(
+    residual_mult: float, ratio: float, layers: int, depth_rule: str, alpha: float
+) -> None:
+    tau = U.transformer_residual_scaling_rule(residual_mult, ratio, depth_rule)
     assert [tau(k, layers) for k in range(layers)] == pytest.approx(
-        [_paper_tau(k, layers, residual_mult, ratio) for k in range(layers)], rel=1e-12
+        [_paper_tau(k, layers, residual_mult, ratio, alpha) for k in range(layers)], rel=1e-12
     )
 
 
@@ -206,10 +213,10 @@ def _stream(
     x = torch.randn(4096, 64)
     parts = {"embedding": x.clone(), "attention": torch.zeros_like(x), "mlp": torch.zeros_like(x)}
     for k in range(layers):
-        t = tau(k, layers)
-        _residual, skip = U.residual_split(x, t)
+        t = tau(k, layers) ** 2 / (1 + tau(k, layers) ** 2)  # the share of the variance
+        _residual, skip = U.residual_split(x, tau(k, layers))
         branch = torch.randn_like(x)  # a unit-scaled branch output
-        x = U.residual_add(branch, skip, t)
+        x = U.residual_add(branch, skip, tau(k, layers))
         for name in parts:
             parts[name] = parts[name] * math.sqrt(1 - t)
         kind = "attention" if k % 2 == 0 else "mlp"

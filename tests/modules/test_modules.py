@@ -264,7 +264,13 @@ BAD_MODULES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("mhsa heads", lambda: us.MHSA(64, 5), UNSUPPORTED, "'heads'=5.*hidden_size=64"),
     ("mhsa rope odd head", lambda: us.MHSA(12, 4, rope=True), UNSUPPORTED, "'rope'.*=3 must"),
     ("decoder rope odd head", lambda: us.TransformerDecoder(12, 1, 4, 10), UNSUPPORTED, "'rope'"),
-    ("layer tau", lambda: us.TransformerLayer(64, 4, mlp_tau=1.0), UNSUPPORTED, "'mlp_tau'=1.0"),
+    ("layer tau", lambda: us.TransformerLayer(64, 4, mlp_tau=0.0), UNSUPPORTED, "'mlp_tau'=0.0"),
+    (
+        "layer share",
+        lambda: us.TransformerLayer(64, 4, mlp_share=1.0),
+        UNSUPPORTED,
+        "'mlp_share'=1.0",
+    ),
     (
         "decoder tau",
         lambda: us.TransformerDecoder(64, 1, 4, 10, attn_tau=0.0),
@@ -386,12 +392,13 @@ def test_decoder_dropout_only_in_training() -> None:
 
 def test_decoder_running_mean_tau_schedule() -> None:
     model = us.TransformerDecoder(32, depth=3, heads=4, vocab_size=10, mup=False)
-    taus = [t for layer in model.layers for t in (layer.attn_tau, layer.mlp_tau)]
-    assert taus == pytest.approx([1 / (k + 1) for k in range(1, 7)])
+    shares = [t for layer in model.layers for t in (layer.attn_share, layer.mlp_share)]
+    assert shares == pytest.approx([1 / (k + 1) for k in range(1, 7)])
     fixed = us.TransformerDecoder(
-        32, depth=2, heads=4, vocab_size=10, attn_tau=0.2, mlp_tau=0.4, mup=False
+        32, depth=2, heads=4, vocab_size=10, attn_tau=0.75, mlp_share=0.4, mup=False
     )
-    assert [(layer.attn_tau, layer.mlp_tau) for layer in fixed.layers] == [(0.2, 0.4)] * 2
+    assert [(layer.attn_tau, layer.mlp_share) for layer in fixed.layers] == [(0.75, 0.4)] * 2
+    assert fixed.layers[0].attn_share == pytest.approx(0.36)  # 0.75² / (1 + 0.75²)
 
 
 @pytest.mark.parametrize("optimiser", ["adam", "sgd"])

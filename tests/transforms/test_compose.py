@@ -20,6 +20,10 @@ from unitscale.models import GPTConfig, plain_gpt
 from unitscale.transforms import compile, simulate_format, simulate_fp8, track_scales, unit_scale
 from unitscale.transforms.lowp._quantise import quantise_operand
 
+# FP8 mechanics on plain models without scales, on purpose: the warning that says so
+# (tested in test_simulate_scaling.py) is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.* has no unit scaling:UserWarning")
+
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
 
@@ -27,7 +31,7 @@ E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
 # unit_scale's residual rule (u-muP's, Appendix G) for a model of one residual branch:
 # beta^2 = 2 (the branches together weigh 2 residual_mult^2 against the embedding's 1),
 # tau = beta^2 / (1 + beta^2)
-ONE_BRANCH_TAU = 2 / 3
+ONE_BRANCH_SHARE = 2 / 3
 
 
 class ResidualMLP(nn.Module):
@@ -49,11 +53,11 @@ def by_hand(model: ResidualMLP, x: Tensor) -> Tensor:
     def q(t: Tensor) -> Tensor:
         return quantise_operand(t, E4M3_NEAREST, E5M2_NEAREST)
 
-    residual, skip = U.residual_split(x, ONE_BRANCH_TAU)
+    residual, skip = U.residual_split(x, share=ONE_BRANCH_SHARE)
     h = U.layer_norm(residual, (32,), model.norm.weight, model.norm.bias)
     h = U.gelu(U.linear(q(h), q(model.up.weight), model.up.bias))
     h = U.linear(q(h), q(model.down.weight), model.down.bias)
-    x = U.residual_add(h, skip, ONE_BRANCH_TAU)
+    x = U.residual_add(h, skip, share=ONE_BRANCH_SHARE)
     return U.linear(q(x), q(model.head.weight), model.head.bias, constraint=None)
 
 
@@ -313,9 +317,11 @@ class UnitBlock(Block):
     """What ``unit_scale(Block())`` computes, written with unitscale.functional."""
 
     def forward(self, x: Tensor) -> Tensor:
-        residual, skip = U.residual_split(x, ONE_BRANCH_TAU)
+        residual, skip = U.residual_split(x, share=ONE_BRANCH_SHARE)
         h = U.gelu(U.layer_norm(residual, (16,), self.norm.weight, self.norm.bias))
-        return U.residual_add(U.linear(h, self.up.weight, self.up.bias), skip, ONE_BRANCH_TAU)
+        return U.residual_add(
+            U.linear(h, self.up.weight, self.up.bias), skip, share=ONE_BRANCH_SHARE
+        )
 
 
 class Outer(nn.Module):

@@ -18,6 +18,10 @@ from unitscale.transforms.lowp._operands import matmul_operands
 from unitscale.transforms.lowp._pass import SimulateFormatPass
 from unitscale.transforms.lowp._quantise import quantise_operand
 
+# FP8 mechanics on plain models without scales, on purpose: the warning that says so
+# (tested in test_simulate_scaling.py) is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.* has no unit scaling:UserWarning")
+
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
 

@@ -14,6 +14,10 @@ from unitscale.formats import E4M3, E5M2, FormatError
 from unitscale.transforms import FP8_RECIPES, FP8Recipe, simulate_fp8, track_scales
 from unitscale.transforms.lowp._quantise import quantise_grad, quantise_operand
 
+# FP8 mechanics on plain models without scales, on purpose: the warning that says so
+# (tested in test_simulate_scaling.py) is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.* has no unit scaling:UserWarning")
+
 E4M3_NEAREST = dataclasses.replace(E4M3, rounding="nearest")
 E5M2_NEAREST = dataclasses.replace(E5M2, rounding="nearest")
 

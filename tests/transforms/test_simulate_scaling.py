@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import unitscale
+import unitscale.functional as U
 from unitscale.formats import FormatError
 from unitscale.transforms import (
     compile,
@@ -111,7 +114,7 @@ def test_delayed_equals_tensorwise_once_the_history_holds_the_current_amax() -> 
     third_out, _ = _step(delayed, 4 * x, grad)
     tensorwise_big, _ = _step(simulate_fp8(mlp, scaling="tensorwise"), 4 * x, grad)
     assert not torch.equal(third_out, tensorwise_big)
-    history = delayed.state_dict()["fp8_amax_history_input_scale"]
+    history = delayed.state_dict()["fp8_amax_history_0_input"]
     assert history.shape == (16,)  # the default length (torchao's former history_len)
     amax = x.abs().max()
     assert history[:3].tolist() == [4 * amax.item(), amax.item(), amax.item()]
@@ -124,12 +127,12 @@ def test_delayed_first_step_uses_the_current_amax_and_evaluation_does_not_record
     x = torch.tensor([[2.0, -1.0, 0.5, 0.25]])
     with torch.no_grad():
         model(x)  # evaluation: reads the (empty) history, so scales as tensorwise, records nothing
-    assert not model.state_dict()["fp8_amax_history_input_scale"].any()
+    assert not model.state_dict()["fp8_amax_history_input"].any()
     model(x).sum().backward()
     state = model.state_dict()
-    assert state["fp8_amax_history_input_scale"].tolist() == [2.0, 0.0, 0.0]
-    assert state["fp8_amax_history_weight_scale"][0] == lin.weight.abs().max()
-    assert state["fp8_amax_history_linear_grad_quantised"].tolist() == [1.0, 0.0, 0.0]
+    assert state["fp8_amax_history_input"].tolist() == [2.0, 0.0, 0.0]
+    assert state["fp8_amax_history_weight"][0] == lin.weight.abs().max()
+    assert state["fp8_amax_history_grad_output"].tolist() == [1.0, 0.0, 0.0]
 
 
 def test_delayed_history_is_checkpointed_and_restored_into_a_fresh_model() -> None:
@@ -154,6 +157,136 @@ def test_delayed_history_is_checkpointed_and_restored_into_a_fresh_model() -> No
     # The original model's own checkpoint still loads (histories simply start empty).
     again = simulate_fp8(mlp, scaling="delayed")
     again.load_state_dict(mlp.state_dict())
+
+
+class _BrokenPair(nn.Module):
+    """Two linears on either side of a graph break; the second sees inputs ~250x smaller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.big = nn.Linear(64, 64)
+        self.small = nn.Linear(64, 32)
+        with torch.no_grad():
+            self.big.weight.mul_(1e-3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.big(x)
+        torch._dynamo.graph_break()
+        return self.small(x)
+
+
+class _BrokenBlock(nn.Module):
+    """A layer with a graph break inside: Dynamo reuses its graph for every such layer."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc.weight.mul_(gain)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.fc(x)
+        torch._dynamo.graph_break()
+        return torch.relu(x)
+
+
+class _BrokenStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.blocks = nn.ModuleList(_BrokenBlock(gain) for gain in (1e-3, 1.0, 30.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _transform(name: str) -> Any:
+    if name == "simulate_fp8":
+        return lambda module, scaling: simulate_fp8(module, scaling=scaling, ops="linear")
+    from unitscale.transforms import to_fp8
+    from unitscale.transforms.lowp import _gemm
+
+    if _gemm.float8_device_error("cpu") is not None:
+        pytest.skip(f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}")
+    return lambda module, scaling: to_fp8(module, scaling=scaling)
+
+
+@pytest.mark.parametrize("transform", ["simulate_fp8", "to_fp8"])
+@pytest.mark.parametrize("model", [_BrokenPair, _BrokenStack])
+def test_delayed_keeps_one_history_per_op_across_graph_pieces(transform: str, model: Any) -> None:
+    """Each op keeps its own amax histories, wherever Dynamo cuts the graph: two linears on
+    either side of a graph break (their inputs at scales ~300 and ~1), and layers whose
+    graph Dynamo captures once and reuses. Repeating a step, delayed scaling then equals
+    tensorwise bit for bit; a history shared with a larger tensor scales the smaller one
+    toward underflow."""
+    make = _transform(transform)
+    module = model()
+    torch.manual_seed(4)
+    x, grad = torch.randn(16, 64) * 300, torch.randn(16, module(torch.ones(1, 64)).shape[-1])
+    delayed = make(module, "delayed")
+    reference_out, reference = _step(make(module, "tensorwise"), x, grad)
+    _step(delayed, x, grad)
+    out, grads = _step(delayed, x, grad)  # every history now holds its own tensor's amax
+    assert torch.equal(out, reference_out)
+    for name, expected in reference.items():
+        assert torch.equal(grads[name], expected), name
+    histories = {k for k in delayed.state_dict() if k.startswith("fp8_amax_history_")}
+    linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    roles = ("input", "weight", "grad_output")
+    expected = {f"fp8_amax_history_{n.replace('.', '_')}_{r}" for n in linears for r in roles}
+    assert histories == expected
+
+
+def test_delayed_histories_survive_recaptures_for_new_shapes() -> None:
+    """A graph Dynamo captures again for other input shapes finds its ops' histories."""
+    model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scaling="delayed")
+    for shape in [(3, 4), (5, 4), (2, 3, 4)]:
+        model(torch.randn(*shape) * 100).sum().backward()
+    assert model.capture is not None and len(model.capture.pieces) >= 2  # recaptured
+    histories = {k: v for k, v in model.state_dict().items() if "amax_history" in k}
+    assert len(histories) == 6
+    assert all(int(v.count_nonzero()) == 3 for v in histories.values())  # 3 steps each
+
+
+class _FunctionalUnitScaled(nn.Module):
+    """A plain module that calls unitscale's functional linear: unit-scaled all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.linear(x, self.weight)
+
+
+def _fp8_warnings(make: Any, module: nn.Module, **options: Any) -> list[str]:
+    model = make(module, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # warned once per model
+            model(torch.randn(3, 4)).sum().backward()
+    return [str(w.message) for w in caught if "unit scaling" in str(w.message)]
+
+
+@pytest.mark.parametrize("transform", ["simulate_fp8", "to_fp8"])
+def test_fp8_without_scales_on_a_model_without_unit_scaling_warns(transform: str) -> None:
+    """scaling="none" (the default) on a plain model saturates and flushes to zero: said once,
+    naming both ways out. Not said for a unit_scale'd model, one built from unitscale's
+    modules or functions, or with scales."""
+    make = _transform(transform)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    [message] = _fp8_warnings(make, plain, scaling="none")
+    assert message.startswith(f"{transform}: Sequential has no unit scaling (none of its 2 op")
+    assert f"{transform}(unitscale.transforms.unit_scale(model))" in message
+    assert f"{transform}(model, scaling='tensorwise')" in message
+    assert not _fp8_warnings(make, plain, scaling="tensorwise")
+    assert not _fp8_warnings(make, unit_scale(plain), scaling="none")
+    built = nn.Sequential(unitscale.Linear(4, 8), unitscale.Linear(8, 2))
+    assert not _fp8_warnings(make, built, scaling="none")
+    assert not _fp8_warnings(make, _FunctionalUnitScaled(), scaling="none")
 
 
 def test_scaling_cost_counts_each_scaled_rounding() -> None:
@@ -248,7 +381,7 @@ def test_delayed_histories_travel_with_deepcopy_pickle_and_to() -> None:
         for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             assert torch.equal(copied(x), model(x))  # same histories: same scales
         wide = copy.deepcopy(model).to(torch.float64)
-        assert wide.state_dict()["fp8_amax_history_input_scale"].dtype == torch.float64
+        assert wide.state_dict()["fp8_amax_history_0_input"].dtype == torch.float64
         assert torch.allclose(wide(x.double()).float(), model(x))
 
 

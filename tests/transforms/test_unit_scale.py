@@ -76,19 +76,19 @@ def unit_scaled_by_hand(net: Net, ids: Tensor, labels: Tensor, taus: list[float]
     for block in net.blocks:
         assert isinstance(block, Block)
         t = next(tau)
-        residual, skip = U.residual_split(x, t)
+        residual, skip = U.residual_split(x, share=t)
         h = U.layer_norm(residual, (32,), block.attn_norm.weight, block.attn_norm.bias)
         b, s, w = h.shape
         qkv = U.linear(h, block.qkv.weight, block.qkv.bias)
         q, k, v = qkv.view(b, s, 3, block.heads, -1).permute(2, 0, 3, 1, 4)
         a = U.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = U.linear(a.transpose(1, 2).reshape(b, s, w), block.out.weight, block.out.bias)
-        x = U.residual_add(a, skip, t)
+        x = U.residual_add(a, skip, share=t)
         t = next(tau)
-        residual, skip = U.residual_split(x, t)
+        residual, skip = U.residual_split(x, share=t)
         h = U.layer_norm(residual, (32,), block.mlp_norm.weight, block.mlp_norm.bias)
         h = U.linear(U.gelu(U.linear(h, block.up.weight, block.up.bias)), *_wb(block.down))
-        x = U.residual_add(h, skip, t)
+        x = U.residual_add(h, skip, share=t)
     # After the last residual add: unconstrained.
     x = U.layer_norm(x, (32,), net.norm.weight, net.norm.bias)
     logits = U.linear(x, net.head.weight, None, constraint=None)
@@ -121,10 +121,14 @@ def test_log_lines_name_every_replacement_and_residual_add(
         model(ids, ids)
     lines = unitscale_messages(caplog)
     block = [
-        "layer_norm", "linear", "a", "linear_1", "x_1 (residual-add, tau=0.3333)",
-        "layer_norm_1", "linear_2", "gelu", "linear_3", "x_2 (residual-add, tau=0.25)",
-        "layer_norm_2", "linear_4", "a_1", "linear_5", "x_3 (residual-add, tau=0.2)",
-        "layer_norm_3", "linear_6", "gelu_1", "linear_7", "x_4 (residual-add, tau=0.1667)",
+        "layer_norm", "linear", "a", "linear_1",
+        "x_1 (residual-add, tau=0.7071, share=0.3333)",
+        "layer_norm_1", "linear_2", "gelu", "linear_3",
+        "x_2 (residual-add, tau=0.5774, share=0.25)",
+        "layer_norm_2", "linear_4", "a_1", "linear_5",
+        "x_3 (residual-add, tau=0.5, share=0.2)",
+        "layer_norm_3", "linear_6", "gelu_1", "linear_7",
+        "x_4 (residual-add, tau=0.4472, share=0.1667)",
     ]  # fmt: skip
     expected = ["embedding", "embedding_1", "x", *block, "layer_norm_4", "logits", "cross_entropy"]
     assert lines == [f"unit scaling function: {name}" for name in expected]
@@ -157,8 +161,8 @@ def test_residual_tau_per_kind_of_branch(caplog: pytest.LogCaptureFixture, ids: 
     with caplog.at_level(logging.INFO, logger="unitscale"):
         model(ids, ids)
     assert residual_lines(caplog) == [
-        f"unit scaling function: x_{i} (residual-add, tau={tau})"
-        for i, tau in [(1, 0.2), (2, 0.6), (3, 0.2), (4, 0.6)]
+        f"unit scaling function: x_{i} (residual-add, tau={tau}, share={share})"
+        for i, tau, share in [(1, 0.5, 0.2), (2, 1.225, 0.6), (3, 0.5, 0.2), (4, 1.225, 0.6)]
     ]
     with pytest.raises(Exception, match=r"ResidualTau\(mlp=1.5\) is outside \(0, 1\)"):
         ResidualTau(mlp=1.5)
@@ -189,11 +193,11 @@ def test_residual_adds_are_found_by_dependency_not_by_syntax(
         unit_scale(Variants(), residual_tau=ResidualTau(rule="equal_shares"))(torch.randn(4, 8))
     assert unitscale_messages(caplog) == [
         "unit scaling function: linear",
-        "unit scaling function: x (residual-add, tau=0.5)",
+        "unit scaling function: x (residual-add, tau=1, share=0.5)",
         "unit scaling function: linear_1",
-        "unit scaling function: x_1 (residual-add, tau=0.3333)",
+        "unit scaling function: x_1 (residual-add, tau=0.7071, share=0.3333)",
         "unit scaling function: linear_2",
-        "unit scaling function: x_2 (residual-add, tau=0.25)",
+        "unit scaling function: x_2 (residual-add, tau=0.5774, share=0.25)",
         "unit scaling function: linear_3",
         "unit scaling function: add_4",  # z + f(y); y and z stay plain additions
     ]
@@ -228,7 +232,7 @@ def test_graph_breaks_continue_the_depth_rule_or_warn(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="unitscale"):
         unit_scale(TwoStages())(ids, ids)
-    taus = [line.split("tau=")[1] for line in residual_lines(caplog)]
+    taus = [line.split("share=")[1] for line in residual_lines(caplog)]
     assert taus == ["0.3333)", "0.25)", "0.2)", "0.1667)"]  # u-muP's rule over 4 branches
     model = unit_scale(BreakInLoop())
     with pytest.warns(
@@ -288,7 +292,7 @@ def test_a_graph_break_inside_repeated_layers_gives_each_layer_its_own_tau(then:
             results.append((x_in.grad, *[p.grad.clone() for p in model.parameters()]))
             model.zero_grad()
     expected = [
-        ResidualTau().tau("attention" if k % 2 else "mlp", k, layers=8) for k in range(1, 9)
+        ResidualTau().share("attention" if k % 2 else "mlp", k, layers=8) for k in range(1, 9)
     ]
     assert len(set(expected)) == 8  # the rule differs per layer: the test can tell them apart
     assert taus_that_ran(whole) == pytest.approx(expected)

@@ -163,7 +163,9 @@ def test_residual_multipliers_are_the_papers(layers: int, alpha: float, rho: flo
     tau = ResidualTau(residual_mult=alpha, residual_attn_ratio=rho)
     for k, (branch, skip) in enumerate(expected):
         kind = "attention" if k % 2 == 0 else "mlp"
-        for value in (rule(k, 2 * layers), tau.tau(kind, k + 1, layers=2 * layers)):
+        ratio = rule(k, 2 * layers)  # the reference's tau: the branch's std over the skip's
+        assert ratio == pytest.approx(tau.tau(kind, k + 1, layers=2 * layers), rel=1e-12)
+        for value in (ratio**2 / (1 + ratio**2), tau.share(kind, k + 1, layers=2 * layers)):
             assert (math.sqrt(value), math.sqrt(1 - value)) == pytest.approx(
                 (branch, skip), rel=1e-12
             ), (k, kind)
@@ -171,7 +173,7 @@ def test_residual_multipliers_are_the_papers(layers: int, alpha: float, rho: flo
     # (S_k = S_{k-1} / (1 - tau_k), beta_k^2 = tau_k S_k) are the paper's times 1/sqrt(L)
     variance = 1.0
     for k in range(2 * layers):
-        value = tau.tau("attention" if k % 2 == 0 else "mlp", k + 1, layers=2 * layers)
+        value = tau.share("attention" if k % 2 == 0 else "mlp", k + 1, layers=2 * layers)
         variance /= 1.0 - value
         share = rho**2 if k % 2 == 0 else 1.0
         assert value * variance * layers == pytest.approx(

@@ -61,9 +61,14 @@ def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
       (of ``|x|``), ``numel``;
     - ``underflow_<fmt>``/``overflow_<fmt>`` for ``e4m3``, ``e5m2``, ``fp16``, ``bf16``:
       the fraction of elements that are non-zero but round to zero in that format, and
-      the fraction beyond its largest value; ``nan_count``, ``inf_count``.
+      the fraction beyond its largest value; ``nan_count``, ``inf_count``;
+    - with ``track_scales(model, block_formats=[...])``, per block-scaled format
+      ``block_flushed_<format>``, ``block_scale_clipped_<format>`` and
+      ``block_error_<format>`` (blocks along the tensor's last dimension; NaN where it is
+      not a multiple of the block size; see :mod:`unitscale.tracking.blocks`).
 
-    ``METRIC_DESCRIPTIONS`` holds these descriptions.
+    ``METRIC_DESCRIPTIONS`` holds these descriptions (the block metrics':
+    ``unitscale.tracking.blocks.block_metric_description``).
 
     Args:
         graph: ``tracked.scales_graph()`` of a module tracked with
@@ -88,5 +93,7 @@ def graph_to_dataframe(graph: Graph) -> pd.DataFrame:
     import pandas as pd
 
     rows = [r.as_row() for r in graph_records(graph, "graph_to_dataframe")]
-    df = pd.DataFrame(rows, columns=[*ID_COLUMNS, *METRIC_NAMES])
+    known = {*ID_COLUMNS, *METRIC_NAMES}
+    blocks = list(dict.fromkeys(k for row in rows for k in row if k not in known))
+    df = pd.DataFrame(rows, columns=[*ID_COLUMNS, *METRIC_NAMES, *blocks])
     return df.astype({"order": "int64", "numel": "int64", "weight": "bool"})

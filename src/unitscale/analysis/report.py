@@ -69,6 +69,22 @@ def _row_json(row: TensorRow, structural: Mapping[str, float]) -> dict[str, Any]
     }
 
 
+def _block_columns(models: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """The block-format metrics the rows carry (where tracking recorded them), in order,
+    and their descriptions: shown with every other metric on hover and in the metric menu."""
+    from ..tracking.blocks import block_metric_description
+
+    keys: dict[str, str] = {}
+    for model in models:
+        for row in model["rows"]:
+            for record in (row["fwd"], row["bwd"]):
+                for key in record or ():
+                    description = block_metric_description(key)
+                    if description is not None:
+                        keys.setdefault(key, description)
+    return list(keys), keys
+
+
 def _verdict_html(summaries: list[tuple[str, RiskSummary]]) -> str:
     """The page's conclusion, the counts per model and the worst tensors, as static HTML
     (read with scripts disabled): what ``unitscale analyse`` prints in ``summary.txt``."""
@@ -144,7 +160,8 @@ def write_report(
     ``unitscale analyse`` prints them), all as plain HTML that reads with scripts disabled.
     The page shows every tensor's forward and backward scale on a log2 axis (one mark per
     tensor and direction) with the E4M3, E5M2 and FP16 ranges; hovering a mark shows its module
-    path, op, shape, dtype and every metric including per-format underflow and overflow.
+    path, op, shape, dtype and every metric including per-format underflow and overflow (and
+    the block-format metrics, where ``track_scales(..., block_formats=...)`` recorded them).
     Controls toggle forward/backward, filter by name, pick the metric and (for several graphs)
     the model; a sortable table lists the tensors most at risk in a chosen format.
 
@@ -190,6 +207,7 @@ def write_report(
         rows = prepare_rows(g, prune_same_scale, f"write_report (model {name!r})")
         structural = by_model.get(name) or {}
         models.append({"name": str(name), "rows": [_row_json(r, structural) for r in rows]})
+    block_keys, block_descriptions = _block_columns(models)
     guide_labels = {k.lower() for k in FORMAT_GUIDES}
     formats = {
         key: {
@@ -206,8 +224,8 @@ def write_report(
         "title": title,
         "version": __version__,
         "risk_fraction": RISK_FRACTION,
-        "metrics": list(METRIC_NAMES),
-        "metric_descriptions": METRIC_DESCRIPTIONS,
+        "metrics": [*METRIC_NAMES, *block_keys],
+        "metric_descriptions": {**METRIC_DESCRIPTIONS, **block_descriptions},
         "scale_metrics": ["mean_abs", "rms", "std", "abs_max", "abs_min", "abs_mean"],
         "formats": formats,
         "models": models,

@@ -22,7 +22,7 @@ from ._core import (
     warn_user,
 )
 from ._eager import trace_eagerly
-from ._naming import function_name, identifier, module_path_of, readable_name
+from ._naming import function_name, identifier, module_path_at, module_path_of, readable_name
 from ._outside import outside_inputs, received_parameters
 
 __all__ = [  # noqa: RUF022 (grouped by kind)
@@ -46,6 +46,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "identifier",
     "is_float_node",
     "iter_tensors",
+    "module_path_at",
     "module_path_of",
     "readable_name",
     "warn_user",

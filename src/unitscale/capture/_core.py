@@ -296,6 +296,8 @@ class Capture:
         self.produced: dict[int, tuple[Any, tuple[int, int]]] = {}
         self.current: Invocation | None = None
         self.calls = 0  # calls that went through Dynamo
+        # Free-form state of the passes that lives as long as the capture (rebuilt with it).
+        self.pass_state: dict[str, Any] = {}
         self.varying = _VaryingSizes()
         # Static shapes by default; the sizes that change between calls are marked dynamic
         # by ``varying`` (per transformed module, not by Dynamo's process-wide automatic

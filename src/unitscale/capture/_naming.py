@@ -129,6 +129,23 @@ def module_path_of(node: fx.Node, module_names: dict[int, str]) -> str:
     return _clean_module_path(str(path))
 
 
+def module_path_at(node: fx.Node, frame_module: str | None, module_names: dict[int, str]) -> str:
+    """Qualified name of the innermost module of ``node`` where its graph runs now: the
+    module path relative to the captured frame's ``self`` (Dynamo's ``nn_module_stack``),
+    under ``frame_module`` (a piece's :attr:`~._core.Piece.frame_module`). Dynamo reuses the
+    graph of one layer's frame for every other layer, so :func:`module_path_of` (read off
+    the module objects Dynamo saw) names the first layer there; this names the layer the
+    piece runs for. :func:`module_path_of` where the frame is unknown."""
+    stack = node.meta.get("nn_module_stack")
+    if frame_module is None or not stack:
+        return module_path_of(node, module_names) if frame_module is None else frame_module
+    _key, (path, _cls) = list(stack.items())[-1]
+    if not str(path).startswith("L['self']"):
+        return module_path_of(node, module_names)
+    relative = _clean_module_path(str(path))
+    return ".".join(part for part in (frame_module, relative) if part)
+
+
 def _clean_module_path(path: str) -> str:
     """A qualified module name from Dynamo's source path (``L['self'].blocks[0]`` ->
     ``blocks.0``)."""

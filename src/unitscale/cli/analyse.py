@@ -87,6 +87,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--text", default=None, metavar="FILE", help="a text file instead of the bundled corpus"
     )
     parser.add_argument(
+        "--block-formats",
+        default=None,
+        metavar="NAMES",
+        type=_block_format_names,
+        help="comma-separated block-scaled formats (mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, "
+        "mxfp6_e2m3, mxfp4_e2m1, nvfp4) whose metrics every tensor also gets, blocked along "
+        "its last dimension: the fraction of values flushed to zero inside their block, of "
+        "blocks whose scale is clipped, and the relative rounding error (CSV columns, the "
+        "report, a summary line per model and format; slower: computed for every tensor)",
+    )
+    parser.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})"
     )
     parser.add_argument(
@@ -97,6 +108,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.set_defaults(run=run)
     return parser
+
+
+def _block_format_names(text: str) -> tuple[str, ...]:
+    """``--block-formats``: known block-scaled preset names, comma-separated."""
+    from ..formats import BLOCK_PRESETS
+
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in BLOCK_PRESETS]
+    if unknown or not names:
+        shown = ", ".join(unknown) if unknown else repr(text)
+        raise argparse.ArgumentTypeError(
+            f"unknown block-scaled format(s) {shown}; choose from {', '.join(BLOCK_PRESETS)}"
+        )
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,6 +219,7 @@ def _summary_lines(
         "(not counting structural zeros: parameter-gradient elements at rounding noise, "
         "|g| <= 2**-20 rms(g)), 'over' those with any value beyond the format's range.",
     ]
+    lines += _block_lines(args, tables)
     for name, summary in summaries:
         for key in ("e4m3", "e5m2"):
             worst = summary.worst[key]
@@ -201,6 +227,34 @@ def _summary_lines(
                 lines.append(f"worst in {key.upper()}, {name}:")
                 lines += [f"  {w}" for w in worst]
     return lines, summaries
+
+
+def _block_lines(args: argparse.Namespace, tables: list[Any]) -> list[str]:
+    """Per model and block-scaled format of ``--block-formats``: the median and largest
+    rounding error over the tensors that block, and how many flush or clip."""
+    if not args.block_formats:
+        return []
+    lines = [
+        "",
+        "block formats (blocks along each tensor's last dimension; tensors whose last "
+        "dimension is not a multiple of the block size left out): median and largest "
+        "relative error ||q(x) - x|| / ||x||; tensors with over 1% of values flushed to "
+        "zero inside their block; tensors with any block scale clipped by the scale range",
+    ]
+    for entry, _, table, _, _ in tables:
+        for fmt in args.block_formats:
+            error = table[f"block_error_{fmt}"].dropna()
+            flushed = int((table[f"block_flushed_{fmt}"] > 0.01).sum())
+            clipped = int((table[f"block_scale_clipped_{fmt}"] > 0).sum())
+            if error.empty:
+                lines.append(f"  {entry.name}, {fmt}: no tensor blocks")
+                continue
+            lines.append(
+                f"  {entry.name}, {fmt}: error median {error.median():.3g}, max "
+                f"{error.max():.3g} ({len(error)} tensors); flushed >1%: {flushed}; "
+                f"scale clipped: {clipped}"
+            )
+    return lines
 
 
 def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> list[Any]:
@@ -216,7 +270,7 @@ def _track_models(args: argparse.Namespace, batch: Any, progress: Progress) -> l
     step = "forward" if args.forward_only else "forward and backward"
     for entry in models:
         progress(f"{entry.name}: tracking a {step} step")
-        tracked = track_scales(entry.model)
+        tracked = track_scales(entry.model, block_formats=args.block_formats)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)  # dropout, if any, is the same on every run
             loss = call_model(entry, tracked, batch)

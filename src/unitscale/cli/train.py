@@ -107,12 +107,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "(unitscale.TransformerDecoder) in FP32 and in simulated FP8 without scales. "
             "Every FP8 run rounds the linear ops (simulate_fp8(ops='linear'), the scope of "
             "real FP8 and of torchao's recipe). "
-            "--runs adds plain-fp8-delayed (delayed scaling), plain-fp8-tensorwise-real and "
+            "--runs adds plain-fp8-delayed (delayed scaling), plain-fp8-rowwise (torchao's "
+            "rowwise recipe), plain-fp8-tensorwise-real, plain-fp8-rowwise-real and "
             "unit-scaled-fp8-real (real FP8 through unitscale.transforms.to_fp8), "
             "plain-fp16-loss-scaling (the "
             "plain GPT in simulated IEEE FP16, overflowing to inf, with torch.amp.GradScaler's "
             "dynamic loss scaling at its defaults) and unit-scaled-fp16 (the u-μP decoder in "
-            "simulated FP16 without loss scaling). "
+            "simulated FP16 without loss scaling), and plain-/unit-scaled- mxfp8, mxfp4 and "
+            "nvfp4 (the linear ops as simulated block-scaled GEMMs, "
+            "unitscale.transforms.simulate_format; gradients stochastically rounded in FP4). "
             "Print the final training and held-out losses; write the loss curves (PNG), a "
             "CSV of losses per step and a self-contained HTML report. Linear warm-up, cosine "
             "decay to 10%; the plain runs use Adam at the best rate of an FP32 sweep, the "
@@ -441,6 +444,8 @@ def _write_outputs(
             progress("note: tensorboard is not installed; no TensorBoard scalars written")
 
     written.append(training.write_train_report(results, config, out / "report.html", heatmaps))
+    if any(name.startswith("unit-scaled") for name in results):
+        written.append(training.write_effective_rates(config, out / "effective_rates.csv"))
     return written
 
 

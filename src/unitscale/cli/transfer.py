@@ -87,7 +87,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "the same batches and seed; then "
             "u-muP in simulated FP8 (no loss scaling) at each size's best learning rate. "
             "Print the final held-out losses and the four claims of the README (held or not, "
-            "with the numbers); write transfer.csv, transfer.json, transfer.png, report.html "
+            "with the numbers); write transfer.csv, transfer.json, transfer.png, report.html, "
+            "effective_rates.csv (every u-muP parameter's rate and decay at each size) "
             "and summary.txt."
         ),
     )
@@ -168,6 +169,22 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         "process is fastest on a busy machine)",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default=None,
+        help="u-muP's optimiser: adamw (default, unitscale.optim.AdamW) or muon "
+        "(unitscale.optim.Muon: Muon for hidden matrices, u-muP AdamW for the rest; torch "
+        "2.9+); the standard parametrisation keeps torch's AdamW",
+    )
+    parser.add_argument(
+        "--depth-rule",
+        choices=("depth-mup", "completep"),
+        default=None,
+        help="the u-muP models' depth rule: depth-mup (default; branch multipliers "
+        "1/sqrt(depth)) or completep (CompleteP, alpha = 1: multipliers 1/depth, no depth "
+        "factor on Adam's rates)",
+    )
+    parser.add_argument(
         "--model",
         type=_model_name,
         default=None,
@@ -195,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
             seeds=args.seeds,
             threads=args.threads,
             model=args.model,
+            optimizer=args.optimizer,
+            depth_rule=args.depth_rule,
             fp8=False if args.no_fp8 else None,
         )
     except sweep.TransferConfigError as exc:  # options that do not go together
@@ -217,4 +236,5 @@ def run(args: argparse.Namespace) -> int:
     figure = sweep.plot_transfer(sweep.final_frame(sweep.runs_frame(result.runs)), config)
     written.append(report.save_png(figure, out / "transfer.png"))
     written.append(sweep.write_transfer_report(result, out / "report.html"))
+    written.append(sweep.write_effective_rates(config, out / "effective_rates.csv"))
     return finish_summary(sweep.summary_text(result), out, written, progress)

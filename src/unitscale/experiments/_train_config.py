@@ -79,7 +79,8 @@ class RunKind:
 
     @property
     def precision(self) -> str:
-        """``"fp32"``, ``"fp8"`` or ``"fp16"``: what the run's transform simulates."""
+        """``"fp32"``, ``"fp8"``, ``"fp16"``, or a block-scaled format (``"mxfp8"``,
+        ``"mxfp4"``, ``"nvfp4"``): what the run's transform simulates."""
         if self.transform is None:
             return "fp32"
         return str(getattr(self.transform, "precision", "fp8"))
@@ -97,6 +98,11 @@ class RunKind:
         if self.transform is None:
             return ""
         return str(getattr(self.transform, "options", {}).get("ops", "matmuls"))
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether the run simulates a block-scaled format (MX, NVFP4)."""
+        return isinstance(self.transform, _SimulateBlocks)
 
     @property
     def real(self) -> bool:
@@ -193,6 +199,45 @@ class _SimulateFP16:
         )
 
 
+class _SimulateBlocks:
+    """A run's transform: ``simulate_format`` with block-scaled formats (forward operands in
+    ``fwd``, gradients in ``bwd``, both preset names), the linear ops only (the scope of
+    torchao's MX training and Transformer Engine's block-scaled recipes), compiled as the FP8
+    runs are. ``precision`` (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) labels the run."""
+
+    def __init__(self, precision: str, fwd: str, bwd: str, stochastic_grads: bool) -> None:
+        self.precision = precision
+        self.formats = (fwd, bwd, stochastic_grads)
+        self.options = {"ops": "linear"}
+
+    def __call__(self, model: nn.Module, config: TrainConfig) -> nn.Module:
+        from ..formats import get_format
+        from ..transforms import compile as compile_module
+        from ..transforms import simulate_format
+
+        fwd, bwd, stochastic = self.formats
+        grads = get_format(bwd, rounding="stochastic" if stochastic else None)
+        model = simulate_format(model, fwd, grads, ops="linear")
+        if config.compile_fp8 and config.monitor_every is None:
+            model = compile_module(model)
+        return model
+
+    def __repr__(self) -> str:
+        fwd, bwd, stochastic = self.formats
+        grads = f"get_format({bwd!r}, rounding='stochastic')" if stochastic else repr(bwd)
+        return f"simulate_format({fwd!r}, {grads}, ops='linear')"
+
+
+#: The block-scaled run kinds' transforms: MXFP8 as torchao's MX training and Transformer
+#: Engine's ``MXFP8BlockScaling`` default (E4M3 everywhere, gradients included), MXFP4 and
+#: NVFP4 with stochastically rounded gradients (as FP4 training recipes round them).
+BLOCK_RUNS: dict[str, _SimulateBlocks] = {
+    "mxfp8": _SimulateBlocks("mxfp8", "mxfp8_e4m3", "mxfp8_e4m3", stochastic_grads=False),
+    "mxfp4": _SimulateBlocks("mxfp4", "mxfp4_e2m1", "mxfp4_e2m1", stochastic_grads=True),
+    "nvfp4": _SimulateBlocks("nvfp4", "nvfp4", "nvfp4", stochastic_grads=True),
+}
+
+
 #: The ops every FP8 run rounds: the linear ops (``simulate_fp8(ops="linear")``), the scope
 #: of real FP8 training and of torchao's recipe, so that both models are measured in the
 #: scope in which real FP8 runs.
@@ -230,6 +275,22 @@ RUN_KINDS: tuple[RunKind, ...] = (
         "plain-fp32",
         default=False,
     ),
+    # torchao's rowwise recipe (torchtitan's float8 default), simulated and in real FP8:
+    # only with --runs (each GEMM operand scaled per row or column: more scale work).
+    RunKind(
+        "plain-fp8-rowwise",
+        "plain",
+        _SimulateFP8(scaling="rowwise", ops=FP8_OPS),
+        "plain-fp32",
+        default=False,
+    ),
+    RunKind(
+        "plain-fp8-rowwise-real",
+        "plain",
+        _RealFP8(scaling="rowwise"),
+        "plain-fp32",
+        default=False,
+    ),
     # FP16 as practitioners run it (dynamic loss scaling), against the unit-scaled model in
     # FP16 with none (below): only with --runs. Every matmul-like op, as when these runs
     # were recorded (benchmarks/results/train/fp16-recipe-seed0).
@@ -253,6 +314,13 @@ RUN_KINDS: tuple[RunKind, ...] = (
         _SimulateFP16(ops="matmuls"),
         "unit-scaled-fp32",
         default=False,
+    ),
+    # Block-scaled formats (MX, NVFP4), both families, each against its own FP32 run: only
+    # with --runs.
+    *(
+        RunKind(f"{family}-{name}", family, transform, f"{family}-fp32", default=False)
+        for name, transform in BLOCK_RUNS.items()
+        for family in ("plain", "unit-scaled")
     ),
 )
 

@@ -4,11 +4,15 @@ model and optimiser of each run kind and the loop that trains one run
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -143,6 +147,27 @@ def build_optimiser(run: str, model: nn.Module, config: TrainConfig) -> torch.op
     return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
+def write_effective_rates(config: TrainConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the unit-scaled (u-μP) family's optimiser's per-parameter rates and decay at
+    ``config``'s peak rate (:func:`unitscale.optim.effective_rates`) to ``path`` as CSV;
+    return it. Builds the model and optimiser afresh; trains nothing.
+
+    Example:
+        >>> import tempfile, pandas
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     c = TrainConfig(hidden_size=32, heads=2)
+        ...     table = pandas.read_csv(write_effective_rates(c, f"{tmp}/rates.csv"))
+        >>> list(table.columns[:3]), table.name[0]
+        (['name', 'tag', 'shape'], 'embedding.weight')
+    """
+    from ..optim import effective_rates
+    from . import report
+
+    model = unit_scaled_model(config)
+    optimiser = build_optimiser("unit-scaled-fp32", model, config)
+    return report.write_csv(effective_rates(optimiser, model), path)
+
+
 def _grad_scaler(model: nn.Module) -> torch.amp.GradScaler:
     """Dynamic loss scaling as mixed-precision FP16 training does it: ``torch.amp.GradScaler``
     on the model's device type with its defaults (initial scale ``2**16``, growth factor 2
@@ -216,7 +241,7 @@ def train_run(
         config.batch_size, config.seq_len, config.seed
     )  # fmt: skip
     result = RunResult(name=run, lr=config.lr_for(run))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _unscaled_on_purpose(run):
         torch.manual_seed(config.seed)
         model = build_run_model(run, config)
         result.compiled = _is_fp8(run) and config.compile_fp8 and config.monitor_every is None
@@ -262,6 +287,19 @@ def train_run(
         result.final_train_loss = done.final_train_loss
     result.seconds = time.perf_counter() - start
     return result
+
+
+@contextlib.contextmanager
+def _unscaled_on_purpose(run: str) -> Iterator[None]:
+    """Silence the FP8 transforms' warning about a model with no unit scaling and no scales
+    for the plain family's runs: ``plain-fp8`` is that model on purpose (the baseline that
+    shows what goes wrong), and its table says so."""
+    with warnings.catch_warnings():
+        if _family(run) == "plain":
+            warnings.filterwarnings(
+                "ignore", message=r".* has no unit scaling", category=UserWarning
+            )
+        yield
 
 
 class _StepProgress:

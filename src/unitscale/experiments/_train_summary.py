@@ -108,6 +108,8 @@ def _scales_label(kind: RunKind) -> str:
     """The table's scales cell: the FP8 scaling, or for FP16 runs whether the loss is scaled."""
     if kind.precision == "fp16":
         return "FP16, loss scaling" if kind.loss_scaling else "FP16, no scaling"
+    if kind.block_scaled:
+        return f"{kind.precision.upper()}, per-block scales"
     label = _SCALING_LABELS.get(kind.scaling, kind.scaling)
     return f"{label}, real FP8" if kind.real else label
 
@@ -212,10 +214,28 @@ def summary_text(results: dict[str, RunResult], config: TrainConfig) -> str:
             f"held-out {_pct(heldout_gap)}, train {_pct(train_gap)}"
         )
     lines += _fp16_lines(results, config)
+    lines += _block_lines(results)
     for name, r in results.items():
         if r.non_finite is not None:
             lines.append(f"{name}: {r.non_finite.message}")
     return "\n".join(lines) + "\n"
+
+
+def _block_lines(results: dict[str, RunResult]) -> list[str]:
+    """The summary's notes on the block-scaled runs: each one's gap to its FP32 run."""
+    lines = []
+    for name, r in results.items():
+        kind = _kind(name)
+        fp32 = results.get(kind.baseline) if kind.baseline is not None else None
+        if not kind.block_scaled or fp32 is None:
+            continue
+        heldout = _relative(r.final_heldout_loss, fp32.final_heldout_loss)
+        train = _relative(r.final_train_loss, fp32.final_train_loss)
+        lines.append(
+            f"{kind.family} in simulated {kind.precision.upper()} ({name}, "
+            f"{kind.transform!r}) vs FP32: held-out {_pct(heldout)}, train {_pct(train)}"
+        )
+    return lines
 
 
 def _ops_note(results: dict[str, RunResult]) -> str:

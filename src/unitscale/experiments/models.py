@@ -58,10 +58,12 @@ class GPTConfig:
         seq_len: the longest sequence the position embedding supports.
         mlp_ratio: MLP hidden width as a multiple of ``hidden_size``.
         dropout: dropout probability after attention and MLP (0 keeps steps deterministic).
-        residual_tau: the unit-scaled twin's residual share ``tau`` in every block (see
+        residual_tau: the unit-scaled twin's residual weight in every block as a share of
+            the variance (``residual_add(..., share=residual_tau)``, see
             :func:`unitscale.functional.residual_add`), or None (default) for
             :class:`unitscale.TransformerDecoder`'s running-mean schedule
-            ``tau_k = 1 / (k + 1)`` over the ``k``-th residual block; unused by the plain model.
+            ``share_k = 1 / (k + 1)`` over the ``k``-th residual block; unused by the plain
+            model.
         position_embedding: give the plain model a learned position embedding (default);
             False builds it without one ("NoPE", causal attention alone tells positions
             apart), the layout of :class:`unitscale.TransformerDecoder`. Unused by the twin.
@@ -298,7 +300,7 @@ class UnitScaledGPT(nn.Module):
     Same layout and parameter names as :class:`PlainGPT`: :class:`unitscale.Embedding` for
     tokens and positions combined by :func:`unitscale.functional.add`, ``config.depth``
     :class:`unitscale.TransformerLayer` blocks (pre-norm, causal :class:`unitscale.MHSA`,
-    :class:`unitscale.MLP`, ``residual_split``/``residual_add`` with the ``tau`` of
+    :class:`unitscale.MLP`, ``residual_split``/``residual_add`` with the share of
     ``config.residual_tau``), a final :class:`unitscale.LayerNorm` and a
     :class:`unitscale.LinearReadout` head; the loss is
     :func:`unitscale.functional.cross_entropy`. Weights are N(0, 1) and every op keeps its
@@ -328,8 +330,8 @@ class UnitScaledGPT(nn.Module):
                 dropout_p=config.dropout,
                 is_causal=True,
                 # As unitscale.TransformerDecoder: the k-th residual block gets 1 / (k + 1).
-                attn_tau=1.0 / (2 * i + 2) if tau is None else tau,
-                mlp_tau=1.0 / (2 * i + 3) if tau is None else tau,
+                attn_share=1.0 / (2 * i + 2) if tau is None else tau,
+                mlp_share=1.0 / (2 * i + 3) if tau is None else tau,
                 bias=True,
                 mup=False,  # plain unit scaling, the twin of PlainGPT (not u-muP)
                 trainable_norms=True,

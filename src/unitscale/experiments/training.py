@@ -16,9 +16,13 @@ same initialisation, data order and seed:
   float8 training recipe (in the default run set; tested against
   ``torchao.float8.convert_to_float8_training``), and ``plain-fp8-delayed`` with
   ``scaling="delayed"`` (``--runs`` adds it): the baselines practitioners would run;
-- ``plain-fp8-tensorwise-real`` and ``unit-scaled-fp8-real`` (``--runs`` adds them): the
-  tensorwise baseline and the unit-scaled FP8 run in real FP8 (``unitscale.transforms.to_fp8``:
-  float8 GEMMs), for an accelerator; on a CPU their losses equal the simulated runs';
+- ``plain-fp8-rowwise`` (``--runs`` adds it): the same with ``scaling="rowwise"``, exactly
+  torchao's rowwise recipe (torchtitan's float8 choice; tested against
+  ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name("rowwise")``);
+- ``plain-fp8-tensorwise-real``, ``plain-fp8-rowwise-real`` and ``unit-scaled-fp8-real``
+  (``--runs`` adds them): the scaled baselines and the unit-scaled FP8 run in real FP8
+  (``unitscale.transforms.to_fp8``: float8 GEMMs), for an accelerator; on a CPU their losses
+  equal the simulated runs';
 - ``unit-scaled-fp32``: the library's default u-μP decoder,
   ``unitscale.TransformerDecoder(width, depth, heads, 256)`` (Blake et al., ICLR 2025, arXiv
   2407.17465: unit scaling, the paper's residual rule, ``1/d_head`` attention logits, the
@@ -94,6 +98,7 @@ from ._train_loop import (
     train_run,
     train_runs,
     unit_scaled_model,
+    write_effective_rates,
 )
 from ._train_plots import (
     _line_style,  # noqa: F401
@@ -145,5 +150,6 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "zoom_limits",
     "summary_text",
     "write_losses_csv",
+    "write_effective_rates",
     "write_train_report",
 ]

@@ -1,5 +1,7 @@
-"""Number formats: :class:`FPFormat` and its presets (the rounding kernels are in ``_kernels``)."""
+"""Number formats: :class:`FPFormat` and its presets, and the block-scaled
+:class:`BlockFormat` (MX, NVFP4) (the rounding kernels are in ``_kernels``)."""
 
+from ._blocks import BLOCK_PRESETS, BlockFormat, BlockStats, ScaleMode
 from ._format import (
     BF16,
     E4M3,
@@ -11,8 +13,8 @@ from ._format import (
     Overflow,
     Rounding,
     SpecialValues,
-    get_format,
 )
+from ._lookup import get_format
 
 __all__ = [  # noqa: RUF022 (grouped by kind)
     # the format
@@ -21,6 +23,11 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "Overflow",
     "Rounding",
     "SpecialValues",
+    # block-scaled formats
+    "BlockFormat",
+    "BlockStats",
+    "ScaleMode",
+    "BLOCK_PRESETS",
     # presets
     "BF16",
     "E4M3",

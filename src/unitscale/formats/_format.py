@@ -60,7 +60,6 @@ bit-manipulation path, which inductor fuses into a single pass. See
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -84,7 +83,6 @@ __all__ = [
     "Overflow",
     "Rounding",
     "SpecialValues",
-    "get_format",
 ]
 
 Rounding = Literal["stochastic", "nearest"]
@@ -428,43 +426,3 @@ PRESETS: MappingProxyType[str, FPFormat] = MappingProxyType(
     {"e4m3": E4M3, "e5m2": E5M2, "fp16": FP16, "bf16": BF16}
 )
 """The presets by key; the keys match ``unitscale.tracking.metrics.FORMAT_KEYS``."""
-
-_PRESET_BY_DTYPE = {fmt.torch_dtype: fmt for fmt in PRESETS.values()}
-
-
-def get_format(spec: str | torch.dtype | FPFormat, rounding: Rounding | None = None) -> FPFormat:
-    """Look up a format by preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``) or dtype.
-
-    Args:
-        spec: a preset key (case-insensitive), a torch dtype with a matching preset
-            (``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.float16``,
-            ``torch.bfloat16``), or an :class:`FPFormat` (returned as is).
-        rounding: if given, the returned format rounds this way.
-
-    Returns:
-        The format.
-
-    Raises:
-        FormatError: for an unknown key or dtype.
-
-    Example:
-        >>> get_format("E4M3", rounding="nearest")
-        FPFormat(4, 3, rounding='nearest', special_values='nan_only')
-        >>> get_format(torch.bfloat16).max_absolute_value == torch.finfo(torch.bfloat16).max
-        True
-    """
-    if isinstance(spec, FPFormat):
-        fmt = spec
-    elif isinstance(spec, str) and spec.lower() in PRESETS:
-        fmt = PRESETS[spec.lower()]
-    elif isinstance(spec, torch.dtype) and spec in _PRESET_BY_DTYPE:
-        fmt = _PRESET_BY_DTYPE[spec]
-    else:
-        raise FormatError(
-            f"unitscale.formats.get_format: unknown format {spec!r}; use one of "
-            f"{tuple(PRESETS)}, a dtype among {tuple(_PRESET_BY_DTYPE)}, or build an "
-            "FPFormat(exponent_bits, mantissa_bits)"
-        )
-    if rounding is not None and rounding != fmt.rounding:
-        fmt = dataclasses.replace(fmt, rounding=rounding)
-    return fmt

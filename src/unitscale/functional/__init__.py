@@ -46,6 +46,12 @@ from ._matmul import (
 from ._mult import check_mult as check_mult  # argument check shared with the modules
 from ._norm import layer_norm, rms_norm
 from ._residual import add, residual_add, residual_split
+from ._residual import residual_share as residual_share  # helpers for modules and transforms
+from ._residual import share_to_tau as share_to_tau
+from ._residual_rule import DEPTH_RULES as DEPTH_RULES
+from ._residual_rule import check_depth_rule as check_depth_rule
+from ._residual_rule import depth_divisor as depth_divisor
+from ._residual_rule import rule_shares as rule_shares
 from ._residual_rule import transformer_residual_scaling_rule
 from ._torch_map import OPAQUE_OPS, torch_map
 

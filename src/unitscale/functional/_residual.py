@@ -113,71 +113,141 @@ def _sum_ideal(input_numel: int, other_numel: int, alpha: float) -> float:
     return 1.0 / math.sqrt(1.0 + alpha * alpha)
 
 
-def _check_tau(op: str, tau: float) -> None:
-    if not 0.0 < tau < 1.0:
+def residual_share(
+    op: str, tau: float | None = None, share: float | None = None, default: float = 0.5
+) -> float:
+    """The branch's share of the variance from ``tau`` (the reference's ratio of standard
+    deviations, branch over skip: ``share = tau² / (1 + tau²)``) or ``share`` itself (at most
+    one given; neither: ``default``), checked; errors name ``op`` and the argument."""
+    if tau is not None and share is not None:
         raise UnsupportedArgumentError(
-            op, "tau", tau, "tau is the residual branch's share of the variance: use 0 < tau < 1"
+            op,
+            "tau",
+            tau,
+            "pass tau= (the branch's std over the skip's, as in unit_scaling) or share= "
+            "(the branch's share of the variance), not both",
         )
+    if tau is not None:
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0.0:
+            raise UnsupportedArgumentError(
+                op,
+                "tau",
+                tau,
+                "tau is the branch's std over the skip's (as in unit_scaling): use tau > 0, "
+                "or share= for the branch's share of the variance, 0 < share < 1",
+            )
+        if math.isinf(tau):
+            raise UnsupportedArgumentError(op, "tau", tau, "use a finite tau > 0")
+        return float(tau) * float(tau) / (1.0 + float(tau) * float(tau))
+    value = default if share is None else share
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise UnsupportedArgumentError(
+            op,
+            "share",
+            value,
+            "share is the branch's share of the variance: use 0 < share < 1 (or tau=, the "
+            "branch's std over the skip's)",
+        )
+    return float(value)
 
 
-def residual_split(input: Tensor, tau: float = 0.5) -> tuple[Tensor, Tensor]:
+def share_to_tau(share: float) -> float:
+    """The reference's ``tau`` (branch std over skip std) of a variance ``share``:
+    ``sqrt(share / (1 - share))``."""
+    return math.sqrt(share / (1.0 - share))
+
+
+_MEANINGS = """Two spellings, one for each meaning of the weight (never both):
+
+    * ``tau``: the residual branch's standard deviation over the skip's, as the reference
+      library (graphcore's ``unit_scaling``) means it: branch weight
+      ``tau / sqrt(1 + tau²)``, skip weight ``1 / sqrt(1 + tau²)``. Code ported from it,
+      ``residual_add(r, s, tau)`` with a positional ``tau``, keeps its meaning.
+    * ``share``: the branch's share of the variance, ``share = tau² / (1 + tau²)``: branch
+      weight ``sqrt(share)``, skip weight ``sqrt(1 - share)``.
+
+    Why ``tau`` follows the reference: the two libraries share the function names, and a
+    number in (0, 1) is a valid value under both meanings, so any other choice would let
+    ported code run silently with other shares. Neither given: ``share=0.5`` (``tau=1``,
+    the reference's default)."""
+
+
+def residual_split(
+    input: Tensor, tau: float | None = None, *, share: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Split a residual stream into ``(residual, skip)``: the start of a residual block.
 
     Forward: both outputs are ``input``. Backward: the gradients of ``residual`` and
-    ``skip`` are multiplied by ``sqrt(tau)`` and ``sqrt(1 - tau)`` before they are summed,
-    undoing the ``1/sqrt(tau)`` and ``1/sqrt(1 - tau)`` that :func:`residual_add` puts on them.
-    So, for independent unit gradients on the two outputs, the input gradient
-    ``sqrt(tau) g_r + sqrt(1 - tau) g_s`` is unit; and the pair split-add together computes
-    the true gradient of ``sqrt(tau) f(x) + sqrt(1 - tau) x`` while every tensor inside the
-    branch ``f`` sees a unit gradient. No constraint applies.
+    ``skip`` are multiplied by ``sqrt(share)`` and ``sqrt(1 - share)`` before they are
+    summed, undoing the ``1/sqrt(share)`` and ``1/sqrt(1 - share)`` that
+    :func:`residual_add` puts on them. So, for independent unit gradients on the two
+    outputs, the input gradient ``sqrt(share) g_r + sqrt(1 - share) g_s`` is unit; and the
+    pair split-add together computes the true gradient of
+    ``sqrt(share) f(x) + sqrt(1 - share) x`` while every tensor inside the branch ``f`` sees
+    a unit gradient. No constraint applies.
+
+    {meanings}
 
     Args:
         input: the residual stream, assumed unit-scaled.
-        tau: the residual branch's share of the variance, ``0 < tau < 1``; use the same
-            value in the matching :func:`residual_add`.
+        tau: the branch's std over the skip's (the reference's meaning), ``tau > 0``.
+        share: the branch's share of the variance, ``0 < share < 1``. Use the same value
+            in the matching :func:`residual_add`.
 
     Returns:
         ``(residual, skip)``: feed ``residual`` through the branch, ``skip`` straight to
         :func:`residual_add`.
 
     Raises:
-        UnsupportedArgumentError: ``tau`` outside (0, 1).
+        UnsupportedArgumentError: both given, ``tau <= 0`` or ``share`` outside (0, 1).
 
     Example:
         >>> x = torch.ones(3, requires_grad=True)
-        >>> r, s = residual_split(x, tau=0.36)
+        >>> r, s = residual_split(x, share=0.36)
         >>> (r + s).sum().backward()
         >>> [round(v, 2) for v in x.grad.tolist()]  # sqrt(0.36) + sqrt(0.64)
         [1.4, 1.4, 1.4]
     """
-    _check_tau("residual_split", tau)
-    return scale_bwd(input, math.sqrt(tau)), scale_bwd(input, math.sqrt(1.0 - tau))
+    weight = residual_share("residual_split", tau, share)
+    return scale_bwd(input, math.sqrt(weight)), scale_bwd(input, math.sqrt(1.0 - weight))
 
 
-def residual_add(residual: Tensor, skip: Tensor, tau: float = 0.5) -> Tensor:
-    """Combine a residual branch with its skip: ``sqrt(tau) residual + sqrt(1 - tau) skip``.
+def residual_add(
+    residual: Tensor, skip: Tensor, tau: float | None = None, *, share: float | None = None
+) -> Tensor:
+    """Combine a residual branch with its skip: ``sqrt(share) residual + sqrt(1 - share) skip``.
 
     Scaling rule: for independent unit ``residual`` and ``skip`` the weighted sum has unit
-    variance (``tau + (1 - tau) = 1``); ``tau`` is the branch's share. Backward: each input
-    receives the incoming gradient unchanged (unit), not the true ``sqrt(tau) g`` and
-    ``sqrt(1 - tau) g``; the matching :func:`residual_split` applies those factors where the
-    two paths meet, so the block as a whole has true gradients. No constraint applies.
+    variance (``share + (1 - share) = 1``). Backward: each input receives the incoming
+    gradient unchanged (unit), not the true ``sqrt(share) g`` and ``sqrt(1 - share) g``; the
+    matching :func:`residual_split` applies those factors where the two paths meet, so the
+    block as a whole has true gradients. No constraint applies.
+
+    {meanings}
 
     Args:
         residual: the output of the residual branch, assumed unit-scaled.
         skip: the ``skip`` output of :func:`residual_split`.
-        tau: the branch's share of the variance, ``0 < tau < 1`` (same as the split).
+        tau: the branch's std over the skip's (the reference's meaning), ``tau > 0``.
+        share: the branch's share of the variance, ``0 < share < 1`` (same as the split).
 
     Returns:
         The unit-scaled sum.
 
     Raises:
-        UnsupportedArgumentError: ``tau`` outside (0, 1).
+        UnsupportedArgumentError: both given, ``tau <= 0`` or ``share`` outside (0, 1).
 
     Example:
-        >>> y = residual_add(torch.ones(2), torch.ones(2), tau=0.36)  # 0.6 + 0.8
+        >>> y = residual_add(torch.ones(2), torch.ones(2), share=0.36)  # 0.6 + 0.8
+        >>> [round(v, 4) for v in y.tolist()]
+        [1.4, 1.4]
+        >>> y = residual_add(torch.ones(2), torch.ones(2), tau=0.75)  # (0.75 + 1) / 1.25
         >>> [round(v, 4) for v in y.tolist()]
         [1.4, 1.4]
     """
-    _check_tau("residual_add", tau)
-    return scale_fwd(residual, math.sqrt(tau)) + scale_fwd(skip, math.sqrt(1.0 - tau))
+    weight = residual_share("residual_add", tau, share)
+    return scale_fwd(residual, math.sqrt(weight)) + scale_fwd(skip, math.sqrt(1.0 - weight))
+
+
+residual_split.__doc__ = (residual_split.__doc__ or "").replace("{meanings}", _MEANINGS)
+residual_add.__doc__ = (residual_add.__doc__ or "").replace("{meanings}", _MEANINGS)

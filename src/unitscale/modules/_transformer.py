@@ -10,7 +10,15 @@ from torch import Tensor, nn
 
 from .. import functional as U
 from ..errors import UnsupportedArgumentError
-from ..functional import Constraint, check_mult
+from ..functional import (
+    Constraint,
+    check_depth_rule,
+    check_mult,
+    residual_share,
+    rule_shares,
+    share_to_tau,
+)
+from ..parameter import DEPTH_RULE
 from ._depth import DepthModuleList
 from ._layers import (
     GELU,
@@ -201,9 +209,8 @@ def _check_block(where: str, block: str) -> None:
 
 def _check_multiple_of(module: str, multiple_of: Any) -> None:
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-        raise UnsupportedArgumentError(
-            module, "mlp_multiple_of", multiple_of, "use a positive int (1: no rounding)"
-        )
+        fix = "use a positive int (1: no rounding)"
+        raise UnsupportedArgumentError(module, "mlp_multiple_of", multiple_of, fix)
 
 
 def _swiglu(
@@ -216,8 +223,7 @@ def _swiglu(
     activation_mult: float,
     multiple_of: int = 1,
 ) -> MLP:
-    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's (the same parameter count),
-    rounded up to a multiple of ``multiple_of`` (Llama's ``multiple_of``)."""
+    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's, rounded up to ``multiple_of``."""
     mlp = MLP(hidden_size, 1, bias, constraint, device, dtype, activation_mult, gated=True)
     inner = max(1, 2 * expansion_factor * hidden_size // 3)
     inner = -(-inner // multiple_of) * multiple_of
@@ -229,11 +235,15 @@ def _swiglu(
 class TransformerLayer(nn.Module):
     """Unit-scaled pre-norm transformer layer: attention then MLP, each in a residual block.
 
-    Each block is ``r, s = residual_split(x, tau)``; ``r = Dropout(Branch(Norm(r)))``;
-    ``x = residual_add(r, s, tau)``, with :func:`~unitscale.functional.residual_split`,
+    Each block is ``r, s = residual_split(x, share=share)``; ``r = Dropout(Branch(Norm(r)))``;
+    ``x = residual_add(r, s, share=share)``, with :func:`~unitscale.functional.residual_split`,
     :func:`~unitscale.functional.residual_add`, :class:`RMSNorm` (``block="gpt"``:
-    :class:`LayerNorm`), :class:`MHSA` / :class:`MLP` and :class:`Dropout`. ``tau`` is the
-    branch's share of the output variance.
+    :class:`LayerNorm`), :class:`MHSA` / :class:`MLP` and :class:`Dropout`. Each block's
+    weight is given either as ``tau`` (the branch's std over the skip's, the reference
+    library's meaning, as in :func:`~unitscale.functional.residual_add`) or as ``share``
+    (the branch's share of the output variance, ``tau² / (1 + tau²)``); neither: share 0.5.
+    The attributes ``attn_share``/``mlp_share`` hold the shares, ``attn_tau``/``mlp_tau``
+    the same weights as taus.
 
     Args:
         hidden_size: model width.
@@ -241,8 +251,8 @@ class TransformerLayer(nn.Module):
         mlp_expansion_factor: MLP inner width over ``hidden_size``.
         dropout_p: dropout on attention probabilities and on each branch's output.
         is_causal: causal attention.
-        attn_tau: ``tau`` of the attention block, ``0 < tau < 1``.
-        mlp_tau: ``tau`` of the MLP block, ``0 < tau < 1``.
+        attn_tau: the attention block's ``tau`` (std ratio, ``> 0``), or None.
+        mlp_tau: the MLP block's ``tau`` (std ratio, ``> 0``), or None.
         bias: give the linear layers biases.
         constraint: passed to every op.
         device, dtype: for the parameters.
@@ -259,17 +269,21 @@ class TransformerLayer(nn.Module):
             (``MLP(gated=True)``) of inner width ``2/3 * mlp_expansion_factor *
             hidden_size`` (Llama's rule: as many parameters as the GELU MLP), rounded down
             to a whole number; ``"gpt"``: :class:`LayerNorm` and the GELU :class:`MLP`.
-        mlp_multiple_of: round the SwiGLU inner width up to a multiple of this (Llama's
-            ``multiple_of``; e.g. 64, so that float8 GEMMs need no padding: CUDA's take
-            multiples of 16). Default 1: the width as above (width 64 gives 170).
+        attn_share: the attention block's share of the variance, ``0 < share < 1``, or
+            None (keyword only; not with ``attn_tau``).
+        mlp_share: the MLP block's share of the variance, or None (likewise).
+        mlp_multiple_of: round the SwiGLU inner width up to a multiple of this (keyword only;
+            Llama's ``multiple_of``; 64: float8 GEMMs need no padding). Default 1: unrounded.
 
     Raises:
-        UnsupportedArgumentError: a ``tau`` outside (0, 1), bad ``heads``, ``block`` or
-            ``mlp_multiple_of``.
+        UnsupportedArgumentError: a ``tau <= 0``, a ``share`` outside (0, 1), both given
+            for one block, bad ``heads``, ``block`` or ``mlp_multiple_of``.
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> layer = TransformerLayer(128, heads=4, attn_tau=0.2, mlp_tau=0.2)
+        >>> layer = TransformerLayer(128, heads=4, attn_share=0.2, mlp_tau=0.5)
+        >>> layer.attn_tau, layer.mlp_share  # sqrt(0.2 / 0.8); 0.25 / 1.25
+        (0.5, 0.2)
         >>> round(layer(torch.randn(8, 64, 128)).std().item(), 1)
         1.0
     """
@@ -281,8 +295,8 @@ class TransformerLayer(nn.Module):
         mlp_expansion_factor: int = 4,
         dropout_p: float = 0.0,
         is_causal: bool = True,
-        attn_tau: float = 0.5,
-        mlp_tau: float = 0.5,
+        attn_tau: float | None = None,
+        mlp_tau: float | None = None,
         bias: bool = False,
         constraint: Constraint = "to_output_scale",
         device: Any = None,
@@ -293,18 +307,16 @@ class TransformerLayer(nn.Module):
         trainable_norms: bool = False,
         rope: bool = False,
         block: str = "llama",
+        *,
+        attn_share: float | None = None,
+        mlp_share: float | None = None,
         mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerLayer", block)
         _check_multiple_of("TransformerLayer", mlp_multiple_of)
-        for name, tau in (("attn_tau", attn_tau), ("mlp_tau", mlp_tau)):
-            if not 0.0 < tau < 1.0:
-                raise UnsupportedArgumentError(
-                    "TransformerLayer", name, tau, "tau is a share of the variance: 0 < tau < 1"
-                )
-        self.attn_tau = attn_tau
-        self.mlp_tau = mlp_tau
+        self.attn_share = _block_share("attn", attn_tau, attn_share)
+        self.mlp_share = _block_share("mlp", mlp_tau, mlp_share)
         norm = {"elementwise_affine": trainable_norms, "device": device, "dtype": dtype}
         norm_class = RMSNorm if block == "llama" else LayerNorm
         self.attn_norm = norm_class(hidden_size, **norm)
@@ -324,32 +336,64 @@ class TransformerLayer(nn.Module):
         self.attn_dropout = Dropout(dropout_p)
         self.mlp_norm = norm_class(hidden_size, **norm)
         if block == "llama":
-            self.mlp = _swiglu(
-                hidden_size,
-                mlp_expansion_factor,
-                bias,
-                constraint,
-                device,
-                dtype,
-                activation_mult,
-                mlp_multiple_of,
-            )
+            mlp = (hidden_size, mlp_expansion_factor, bias, constraint, device, dtype)
+            self.mlp = _swiglu(*mlp, activation_mult, mlp_multiple_of)
         else:
             self.mlp = MLP(
                 hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
             )
         self.mlp_dropout = Dropout(dropout_p)
 
+    @property
+    def attn_tau(self) -> float:
+        """The attention block's weight as the reference's ``tau`` (branch std over skip's)."""
+        return share_to_tau(self.attn_share)
+
+    @property
+    def mlp_tau(self) -> float:
+        """The MLP block's weight as the reference's ``tau`` (branch std over skip's)."""
+        return share_to_tau(self.mlp_share)
+
     def forward(self, input: Tensor) -> Tensor:
-        residual, skip = U.residual_split(input, self.attn_tau)
+        residual, skip = U.residual_split(input, share=self.attn_share)
         residual = self.attn_dropout(self.attn(self.attn_norm(residual)))
-        x = U.residual_add(residual, skip, self.attn_tau)
-        residual, skip = U.residual_split(x, self.mlp_tau)
+        x = U.residual_add(residual, skip, share=self.attn_share)
+        residual, skip = U.residual_split(x, share=self.mlp_share)
         residual = self.mlp_dropout(self.mlp(self.mlp_norm(residual)))
-        return U.residual_add(residual, skip, self.mlp_tau)
+        return U.residual_add(residual, skip, share=self.mlp_share)
 
     def extra_repr(self) -> str:
-        return f"attn_tau={self.attn_tau:.4g}, mlp_tau={self.mlp_tau:.4g}"
+        return f"attn_share={self.attn_share:.4g}, mlp_share={self.mlp_share:.4g}"
+
+
+def _block_share(kind: str, tau: float | None, share: float | None) -> float:
+    """A block's variance share from its ``{kind}_tau`` or ``{kind}_share`` (errors name the
+    module's argument)."""
+    try:
+        return residual_share("TransformerLayer", tau, share)
+    except UnsupportedArgumentError as error:
+        name = f"{kind}_tau" if tau is not None else f"{kind}_share"
+        value = tau if tau is not None else share
+        raise UnsupportedArgumentError(
+            "TransformerLayer", name, value, str(error).split("; ", 1)[-1]
+        ) from None
+
+
+def _decoder_shares(
+    depth: int,
+    mup: bool,
+    residual_mult: float | None,
+    residual_attn_ratio: float | None,
+    depth_rule: str,
+) -> list[float]:
+    """Each residual branch's variance share in a :class:`TransformerDecoder`: u-μP's rule
+    (with ``mup`` or a mult given), else the running mean ``1 / (k + 1)``."""
+    if not (mup or residual_mult is not None or residual_attn_ratio is not None):
+        return [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
+    mult = 1.0 if residual_mult is None else residual_mult
+    ratio = 1.0 if residual_attn_ratio is None else residual_attn_ratio
+    U.transformer_residual_scaling_rule(mult, ratio)  # checks the mults
+    return rule_shares(2 * depth, mult, ratio, depth_rule)
 
 
 class TransformerDecoder(nn.Module):
@@ -370,8 +414,11 @@ class TransformerDecoder(nn.Module):
     unit-scaled at initialisation, plus
 
     * the residual rule :func:`~unitscale.functional.transformer_residual_scaling_rule`
-      (paper, Appendix G; ``residual_mult``, ``residual_attn_ratio``): embedding, attention
-      and MLP each a third of the final stream at the default mults;
+      (paper, Appendix G; ``residual_mult``, ``residual_attn_ratio``): it weights the
+      embedding, the attention branches and the MLP branches a third each in the final
+      stream at the default mults (weights: at initialisation the attention branches hold
+      more of the stream's variance, 0.49-0.95 measured at 2-8 layers and 32-256 tokens,
+      see docs/guide/umup.rst);
     * attention logits ``attn_mult * q.k / d_head`` (μP's ``1/d_head``, :class:`MHSA`);
     * the u-μP readout (``LinearReadout(mup=True)``: output multiplier ``1/fan_in``);
     * the paper's recommended scheme: the Llama-style block of its experiments (RMSNorm, a
@@ -390,12 +437,23 @@ class TransformerDecoder(nn.Module):
     layers, ``lr`` for the final norm); both are changes of u-μP's sound scheme whose
     transfer is not measured. ``mup=False`` builds plain unit scaling: the running-mean
     residual weights (the ``k``-th residual block, ``k = 1 .. 2 depth``, uses
-    ``tau_k = 1 / (k + 1)``, so the output is the equally weighted, unit-scaled sum of the
+    ``share_k = 1 / (k + 1)``, so the output is the equally weighted, unit-scaled sum of the
     embedding and every branch), torch's ``1/sqrt(d_head)`` logits and a unit-scaled
     readout (its weight tagged ``"weight"``); ``residual_mult``/``residual_attn_ratio``
-    given still select the u-μP rule. ``attn_tau``/``mlp_tau`` as floats fix the same
-    ``tau`` in every layer. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α
-    multipliers) apply either way.
+    given still select the u-μP rule. ``attn_tau``/``mlp_tau`` (std ratios, the reference's
+    ``tau``) or ``attn_share``/``mlp_share`` (variance shares) fix the same weight in every
+    layer. ``attn_mult``, ``activation_mult`` and ``loss_mult`` (u-μP's α multipliers)
+    apply either way.
+
+    Depth rule, ``depth_rule``: ``"depth-mup"`` (default, the u-μP paper's): each residual
+    branch's multiplier falls like ``1/sqrt(depth)`` and a layer parameter's learning rate
+    carries the factor ``1/sqrt(depth)`` (:mod:`unitscale.optim`). ``"completep"``
+    (CompleteP, Dey et al. 2025, arXiv 2505.01618, ``α = 1``): multipliers ``1/depth``
+    (:func:`~unitscale.functional.transformer_residual_scaling_rule`) and no depth factor on
+    the learning rate of Adam-style optimisers (the paper's ``η L^(α-1)``, Table 1); the
+    layer parameters carry ``mup_depth_rule = "completep"`` for the optimisers to read. The
+    two rules agree at one layer (the base depth). Applies to the u-μP rule only (not to
+    ``mup=False``'s running mean, nor to fixed ``attn_tau``/``mlp_tau``).
 
     Args:
         hidden_size: model width.
@@ -404,7 +462,8 @@ class TransformerDecoder(nn.Module):
         vocab_size: number of tokens.
         dropout_p: dropout in every layer.
         mlp_expansion_factor: MLP inner width over ``hidden_size``.
-        attn_tau, mlp_tau: fixed residual shares, or None for the rule (see above).
+        attn_tau, mlp_tau: fixed residual weights as std ratios (the reference's ``tau``),
+            or None for the rule (see above).
         bias: give the layers' linear layers biases.
         constraint: passed to every op of the layers (the readout keeps its own default).
         device, dtype: for the parameters.
@@ -420,13 +479,16 @@ class TransformerDecoder(nn.Module):
         rope: rotary position embedding in every layer (default; see above).
         block: ``"llama"`` (default): the Llama-style block of the paper's experiments,
             RMSNorm and a SwiGLU MLP (:class:`TransformerLayer`), the final norm an RMSNorm
-            too; ``"gpt"``: LayerNorm (the final norm too) and the GELU MLP, the block
-            ``unitscale transfer``'s u-μP model keeps. Learning rates of the options as
+            too (``unitscale transfer``'s u-μP model is this block with ``rope=False``);
+            ``"gpt"``: LayerNorm (the final norm too) and the GELU MLP. Learning rates of
+            the options as
             above: a trainable norm's weight is tagged ``"norm"`` (``lr / sqrt(depth)`` in
             the layers, ``lr`` for the final norm), biases ``"bias"``
             (``lr / sqrt(depth)``).
-        mlp_multiple_of: round every SwiGLU inner width up to a multiple of this (see
-            :class:`TransformerLayer`; default 1, unrounded).
+        depth_rule: ``"depth-mup"`` (default) or ``"completep"`` (see above).
+        attn_share, mlp_share: fixed residual weights as variance shares (keyword only;
+            not with ``attn_tau``/``mlp_tau``).
+        mlp_multiple_of: as :class:`TransformerLayer`'s (keyword only; default 1, unrounded).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -464,21 +526,22 @@ class TransformerDecoder(nn.Module):
         trainable_norms: bool = False,
         rope: bool = True,
         block: str = "llama",
+        depth_rule: str = "depth-mup",
+        *,
+        attn_share: float | None = None,
+        mlp_share: float | None = None,
         mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerDecoder", block)
+        check_depth_rule("TransformerDecoder", depth_rule)
         _check_multiple_of("TransformerDecoder", mlp_multiple_of)
         self.mup = mup
+        self.depth_rule = depth_rule
         self.loss_mult = check_mult("TransformerDecoder", loss_mult)
-        if mup or residual_mult is not None or residual_attn_ratio is not None:
-            rule = U.transformer_residual_scaling_rule(
-                1.0 if residual_mult is None else residual_mult,
-                1.0 if residual_attn_ratio is None else residual_attn_ratio,
-            )
-            taus = [rule(k, 2 * depth) for k in range(2 * depth)]
-        else:
-            taus = [1.0 / (k + 2) for k in range(2 * depth)]  # the running mean
+        shares = _decoder_shares(depth, mup, residual_mult, residual_attn_ratio, depth_rule)
+        fixed_attn = attn_tau is not None or attn_share is not None
+        fixed_mlp = mlp_tau is not None or mlp_share is not None
         self.embedding = Embedding(vocab_size, hidden_size, device=device, dtype=dtype)
         self.layers = DepthModuleList(
             TransformerLayer(
@@ -487,8 +550,8 @@ class TransformerDecoder(nn.Module):
                 mlp_expansion_factor,
                 dropout_p,
                 True,
-                taus[2 * i] if attn_tau is None else attn_tau,
-                taus[2 * i + 1] if mlp_tau is None else mlp_tau,
+                attn_tau,
+                mlp_tau,
                 bias,
                 constraint,
                 device,
@@ -499,10 +562,15 @@ class TransformerDecoder(nn.Module):
                 trainable_norms,
                 rope,
                 block,
-                mlp_multiple_of,
+                attn_share=attn_share if fixed_attn else shares[2 * i],
+                mlp_share=mlp_share if fixed_mlp else shares[2 * i + 1],
+                mlp_multiple_of=mlp_multiple_of,
             )
             for i in range(depth)
         )
+        if depth_rule != "depth-mup":
+            for param in self.layers.parameters():
+                setattr(param, DEPTH_RULE, depth_rule)
         self.final_norm = (RMSNorm if block == "llama" else LayerNorm)(
             hidden_size, elementwise_affine=trainable_norms, device=device, dtype=dtype
         )

@@ -481,6 +481,10 @@ class Metrics:
 
     fwd: _Data | None = None
     bwd: _Data | None = None
+    #: Block-format metrics by direction (``{"fwd": {...}, "bwd": {...}}``), only where
+    #: ``track_scales(..., block_formats=...)`` asked for them (see
+    #: :mod:`unitscale.tracking.blocks`); None otherwise.
+    blocks: dict[str, dict[str, float]] | None = None
 
     def __repr__(self) -> str:
         def short(d: _Data | None) -> str:

@@ -37,7 +37,7 @@ def _copy_meta(meta: dict[str, Any]) -> dict[str, Any]:
     out = dict(meta)
     metrics = out.get("metrics")
     if isinstance(metrics, Metrics):
-        out["metrics"] = Metrics(fwd=metrics.fwd, bwd=metrics.bwd)
+        out["metrics"] = Metrics(fwd=metrics.fwd, bwd=metrics.bwd, blocks=metrics.blocks)
     return out
 
 

@@ -67,7 +67,9 @@ class ScaleRecord:
         shape: the value's shape as text, e.g. ``"(8, 64, 128)"`` ("" when unknown).
         dtype: the value's dtype without ``torch.``, e.g. ``"float32"`` ("" when unknown).
         inputs: ``node`` names of the nodes this one reads (data flow).
-        metrics: every metric of ``Metrics.Data.as_dict()``.
+        metrics: every metric of ``Metrics.Data.as_dict()``, then the block-format metrics
+            where tracking recorded them (``block_flushed_<format>`` and the like, see
+            :mod:`unitscale.tracking.blocks`).
     """
 
     order: int
@@ -88,6 +90,9 @@ class ScaleRecord:
         row: dict[str, Any] = {c: getattr(self, c) for c in ID_COLUMNS}
         for key in METRIC_NAMES:
             row[key] = self.metrics.get(key, math.nan)
+        for key, value in self.metrics.items():  # block-format metrics, where recorded
+            if key not in row:
+                row[key] = value
         return row
 
 
@@ -167,9 +172,13 @@ def graph_records(graph: Graph, where: str = "graph_records") -> Iterator[ScaleR
         )
         shape, dtype = _value_meta(node)
         inputs = tuple(n.name for n in node.all_input_nodes)
+        blocks = metrics.blocks
         for direction, data in (("fwd", metrics.fwd), ("bwd", metrics.bwd)):
             if data is None:
                 continue
+            values = dict(data.as_dict())
+            if blocks is not None:
+                values.update(blocks.get(direction, {}))
             base = "w" if weight else "x"
             yield ScaleRecord(
                 order=order,
@@ -183,5 +192,5 @@ def graph_records(graph: Graph, where: str = "graph_records") -> Iterator[ScaleR
                 shape=shape,
                 dtype=dtype,
                 inputs=inputs,
-                metrics=dict(data.as_dict()),
+                metrics=values,
             )

@@ -7,11 +7,11 @@ model family (:attr:`TransferConfig.model`) in two parametrisations, at every si
 - ``standard``: the plain-PyTorch decoder (:class:`unitscale.models.PlainGPT` without a
   position embedding, GPT-2's layout and N(0, 0.02) initialisation), or for ``hf:llama`` a
   transformers Llama as transformers initialises it, with ``torch.optim.AdamW``;
-- ``u-muP``: the library's :class:`unitscale.TransformerDecoder` with its GPT-style block
-  (``block="gpt"``, that of the committed results; the paper's scheme otherwise, every
-  mult 1), or for ``hf:llama`` :func:`~unitscale.transforms.unit_scale` of the
-  same Llama, with :class:`unitscale.optim.AdamW` (per-parameter learning rates from the
-  u-μP tags);
+- ``u-muP``: the library's default :class:`unitscale.TransformerDecoder` (the Llama-style
+  block, RMSNorm and SwiGLU, of the committed results) with ``rope=False`` (the paper's
+  scheme otherwise, every mult 1), or for ``hf:llama``
+  :func:`~unitscale.transforms.unit_scale` of the same Llama, with
+  :class:`unitscale.optim.AdamW` (per-parameter learning rates from the u-μP tags);
 
 then u-μP once more per size in simulated FP8 (:func:`unitscale.transforms.simulate_fp8`,
 the ``"hardware"`` recipe, no loss scaling) at the learning rate that was best in FP32.
@@ -59,7 +59,9 @@ from ._config import (
     DEFAULT_CONFIG,
     DEFAULT_MUP_LR,
     DEFAULT_STANDARD_LR,
+    DEPTH_RULES,
     MODELS,
+    OPTIMIZERS,
     PARAMETRISATIONS,
     TransferConfig,
     TransferConfigError,
@@ -73,6 +75,7 @@ from ._models import (
     Parametrisation,
     build_model,
     build_optimiser,
+    describe,
 )
 from ._models import _llama_mup as _llama_mup
 from ._plot import plot_transfer
@@ -81,7 +84,13 @@ from ._summary import summary_text, sweep_tables, table_lines, transfer_claims
 from ._sweep import _eval_data as _eval_data
 from ._sweep import _train_data as _train_data
 from ._sweep import run_transfer, train_one
-from ._writers import command_line, write_transfer_csv, write_transfer_json, write_transfer_report
+from ._writers import (
+    command_line,
+    write_effective_rates,
+    write_transfer_csv,
+    write_transfer_json,
+    write_transfer_report,
+)
 
 __all__ = [  # noqa: RUF022 (grouped by kind)
     # errors
@@ -92,6 +101,8 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "PARAMETRISATIONS",
     "CENTRE_FIELDS",
     "MODELS",
+    "OPTIMIZERS",
+    "DEPTH_RULES",
     "DEFAULT_MUP_LR",
     "DEFAULT_STANDARD_LR",
     "DEFAULT_CONFIG",
@@ -102,6 +113,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "TransferResult",
     "build_model",
     "build_optimiser",
+    "describe",
     "train_one",
     "run_transfer",
     # tables and claims
@@ -119,6 +131,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "summary_text",
     "plot_transfer",
     "write_transfer_csv",
+    "write_effective_rates",
     "command_line",
     "write_transfer_json",
     "write_transfer_report",

@@ -32,6 +32,14 @@ MODELS: tuple[str, ...] = ("builtin", "hf:llama")
 #: run and shown.
 PARAMETRISATIONS: tuple[str, ...] = ("standard", "u-muP")
 
+#: The optimisers u-μP can train with (``unitscale transfer --optimizer``):
+#: :class:`unitscale.optim.AdamW` or :class:`unitscale.optim.Muon`.
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
+
+#: The depth rules of the u-μP models (``unitscale transfer --depth-rule``): depth-μP (the
+#: u-μP paper's) or CompleteP (Dey et al. 2025, arXiv 2505.01618).
+DEPTH_RULES: tuple[str, ...] = ("depth-mup", "completep")
+
 #: The :class:`TransferConfig` field holding the centre of each parametrisation's grid.
 CENTRE_FIELDS: dict[str, str] = {"standard": "standard_lr", "u-muP": "mup_lr"}
 
@@ -98,6 +106,13 @@ class TransferConfig:
         quick: a smoke run (:func:`default_config` with ``quick=True``): the summary, the
             JSON and the report say so, and no claim is judged on it, held or not (a few dozen
             steps on three grid points cannot support one).
+        optimizer: u-μP's optimiser, an :data:`OPTIMIZERS` entry: ``"adamw"``
+            (:class:`unitscale.optim.AdamW`, default) or ``"muon"``
+            (:class:`unitscale.optim.Muon`: Muon for hidden matrices, u-μP AdamW for the
+            rest; torch 2.9+). The standard parametrisation keeps torch's AdamW.
+        depth_rule: the u-μP models' depth rule, a :data:`DEPTH_RULES` entry:
+            ``"depth-mup"`` (default) or ``"completep"`` (``TransformerDecoder`` /
+            ``unit_scale``'s ``depth_rule=``).
 
     Example:
         >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
@@ -124,6 +139,8 @@ class TransferConfig:
     model: str = "builtin"
     threads: int = 1
     quick: bool = False
+    optimizer: str = "adamw"
+    depth_rule: str = "depth-mup"
 
     def __post_init__(self) -> None:
         if self.vary not in ("width", "depth"):
@@ -182,6 +199,12 @@ class TransferConfig:
             raise TransferConfigError(
                 f"TransferConfig: model={self.model!r}; choose from {', '.join(MODELS)}"
             )
+        for name, allowed in (("optimizer", OPTIMIZERS), ("depth_rule", DEPTH_RULES)):
+            if getattr(self, name) not in allowed:
+                raise TransferConfigError(
+                    f"TransferConfig: {name}={getattr(self, name)!r}; choose from "
+                    f"{', '.join(allowed)}"
+                )
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise TransferConfigError(
                 f"TransferConfig: threads={self.threads!r} must be a positive integer"

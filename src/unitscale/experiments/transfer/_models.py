@@ -39,7 +39,9 @@ def _mup_model(width: int, depth: int, config: TransferConfig) -> nn.Module:
         torch.manual_seed(config.seed)
         # the default (Llama-style) block, without rotary embeddings: like the standard model,
         # no positional information of its own
-        return us.TransformerDecoder(width, depth, width // HEAD_SIZE, 256, rope=False)
+        return us.TransformerDecoder(
+            width, depth, width // HEAD_SIZE, 256, rope=False, depth_rule=config.depth_rule
+        )
 
 
 class _CausalLMLoss(nn.Module):
@@ -95,7 +97,7 @@ def _llama_mup(width: int, depth: int, config: TransferConfig) -> nn.Module:
     from ...transforms import unit_scale
 
     # unit_scale's defaults: the paper's residual rule, norms without trainable weights
-    return unit_scale(_llama(width, depth, config))
+    return unit_scale(_llama(width, depth, config), depth_rule=config.depth_rule)
 
 
 def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -103,7 +105,13 @@ def _torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def _mup_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return us_optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return us_optim.AdamW(model.named_parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def _mup_muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """:class:`unitscale.optim.Muon` (torch's Muon defaults; AdamW betas 0.9, 0.95 for the
+    parameters that are not hidden matrices), no weight decay."""
+    return us_optim.Muon(model.named_parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 @dataclass(frozen=True)
@@ -196,11 +204,17 @@ def build_model(parametrisation: str, width: int, depth: int, config: TransferCo
 
 
 def build_optimiser(
-    parametrisation: str, model: nn.Module, lr: float, family: str = "builtin"
+    parametrisation: str,
+    model: nn.Module,
+    lr: float,
+    family: str = "builtin",
+    optimizer: str = "adamw",
 ) -> torch.optim.Optimizer:
     """AdamW (betas 0.9, 0.95, no weight decay) at peak ``lr``: torch's for ``standard``,
     :class:`unitscale.optim.AdamW` (each parameter ``lr`` times its u-μP rule, the factor in
-    its param group's ``"lr_scale"``) for ``u-muP``, for the model family ``family``.
+    its param group's ``"lr_scale"``) for ``u-muP``, for the model family ``family``; with
+    ``optimizer="muon"``, u-μP trains with :class:`unitscale.optim.Muon` instead (the
+    standard parametrisation keeps torch's AdamW).
 
     Example:
         >>> m = build_model("u-muP", 64, 2, TransferConfig())
@@ -210,4 +224,30 @@ def build_optimiser(
         >>> [round(r * math.sqrt(2), 4) for r in rates[:2]]
         [0.0767, 0.125]
     """
+    if optimizer == "muon" and parametrisation == "u-muP":
+        return _mup_muon(model, lr)
     return _spec(parametrisation, family).optimiser(model, lr)
+
+
+def describe(parametrisation: str, config: TransferConfig) -> str:
+    """The parametrisation's model and optimiser in a few words, with the options of
+    ``config`` that change them (``optimizer``, ``depth_rule``), for the summary and figure.
+
+    Example:
+        >>> text = describe("u-muP", TransferConfig(optimizer="muon", depth_rule="completep"))
+        >>> text.endswith("+ unitscale.optim.Muon"), "rope=False, depth_rule=completep" in text
+        (True, True)
+    """
+    text = _spec(parametrisation, config.model).description
+    if parametrisation != "u-muP":
+        return text
+    if config.depth_rule != "depth-mup":
+        rule = f"depth_rule={config.depth_rule}"
+        text = (
+            text.replace("rope=False)", f"rope=False, {rule})")
+            if "rope=False)" in text
+            else text.replace(" + ", f" ({rule}) + ", 1)
+        )
+    if config.optimizer == "muon":
+        text = text.replace("unitscale.optim.AdamW", "unitscale.optim.Muon")
+    return text

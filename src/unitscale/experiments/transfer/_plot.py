@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ._config import TransferConfig
 from ._frames import _size_column, best_points, seed_mean
-from ._models import PARAMETRISATIONS, _spec
+from ._models import PARAMETRISATIONS, describe
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,7 +51,7 @@ def plot_transfer(final: pd.DataFrame, config: TransferConfig) -> Figure:
         )
         # Every panel names its axes: a panel cropped out of the figure still reads.
         ax.set_ylabel("final held-out loss (nats per byte)")
-        title = _spec(p, config.model).description
+        title = describe(p, config)
         ax.set_title(title if p == "standard" else f"{title}; x: FP8 at best lr", fontsize=8)
         ax.grid(alpha=0.3)
     if finite:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ._claims import Claim, evaluate_claims
 from ._config import TransferConfig
 from ._frames import _size_column, best_points, final_frame, runs_frame, seed_mean
-from ._models import PARAMETRISATIONS, _spec
+from ._models import PARAMETRISATIONS, describe
 from ._records import TransferResult
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _header_lines(result: TransferResult) -> list[str]:
     (depth,) = config.depths if config.vary == "width" else (None,)
     fixed = f"depth {depth}" if width is None else f"width {width}"
     sizes = ", ".join(str(s) for s in (config.widths if width is None else config.depths))
-    standard, mup = (_spec(p, config.model).description for p in PARAMETRISATIONS)
+    standard, mup = (describe(p, config) for p in PARAMETRISATIONS)
     lines = [
         f"unitscale transfer: learning-rate sweeps across {config.vary} ({sizes}; {fixed}), "
         f"model {config.model}, {config.steps} steps, batch {config.batch_size} x "

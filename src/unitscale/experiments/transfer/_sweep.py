@@ -82,7 +82,7 @@ def train_one(
         model.train()
         done = train_loop(
             model,
-            build_optimiser(parametrisation, model, lr, config.model),
+            build_optimiser(parametrisation, model, lr, config.model, config.optimizer),
             data,
             config.schedule,
             eval_every=config.eval_every,

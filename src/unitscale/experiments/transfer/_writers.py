@@ -48,6 +48,10 @@ def command_line(config: TransferConfig) -> str:
         parts.append(f"--vary {config.vary}")
     if config.model != "builtin":
         parts.append(f"--model {config.model}")
+    if config.optimizer != "adamw":
+        parts.append(f"--optimizer {config.optimizer}")
+    if config.depth_rule != "depth-mup":
+        parts.append(f"--depth-rule {config.depth_rule}")
     if config.quick:
         parts.append("--quick")
     base = default_config(config.vary, quick=config.quick)
@@ -59,6 +63,37 @@ def command_line(config: TransferConfig) -> str:
     if not config.fp8:
         parts.append("--no-fp8")
     return " ".join(parts)
+
+
+def write_effective_rates(config: TransferConfig, path: str | os.PathLike[str]) -> Path:
+    """Write every u-μP parameter's effective learning rate and decay at each size of
+    ``config``, at the centre of the grid (:func:`unitscale.optim.effective_rates`, with
+    ``width`` and ``depth`` columns first), to ``path`` as CSV; return it. The table a
+    "does not learn" question starts from; building the models trains nothing.
+
+    Example:
+        >>> import tempfile, pandas
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = write_effective_rates(default_config(quick=True), f"{tmp}/r.csv")
+        ...     table = pandas.read_csv(path)
+        >>> list(table.columns[:4]), sorted(set(table.width))
+        (['width', 'depth', 'name', 'tag'], [32, 64])
+    """
+    import pandas as pd
+
+    from ...optim import effective_rates
+    from ._models import build_model, build_optimiser
+
+    lr = dict(config.grid("u-muP"))[0]
+    frames = []
+    for width, depth in config.sizes:
+        model = build_model("u-muP", width, depth, config)
+        optimiser = build_optimiser("u-muP", model, lr, config.model, config.optimizer)
+        table = effective_rates(optimiser, model)
+        table.insert(0, "depth", depth)
+        table.insert(0, "width", width)
+        frames.append(table)
+    return report.write_csv(pd.concat(frames, ignore_index=True), path)
 
 
 def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) -> Path:

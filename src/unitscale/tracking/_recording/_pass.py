@@ -45,9 +45,11 @@ from ...capture import (
     trace_eagerly,
     warn_user,
 )
+from ...formats import BlockFormat
 from .. import _distributed
 from .._join import _Joined, build_scales_graph
 from .._read import _Stats
+from ..blocks import attach_block_metrics, block_metrics
 from ..metrics import _mode, deferred_stats, fast_stats
 from ._graph import _replicated_slots, _same_values_source, _static_shape
 from ._tensors import _add_grad_hook, _alias_requiring_grad, _can_alias, _Snapshot
@@ -67,7 +69,12 @@ class TrackScalesPass(GraphPass):
     applied = "is tracked by track_scales"
     order_fix = "apply track_scales last, e.g. track_scales({op}(model))"
 
-    def __init__(self) -> None:
+    def __init__(self, block_formats: tuple[tuple[str, BlockFormat], ...] = ()) -> None:
+        #: ``(name, format)`` of the block-scaled formats whose metrics each tensor gets
+        #: (:mod:`unitscale.tracking.blocks`); empty (the default): none, no cost.
+        self.block_formats = block_formats
+        #: Block metrics of the parameters' gradients in the running call, by tensor id.
+        self._param_blocks: dict[int, dict[str, float]] = {}
         #: When False, ``record`` returns at once: the module runs at (nearly) untracked speed
         #: and the last recorded call's statistics are kept. See ``ScaleMonitor``.
         self.enabled = True
@@ -104,15 +111,15 @@ class TrackScalesPass(GraphPass):
         self._fast: Any = None
 
     def without_state(self) -> TrackScalesPass:
-        clone = TrackScalesPass()
+        clone = TrackScalesPass(self.block_formats)
         clone.engine = self.engine
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"engine": self.engine}
+        return {"engine": self.engine, "block_formats": self.block_formats}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(state.get("block_formats", ()))  # type: ignore[misc]
         self.engine = state.get("engine", "dynamo")
 
     # -- capture time ------------------------------------------------------------------------
@@ -314,7 +321,10 @@ class TrackScalesPass(GraphPass):
 
     def scales_graph(self, module: TransformedModule) -> fx.Graph:
         """Join and read the last call of ``module`` (see :func:`build_scales_graph`)."""
-        return build_scales_graph(module, self)
+        graph = build_scales_graph(module, self)
+        if self.block_formats:
+            attach_block_metrics(graph, self, module)
+        return graph
 
     # -- run time (the hot path) -------------------------------------------------------------
     def record(self, x: Any, slot: int, forward: bool = True) -> None:
@@ -356,6 +366,9 @@ class TrackScalesPass(GraphPass):
             if entry is None:
                 entry = (x.numel(), deferred_stats(x, mode=self._stats_mode))
             invocation.data.setdefault("fwd", {})[slot] = entry
+            if self.block_formats:
+                blocks = block_metrics(x, self.block_formats)
+                invocation.data.setdefault("blocks", {})[("fwd", slot)] = blocks
         if x.requires_grad and torch.is_grad_enabled():
             if x.is_leaf:
                 # Leaves (parameters, inputs) keep hooks across calls: hook each once a call.
@@ -388,6 +401,9 @@ class TrackScalesPass(GraphPass):
             if entry is None:
                 entry = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
             invocation.data.setdefault("bwd", {})[slot] = entry
+            if self.block_formats:
+                blocks = block_metrics(grad, self.block_formats)
+                invocation.data.setdefault("blocks", {})[("bwd", slot)] = blocks
             if keep:
                 # Equal values on every rank, partial gradients: averaged when read.
                 invocation.data.setdefault("replicated_grads", {})[slot] = grad
@@ -408,6 +424,8 @@ class TrackScalesPass(GraphPass):
                 if entry is None:
                     entry = (grad.numel(), deferred_stats(grad, mode=self._stats_mode))
                 self._param_grads[key] = entry
+                if self.block_formats:
+                    self._param_blocks[key] = block_metrics(grad, self.block_formats)
 
         return hook
 
@@ -426,6 +444,7 @@ class TrackScalesPass(GraphPass):
             return
         self._seen = {}
         self._param_grads = {}
+        self._param_blocks = {}
         self._stats_mode = _mode()
         # The native extension's one-call path (None: every tensor takes deferred_stats).
         fast = fast_stats() if self._stats_mode == "auto" else None

@@ -36,6 +36,7 @@ Python side effects), so that the ops run under ``torch.compile``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from ._scaled_mm import (
     float8_device_error,
     padded_mm,
 )
-from ._scaling import amax_scale, delayed_scale, tensor_amax
+from ._scaling import scaled_cast
 
 __all__ = [
     "E4M3_DTYPE",
@@ -76,14 +77,12 @@ def _cast(
 ) -> tuple[Tensor, Tensor | None]:
     """``x`` cast to float8 (saturated), and the inverse scale (None for ``"none"``)."""
     fmax = torch.finfo(dtype).max
-    if scaling == "none":
-        return x.clamp(-fmax, fmax).to(dtype), None
-    if scaling == "delayed" and history is not None:
-        scale = delayed_scale(x, history, fmax, record=record)
-    else:
-        scale = amax_scale(tensor_amax(x), fmax)
-    scaled = x.to(torch.float32) * scale
-    return scaled.clamp(-fmax, fmax).to(dtype), scale.reciprocal()
+    saturate = functools.partial(_saturate, dtype=dtype, fmax=fmax)
+    return scaled_cast(x, saturate, fmax, scaling, history=history, record=record)
+
+
+def _saturate(x: Tensor, dtype: Any, fmax: float) -> Tensor:
+    return x.clamp(-fmax, fmax).to(dtype)
 
 
 def _gemm_scales(

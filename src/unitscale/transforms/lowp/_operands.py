@@ -24,9 +24,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...capture import Capture, Piece, module_path_of
+from ...capture import Capture, Piece, module_path_at, module_path_of
 from .._rewrite import RewritePass, parameter_nodes
 from ._ops import OpsScope, grouped_operands, is_linear, looks_matmul_like, target_name
+from ._skip import SKIPPED, is_skipped
 
 __all__ = [
     "MATMUL_OPERANDS",
@@ -34,6 +35,7 @@ __all__ = [
     "OUTSIDE_LINEAR",
     "UNRECOGNISED",
     "fp8_candidates",
+    "is_unit_scaled",
     "matmul_operands",
 ]
 
@@ -129,6 +131,17 @@ def matmul_operands(node: fx.Node) -> list[tuple[int, str]]:
     return list(operands or ()) or grouped_operands(node)
 
 
+def is_unit_scaled(node: fx.Node) -> bool:
+    """Whether ``node`` is a matmul-like op of :mod:`unitscale.functional` (what
+    ``unit_scale`` puts in place of torch's, and what unitscale's modules call)."""
+    if node.op != "call_function":
+        return False
+    try:
+        return node.target in _unit_scaled_operands()
+    except TypeError:  # unhashable target
+        return False
+
+
 UNRECOGNISED = "not recognised as a matmul-like op: runs unrounded"
 """Summary reason of an op named like a matmul that no table holds (also warned about)."""
 OUTSIDE_LINEAR = "outside ops='linear'"
@@ -146,12 +159,14 @@ def fp8_candidates(
     left: list[tuple[str, str]],
 ) -> Iterator[tuple[fx.Node, str, list[tuple[int, str]]]]:
     """The matmul-like ops of ``gm`` that an FP8 pass converts: those in the pass's module
-    scope and in ``ops`` (:func:`~._fp8_ops.is_linear` for ``"linear"``), each with its
+    scope and in ``ops`` (:func:`~._fp8_ops.is_linear` for ``"linear"``) and not in a module
+    of the pass's ``skip`` (:mod:`~._skip`), each with its
     summary label and operand slots (see :func:`matmul_operands`). Appends to ``left`` the
     matmul-like ops it does not yield, with the reason: the one classification of
     ``simulate_fp8`` and ``to_fp8``, so that ``ops="linear"`` and ``to_fp8`` cover the same
     ops under the same names."""
     in_scope = graph_pass.scope_filter(capture, piece)
+    skip: frozenset[str] = getattr(graph_pass, "skip", frozenset())
     parameters = parameter_nodes(gm, piece)
     module_names = {id(m): name for name, m in capture.owner_module.named_modules()}
     for node in list(gm.graph.nodes):
@@ -166,6 +181,11 @@ def fp8_candidates(
         label = _op_label(node, module_names)
         if ops == "linear" and not is_linear(node, parameters):
             left.append((label, OUTSIDE_LINEAR))
+            continue
+        if skip and is_skipped(
+            module_path_at(node, piece.frame_module, module_names), skip, graph_pass.scope
+        ):
+            left.append((label, SKIPPED))
             continue
         yield node, label, slots
 

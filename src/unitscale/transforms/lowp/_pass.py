@@ -16,55 +16,121 @@ deep-copies as configuration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
 
-from ...capture import Capture, Piece, Stage, example_value, identifier, is_float_node
+from ...capture import (
+    Capture,
+    Piece,
+    Stage,
+    TransformedModule,
+    example_value,
+    is_float_node,
+    module_path_at,
+)
 from ...formats import FPFormat
-from .._rewrite import RewritePass, insert_call, placeholder_names
-from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
-from ._ops import OpsScope, add_bias, unit_addmm_bias, unit_linear_bias, unit_readout_bias
+from .._rewrite import RewritePass, insert_call, parameter_nodes, placeholder_names
+from . import _simulated_rowwise as rowwise
+from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
+from ._ops import (
+    OpsScope,
+    add_bias,
+    is_linear,
+    target_name,
+    unit_addmm_bias,
+    unit_linear_bias,
+    unit_readout_bias,
+)
 from ._quantise import format_spec, fp8_scale, quantise_grad, quantise_operand
-from ._scaling import DEFAULT_HISTORY_LEN, Scaling, history_buffer
-from ._summary import record
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, history_buffer
+from ._summary import record, warn_if_not_unit_scaled
 
 __all__ = ["SimulateFormatPass"]
+
+NO_ROWWISE = "no rowwise counterpart"
+"""Summary reason of a linear op that the rowwise recipes have no simulated form of."""
 
 
 class _Sites:
     """While one graph is rewritten: the history node of each scaled rounding (delayed
-    scaling only) and how many scaled roundings the forward and the backward do."""
+    scaling only) and how many scaled roundings the forward and the backward do.
 
-    def __init__(self, gm: fx.GraphModule, root: nn.Module | None, history_len: int) -> None:
+    A history is named after the op it serves, where the piece runs (the module path as
+    :func:`~unitscale.capture.module_path_at` gives it, with the op's name unless it is a
+    linear op) and the tensor's role (the operand's argument name, ``grad_<operand>``,
+    ``grad_output``): ``fp8_amax_history_blocks_1_fc_input``. The names are kept per
+    capture, keyed by that place, the role and the op's source line, so that a graph
+    recaptured for new shapes finds its histories again and two ops of different graph
+    pieces (around a graph break) never share one, whatever Dynamo named their nodes.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, piece: Piece, capture: Capture, history_len: int, delayed: bool
+    ) -> None:
         self.gm = gm
-        self.root = root
+        self.piece = piece
+        self.root = capture.owner_module if delayed else None
         self.history_len = history_len
         self.counts = [0, 0]  # scaled roundings in the forward, in the backward
-        self.sites: set[str] = set()
+        if self.root is not None:
+            self.names: dict[tuple[Any, ...], str] = capture.pass_state.setdefault(_SITES, {})
+            self.module_names = {id(m): n for n, m in self.root.named_modules()}
+            self.parameters = parameter_nodes(gm, piece)
+            self.seen: dict[tuple[Any, ...], int] = {}
 
-    def history(self, graph: fx.Graph, site: str, device: torch.device) -> fx.Node | None:
-        """A ``get_attr`` node for the history of ``site`` (made unique), or None without
+    def history(
+        self, graph: fx.Graph, op: fx.Node, role: str, device: torch.device
+    ) -> fx.Node | None:
+        """A ``get_attr`` node for the history of ``op``'s tensor ``role``, or None without
         delayed scaling. The graph module holds the root's buffer itself, so the graph's
         updates are the buffer's."""
         if self.root is None:
             return None
-        site = identifier(site)
-        unique, n = site, 0
-        while unique in self.sites:
-            n += 1
-            unique = f"{site}_{n}"
-        self.sites.add(unique)
-        name = history_buffer(self.root, unique, self.history_len, device)
+        place = module_path_at(op, self.piece.frame_module, self.module_names)
+        if not is_linear(op, self.parameters):
+            place = f"{place}.{target_name(op.target).rsplit('::', 1)[-1]}".lstrip(".")
+        key: tuple[Any, ...] = (place, role, op.meta.get("stack_trace"))
+        occurrence = self.seen.get(key, 0)
+        self.seen[key] = occurrence + 1
+        key = (*key, occurrence)
+        site = self.names.get(key)
+        if site is None:
+            base = re.sub(r"\W", "_", f"{place}.{role}" if place else role)
+            taken = set(self.names.values())
+            site, n = base, 0
+            while site in taken:
+                n += 1
+                site = f"{base}_{n}"
+            self.names[key] = site
+        name = history_buffer(self.root, site, self.history_len, device)
         if name not in self.gm._buffers:
             self.gm.register_buffer(name, self.root._buffers[name])
         node = graph.get_attr(name)
         node.meta["example_value"] = torch.empty(self.history_len, device="meta")
+        self.piece.data[_SITES] = True
         return node
+
+
+_SITES = "fp8_history_sites"
+"""Key of the history names in ``capture.pass_state`` and, in ``piece.data``, the mark of a
+piece that reads histories (its variants: :func:`history_variant_key`)."""
+
+
+def history_variant_key(scaling: str, piece: Piece, capture: Capture) -> Hashable:
+    """The variant key of a piece with delayed scaling: its position in the running call.
+
+    Dynamo reuses the graph of one layer's frame (a layer with a graph break inside) for
+    every other layer; its history nodes name the first layer's histories. Keyed by its
+    position, the piece is rewritten for each place it runs at, with that place's
+    histories (named from its parameters' module, see :class:`_Sites`)."""
+    if scaling != "delayed" or not piece.data.get(_SITES):
+        return None
+    return len(capture.trace)
 
 
 class SimulateFormatPass(RewritePass):
@@ -96,6 +162,8 @@ class SimulateFormatPass(RewritePass):
             weight parameter, see :mod:`unitscale.transforms.lowp._ops`); the matmul-like
             ops left out are recorded for :func:`~unitscale.transforms.fp8_summary`.
         transform: the transform's name in that summary and its log line.
+        skip: qualified names of the modules whose ops are left as they are (``skip=``,
+            :mod:`~._skip`), listed in that summary.
     """
 
     stage = Stage.SIMULATE
@@ -118,8 +186,10 @@ class SimulateFormatPass(RewritePass):
         history_len: int = DEFAULT_HISTORY_LEN,
         ops: OpsScope = "matmuls",
         transform: str = "simulate_format",
+        skip: frozenset[str] = frozenset(),
     ) -> None:
         self.fwd_format = fwd_format
+        self.skip = skip
         self.bwd_format = bwd_format
         self.output_grad_format = output_grad_format
         self.scaling = scaling
@@ -134,11 +204,30 @@ class SimulateFormatPass(RewritePass):
             f"ops={self.ops!r})"
         )
 
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        return history_variant_key(self.scaling, piece, capture)
+
+    def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
+        super().after_call(module, capture, output)
+        trace = capture.trace or capture.last_trace
+        if getattr(self, "_checked", False) or not trace:
+            return
+        self._checked = True
+        fmt = self.fwd_format
+        eight_bits = fmt.exponent_bits + fmt.mantissa_bits < 8  # FP8 and narrower
+        if self.label == "simulate_fp8" and self.scaling == "none" and eight_bits:
+            warn_if_not_unit_scaled(self.label, module, trace)
+
+    def without_state(self) -> SimulateFormatPass:
+        clone = super().without_state()
+        clone.__dict__.pop("_checked", None)
+        clone.__dict__.pop("_warned", None)
+        return clone  # type: ignore[return-value]
+
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
-        root = capture.owner_module if self.scaling == "delayed" else None
         # Per-graph state, held by the pass only while this graph is rewritten (the pass
         # itself stays configuration: it pickles and deep-copies).
-        self._sites = _Sites(gm, root, self.history_len)
+        self._sites = _Sites(gm, piece, capture, self.history_len, self.scaling == "delayed")
         try:
             # extend: a nested child's own pass may already have rounded its ops here.
             piece.data.setdefault("simulate_format", []).extend(self._rewrite(gm, piece, capture))
@@ -153,7 +242,16 @@ class SimulateFormatPass(RewritePass):
         quantised: list[tuple[str, str]] = []
         converted: list[str] = []
         left: list[tuple[str, str]] = []
+        unit_scaled = 0
         for node, label, slots in fp8_candidates(self, gm, piece, capture, self.ops, left):
+            if self.scaling in ROWWISE_SCALINGS:
+                unit = is_unit_scaled(node)
+                if not self._rowwise(node):
+                    left.append((label, NO_ROWWISE))
+                    continue
+                converted.append(label)
+                unit_scaled += unit
+                continue
             before = len(quantised)
             if node.op == "call_function" and node.target is torch.einsum:
                 self._quantise_einsum(graph, node, names, quantised)
@@ -162,10 +260,22 @@ class SimulateFormatPass(RewritePass):
                 self._quantise_slots(graph, node, slots, names, quantised)
             if len(quantised) > before:
                 converted.append(label)
+                unit_scaled += is_unit_scaled(node)
             else:
                 left.append((label, NO_FLOAT_OPERAND))
-        record(piece, self.label, converted, left, warn_reasons=(UNRECOGNISED,))
+        record(piece, self.label, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled)
         return quantised
+
+    def _rowwise(self, node: fx.Node) -> bool:
+        """Make the linear op ``node`` run torchao's rowwise recipe (:mod:`~._simulated_rowwise`):
+        two scaled casts in the forward, four in the backward (two with the weight
+        gradient in high precision)."""
+        if not rowwise.convert(node, self.scaling):
+            return False
+        self._sites.counts[0] += 2
+        self._sites.counts[1] += 2 if self.scaling == "rowwise_with_gw_hp" else 4
+        node.meta["fp8_scaling"] = {"forward": self.scaling, "gradient": self.scaling}
+        return True
 
     def _quantise_slots(
         self,
@@ -188,7 +298,7 @@ class SimulateFormatPass(RewritePass):
                 continue
             # One node per operand slot, even for x @ x: each slot's gradient is a
             # separate output of the matmul's backward, rounded on its own.
-            new = self._insert(graph, node, operand, names)
+            new = self._insert(graph, node, operand, keyword or f"operand{position}", names)
             quantised.append((node.name, operand.name))
             if position < len(node.args):
                 args = list(node.args)
@@ -204,8 +314,7 @@ class SimulateFormatPass(RewritePass):
         if self.output_grad_format is None or not is_float_node(node) or not node.users:
             return
         with graph.inserting_after(node):
-            site = f"{node.name}_grad_quantised"
-            history = self._sites.history(graph, site, example_value(node).device)
+            history = self._sites.history(graph, node, "grad_output", example_value(node).device)
         with graph.inserting_after(history or node):
             new = insert_call(
                 graph,
@@ -257,7 +366,7 @@ class SimulateFormatPass(RewritePass):
         for i, operand in enumerate(operands):
             if not is_float_node(operand):
                 continue
-            operands[i] = self._insert(graph, node, operand, names)
+            operands[i] = self._insert(graph, node, operand, f"operand{i}", names)
             quantised.append((node.name, operand.name))
         if listed:
             node.args = (node.args[0], list(operands))
@@ -265,7 +374,12 @@ class SimulateFormatPass(RewritePass):
             node.args = (node.args[0], *operands)
 
     def _insert(
-        self, graph: fx.Graph, consumer: fx.Node, operand: fx.Node, names: dict[fx.Node, str]
+        self,
+        graph: fx.Graph,
+        consumer: fx.Node,
+        operand: fx.Node,
+        role: str,
+        names: dict[fx.Node, str],
     ) -> fx.Node:
         base = names.get(operand, operand.name)
         bwd = None if self.bwd_format is None else format_spec(self.bwd_format)
@@ -276,7 +390,7 @@ class SimulateFormatPass(RewritePass):
             scale = None
             if scaled:
                 device = example_value(operand).device
-                history = sites.history(graph, f"{base}_scale", device)
+                history = sites.history(graph, consumer, role, device)
                 scale = insert_call(
                     graph,
                     fp8_scale,
@@ -289,8 +403,8 @@ class SimulateFormatPass(RewritePass):
                 scale.meta["fp8_scaling"] = {"forward": self.scaling}
             grad_history = None
             if grad_scaling != "none":
-                site = f"{base}_quantised_grad"
-                grad_history = sites.history(graph, site, example_value(operand).device)
+                device = example_value(operand).device
+                grad_history = sites.history(graph, consumer, f"grad_{role}", device)
             new = insert_call(
                 graph,
                 quantise_operand,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...formats import FPFormat
-from ._scaling import Scaling, amax_scale, delayed_scale, scaled_round, tensor_amax
+from ._scaling import Scaling, cast_scale, scaled_cast
 
 __all__ = ["FormatSpec", "format_spec", "fp8_scale", "quantise_grad", "quantise_operand"]
 
@@ -64,7 +64,8 @@ class _ScaledQuantise(torch.autograd.Function):
             return x.clone()
         if scale is None:
             return fwd_format.quantise(x)
-        return scaled_round(x, scale, fwd_format.quantise)
+        rounded, inverse = scaled_cast(x, fwd_format.quantise, 0.0, "tensorwise", scale=scale)
+        return _unscaled(rounded, inverse, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -75,13 +76,17 @@ class _ScaledQuantise(torch.autograd.Function):
 
 
 def _round_gradient(grad: Tensor, fmt: FPFormat, scaling: str, history: Tensor | None) -> Tensor:
-    if scaling == "none":
-        return fmt.quantise(grad)
-    if scaling == "delayed" and history is not None:
-        scale = delayed_scale(grad, history, fmt.max_absolute_value, record=True)
-    else:
-        scale = amax_scale(tensor_amax(grad), fmt.max_absolute_value)
-    return scaled_round(grad, scale, fmt.quantise)
+    fmax = fmt.max_absolute_value
+    rounded, inverse = scaled_cast(grad, fmt.quantise, fmax, scaling, history=history, record=True)
+    return _unscaled(rounded, inverse, grad.dtype)
+
+
+def _unscaled(rounded: Tensor, inverse: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """A scaled cast's rounded value times the inverse scale, in ``dtype``: the value the
+    FP8 GEMM sees (``_scaled_mm`` multiplies by the reciprocal scale)."""
+    if inverse is None:
+        return rounded
+    return rounded.mul_(inverse).to(dtype)
 
 
 def fp8_scale(x: Tensor, format_max: float, history: Tensor | None = None) -> Tensor:
@@ -95,9 +100,8 @@ def fp8_scale(x: Tensor, format_max: float, history: Tensor | None = None) -> Te
         >>> fp8_scale(torch.tensor([0.5, -2.0]), 448.0).item()  # E4M3's max / amax
         224.0
     """
-    if history is None:
-        return amax_scale(tensor_amax(x), format_max)
-    return delayed_scale(x, history, format_max, record=torch.is_grad_enabled())
+    scaling = "tensorwise" if history is None else "delayed"
+    return cast_scale(x, format_max, scaling, history, record=torch.is_grad_enabled())
 
 
 def quantise_operand(

@@ -23,16 +23,20 @@ on the format's largest value whatever the tensor's own scale. Two ways to choos
 
 Design constraints: scales stay on the device (no host synchronisation), computed with
 tensor ops only, so they run under ``torch.compile``; the history tensors are buffers of the
-transformed model's root module (``fp8_amax_history_<site>``, one per scaled rounding, named
-after its graph node), so they are saved in ``state_dict()``, move with ``.to()`` and are
-restored by ``load_state_dict()``; they are buffers, not a child module, so that containers
-that iterate their children (``nn.Sequential``) are not changed. A site is named after its node in
-the captured graph, so a graph recaptured for new input shapes keeps its histories; two
-graph pieces (around a TorchDynamo graph break) whose nodes have the same name share one.
+transformed model's root module (``fp8_amax_history_<module>_<role>``, one per scaled
+rounding: ``fp8_amax_history_blocks_0_fc_input``, ``..._weight``, ``..._grad_output``), so
+they are saved in ``state_dict()``, move with ``.to()`` and are restored by
+``load_state_dict()``; they are buffers, not a child module, so that containers that iterate
+their children (``nn.Sequential``) are not changed. A history is named after its op's place
+in the model (see ``_Sites`` in :mod:`unitscale.transforms.lowp._pass`), not after the node
+of one captured graph: a graph recaptured for new input shapes keeps its histories, and two
+ops never share one, on either side of a graph break or in layers whose graph Dynamo
+captures once and reuses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -42,20 +46,29 @@ __all__ = [
     "AMAX_EPS",
     "DEFAULT_HISTORY_LEN",
     "HISTORY_PREFIX",
+    "ROWWISE_SCALINGS",
     "SCALINGS",
     "Scaling",
     "amax_scale",
+    "axis_amax",
+    "cast_scale",
     "delayed_scale",
     "history_buffer",
     "keep_histories",
-    "scaled_round",
+    "power_of_2_floor",
+    "scaled_cast",
     "tensor_amax",
 ]
 
-Scaling = Literal["none", "tensorwise", "delayed"]
+Scaling = Literal["none", "tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp"]
 """How :func:`~unitscale.transforms.simulate_fp8` scales each tensor it rounds."""
 
-SCALINGS: tuple[str, ...] = ("none", "tensorwise", "delayed")
+SCALINGS: tuple[str, ...] = ("none", "tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp")
+
+ROWWISE_SCALINGS: tuple[str, ...] = ("rowwise", "rowwise_with_gw_hp")
+"""torchao's rowwise recipes (``Float8LinearConfig.from_recipe_name``): linear ops only, each
+GEMM operand scaled per row or column along that GEMM's reduction dimension, power-of-two
+scales, E4M3 for every tensor, the GEMM's output in bfloat16 (see :mod:`~._simulated_rowwise`)."""
 
 AMAX_EPS = 1e-12
 """The smallest amax a scale is computed from (torchao's ``float8_utils.EPS``)."""
@@ -124,10 +137,88 @@ def delayed_scale(x: Tensor, history: Tensor, format_max: float, record: bool) -
     return scale
 
 
-def scaled_round(x: Tensor, scale: Tensor, round_fn: Any) -> Tensor:
-    """``round_fn(float32(x) * scale) * (1 / scale)``, in ``x``'s dtype: torchao scales in
-    float32, and its float8 GEMM (``_scaled_mm``) multiplies by the reciprocal scale."""
-    return round_fn(x.to(torch.float32) * scale).mul_(scale.reciprocal()).to(x.dtype)
+def power_of_2_floor(scale: Tensor) -> Tensor:
+    """``scale`` rounded down to a power of two (torchao's
+    ``_round_scale_down_to_power_of_2``: ``exp2(floor(log2(scale)))``), so that scaling and
+    unscaling are exact.
+
+    Example:
+        >>> power_of_2_floor(torch.tensor([224.0, 0.3])).tolist()
+        [128.0, 0.25]
+    """
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+def axis_amax(x: Tensor, dim: int) -> Tensor:
+    """``max(abs(x))`` along ``dim`` (kept, size 1), as float32: the amax of each row
+    (``dim=-1``) or column (``dim=0``) of a matrix, read in one ``aminmax`` pass.
+
+    Example:
+        >>> axis_amax(torch.tensor([[1.0, -4.0], [2.0, 0.5]]), dim=-1).tolist()
+        [[4.0], [2.0]]
+    """
+    low, high = torch.aminmax(x.detach(), dim=dim, keepdim=True)
+    return torch.maximum(high, -low).to(torch.float32)
+
+
+def cast_scale(
+    x: Tensor,
+    format_max: float,
+    scaling: str,
+    history: Tensor | None = None,
+    record: bool = False,
+    dim: int | None = None,
+) -> Tensor:
+    """The scale ``format_max / amax`` that a scaled cast of ``x`` multiplies it by.
+
+    ``"tensorwise"``: the amax of ``x``; ``"delayed"``: from ``history`` (updated with
+    ``record``, see :func:`delayed_scale`); the rowwise recipes: the amax along ``dim`` (one
+    scale per row for ``dim=-1``, per column for ``dim=0``; the whole tensor for None), the
+    scale rounded down to a power of two (torchao's rowwise recipes set
+    ``round_scales_to_power_of_2``).
+    """
+    if scaling in ROWWISE_SCALINGS:
+        amax = tensor_amax(x) if dim is None else axis_amax(x, dim)
+        return power_of_2_floor(amax_scale(amax, format_max))
+    if scaling == "delayed" and history is not None:
+        return delayed_scale(x, history, format_max, record=record)
+    return amax_scale(tensor_amax(x), format_max)
+
+
+def scaled_cast(
+    x: Tensor,
+    cast: Callable[[Tensor], Tensor],
+    format_max: float,
+    scaling: str,
+    *,
+    scale: Tensor | None = None,
+    history: Tensor | None = None,
+    record: bool = False,
+    dim: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``cast(float32(x) * scale)`` and ``1 / scale``: the one scaled cast of FP8.
+
+    ``simulate_fp8`` passes the rounding to a format as ``cast`` (and multiplies the result
+    by the inverse scale: the value the FP8 GEMM sees); ``to_fp8`` a saturating conversion to
+    a float8 dtype (and hands the inverse scale to ``_scaled_mm``). torchao scales in float32
+    and its float8 GEMM multiplies by the reciprocal scale, as here. ``scale`` is computed by
+    :func:`cast_scale` from ``scaling`` (and ``history``, ``record``, ``dim``) unless given;
+    with ``scaling="none"`` and no ``scale``, the result is ``cast(x)`` and None.
+
+    Example:
+        >>> from unitscale.formats import E4M3
+        >>> x = torch.tensor([[1000.0, 0.3], [0.5, 0.25]])
+        >>> rounded, inverse = scaled_cast(x, E4M3.quantise, 448.0, "rowwise", dim=-1)
+        >>> inverse.tolist()  # per row: 448/1000 -> 0.25 (a power of two), 448/0.5 -> 512
+        [[4.0], [0.001953125]]
+        >>> (rounded * inverse).tolist()
+        [[1024.0, 0.3125], [0.5, 0.25]]
+    """
+    if scale is None:
+        if scaling == "none":
+            return cast(x), None
+        scale = cast_scale(x, format_max, scaling, history, record, dim)
+    return cast(x.to(torch.float32) * scale), scale.reciprocal()
 
 
 HISTORY_PREFIX = "fp8_amax_history_"

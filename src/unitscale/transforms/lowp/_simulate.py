@@ -26,10 +26,21 @@ from torch import nn
 
 from ...capture import Invocation, TransformedModule, transformed
 from ...errors import UnitScaleError
-from ...formats import E4M3, E5M2, PRESETS, FormatError, FPFormat, get_format
+from ...formats import (
+    BLOCK_PRESETS,
+    E4M3,
+    E5M2,
+    PRESETS,
+    BlockFormat,
+    FormatError,
+    FPFormat,
+    get_format,
+)
+from ._blocks import BlockFormatPass, check_block_formats
 from ._ops import OPS_SCOPES, OpsScope
 from ._pass import SimulateFormatPass
-from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
+from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, SCALINGS, Scaling, keep_histories
+from ._skip import Skip, resolve_skip
 
 __all__ = [
     "FP8_RECIPES",
@@ -53,6 +64,13 @@ def _check_format(argument: str, value: Any) -> FPFormat:
             "format; pass a unitscale.formats.FPFormat (e.g. unitscale.formats.E4M3, or "
             "FPFormat(exponent_bits, mantissa_bits)) or a preset key such as 'e4m3'"
         ) from error
+
+
+def _block_format(value: Any) -> Any:
+    """``value`` as a :class:`~unitscale.formats.BlockFormat` where it names one (else as is)."""
+    if isinstance(value, str) and value.lower() in BLOCK_PRESETS:
+        return get_format(value)
+    return value
 
 
 def _check_ops(op: str, ops: Any) -> None:
@@ -87,11 +105,12 @@ def _transformed(op: str, module: nn.Module, graph_pass: SimulateFormatPass) -> 
 
 def simulate_format(
     module: nn.Module,
-    fwd_format: FPFormat | str,
-    bwd_format: FPFormat | str,
+    fwd_format: FPFormat | BlockFormat | str,
+    bwd_format: FPFormat | BlockFormat | str,
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope = "matmuls",
+    skip: Skip = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops see operands in low precision.
 
@@ -107,25 +126,41 @@ def simulate_format(
     :class:`~unitscale.formats.FPFormat`'s default. Pass one with
     ``rounding="stochastic"`` for stochastic rounding.
 
+    Block-scaled formats (:class:`~unitscale.formats.BlockFormat`: ``"mxfp8_e4m3"``,
+    ``"mxfp8_e5m2"``, ``"mxfp6_e3m2"``, ``"mxfp6_e2m3"``, ``"mxfp4_e2m1"``, ``"nvfp4"``,
+    both formats block-scaled) run each linear op (and, with ``ops="matmuls"``, each
+    two-operand ``matmul``/``mm``/``bmm``/``@``) as block-scaled GEMMs: forward ``x`` and
+    ``W`` blocked along the reduction dimension ``K``, the input-gradient GEMM ``grad_y``
+    and ``W`` along ``N``, the weight-gradient GEMM ``grad_y`` and ``x`` along the tokens
+    ``M``, as Transformer Engine and torchao's MX training do (``fwd_format`` for ``x`` and
+    ``W``, ``bwd_format`` for ``grad_y``; ``get_format("nvfp4", rounding="stochastic")``
+    for stochastically rounded gradients). Other matmul-like ops, and ops with a GEMM
+    dimension that is not a multiple of the block size, run unrounded and are listed with
+    the reason by :func:`fp8_summary` (see docs/guide/formats.rst). ``scaling`` must be
+    ``"none"``: the block scales are the scaling.
+
     Args:
         module: any ``torch.nn.Module`` (or an already transformed one, e.g.
             ``unit_scale(m)``) that TorchDynamo can capture.
         fwd_format: format of forward operands: an :class:`~unitscale.formats.FPFormat`
             or a preset key (``"e4m3"``, ``"e5m2"``, ``"fp16"``, ``"bf16"``), which rounds
-            to nearest.
+            to nearest; or a block-scaled format or its name.
         bwd_format: format of the gradients, likewise.
         scaling: ``"none"`` (default), ``"tensorwise"`` or ``"delayed"``: how each rounded
-            tensor is scaled (see :func:`simulate_fp8`).
+            tensor is scaled (see :func:`simulate_fp8`; its rowwise recipes fix their own
+            formats, so ``simulate_format`` refuses them).
         history_len: amax-history length for ``scaling="delayed"``.
         ops: which ops are rounded: ``"matmuls"`` (default: every matmul-like op) or
             ``"linear"`` (ops with a weight parameter), as for :func:`simulate_fp8`.
+        skip: modules kept in high precision, as for :func:`simulate_fp8`.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: a format argument is neither an ``FPFormat`` nor a preset key, or
-            ``scaling``/``history_len``/``ops`` is not supported.
+        FormatError: a format argument is neither an ``FPFormat``, a ``BlockFormat`` nor a
+            preset key, a block-scaled format is paired with a per-tensor one or with
+            ``scaling``, or ``scaling``/``history_len``/``ops`` is not supported.
         CaptureError: ``module`` is not a module, is already compiled (see
             :func:`~unitscale.transforms.compile`) or tracked (apply ``track_scales``
             last), or holds a submodule that is (the error names it); or TorchDynamo
@@ -140,12 +175,31 @@ def simulate_format(
         >>> model(torch.ones(1, 4)).item()  # weights round to 0.5, 1, 1.5, 3
         6.0
     """
+    fwd_any, bwd_any = _block_format(fwd_format), _block_format(bwd_format)
+    if isinstance(fwd_any, BlockFormat) or isinstance(bwd_any, BlockFormat):
+        _check_ops("simulate_format", ops)
+        blocks = check_block_formats(fwd_any, bwd_any, scaling)
+        skipped = resolve_skip("simulate_format", module, skip)
+        block_pass = BlockFormatPass(*blocks, ops=ops, skip=skipped)
+        return transformed(module, block_pass, "simulate_format")
     fwd = _check_format("fwd_format", fwd_format)
     bwd = _check_format("bwd_format", bwd_format)
     _check_scaling("simulate_format", scaling, history_len)
+    if scaling in ROWWISE_SCALINGS:
+        raise FormatError(
+            f"unitscale.transforms.simulate_format: scaling={scaling!r} is torchao's recipe of "
+            "that name, which fixes its formats; use unitscale.transforms.simulate_fp8(model, "
+            f"scaling={scaling!r}) (or to_fp8 for real FP8)"
+        )
     _check_ops("simulate_format", ops)
     graph_pass = SimulateFormatPass(
-        fwd, bwd, scaling=scaling, history_len=history_len, ops=ops, transform="simulate_format"
+        fwd,
+        bwd,
+        scaling=scaling,
+        history_len=history_len,
+        ops=ops,
+        transform="simulate_format",
+        skip=resolve_skip("simulate_format", module, skip),
     )
     return _transformed("simulate_format", module, graph_pass)
 
@@ -247,9 +301,33 @@ FP8_RECIPES: MappingProxyType[str, FP8Recipe] = MappingProxyType(
 """
 
 
+def _check_rowwise(recipe: Any, chosen: FP8Recipe, scaling: str, ops: Any) -> OpsScope:
+    """The ops a rowwise recipe covers (linear ops: torchao's recipes are for linear layers),
+    refusing a recipe or scope that contradicts it."""
+    if chosen != FP8_RECIPES["hardware"]:
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: scaling={scaling!r} is torchao's recipe of "
+            f"that name, which fixes its formats (E4M3 for every tensor, gradients included) "
+            f"and which GEMMs run in FP8; recipe={recipe!r} cannot be combined with it: leave "
+            "recipe at 'hardware' (the default)"
+        )
+    if ops is not None and ops != "linear":
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: scaling={scaling!r} covers linear ops only "
+            f"(torchao's recipe), not ops={ops!r}; pass ops='linear' or leave ops out"
+        )
+    return "linear"
+
+
 def _check_recipe(recipe: Any) -> FP8Recipe:
     if isinstance(recipe, FP8Recipe):
         return recipe
+    if isinstance(_block_format(recipe), BlockFormat):
+        raise FormatError(
+            f"unitscale.transforms.simulate_fp8: recipe={recipe!r} is a block-scaled format, "
+            "not an FP8 recipe; simulate it with unitscale.transforms.simulate_format(model, "
+            "fwd_format, bwd_format), e.g. simulate_format(model, 'mxfp8_e4m3', 'mxfp8_e4m3')"
+        )
     if isinstance(recipe, str) and recipe in FP8_RECIPES:
         return FP8_RECIPES[recipe]
     raise FormatError(
@@ -264,6 +342,7 @@ def simulate_fp8(
     scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
     ops: OpsScope | None = None,
+    skip: Skip = None,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose matmul-like ops run on FP8 operands.
 
@@ -287,10 +366,19 @@ def simulate_fp8(
       numerics of torchao's float8 training with its default config (tested against
       ``torchao.float8.convert_to_float8_training``); amax is not reduced over
       data-parallel ranks, as in torchao's default;
+    - ``"rowwise"`` and ``"rowwise_with_gw_hp"``: torchao's recipes of those names
+      (``Float8LinearConfig.from_recipe_name``), bit for bit on the CPU: linear ops only
+      (``ops`` defaults to ``"linear"``), each operand of each of the three GEMMs scaled
+      per row or column along that GEMM's reduction dimension with power-of-two scales, E4M3
+      for every tensor (gradients included), each GEMM's output written in bfloat16 for a
+      float32 model; ``"rowwise_with_gw_hp"`` computes the weight gradient in the model's
+      precision and casts the weight for the input gradient with one scale (rules in
+      :mod:`unitscale.transforms.lowp._simulated_rowwise`);
     - ``"delayed"``: the same with ``amax`` the maximum of the tensor's amax history over the
       ``history_len`` earlier training steps (the first step uses the current amax); the
-      histories are buffers of the returned module (``fp8_amax_history_<site>`` in
-      ``state_dict()``, created at the first call).
+      histories are buffers of the returned module (``fp8_amax_history_<module>_<role>``
+      in ``state_dict()``, one set per op however TorchDynamo cuts the graph, created at
+      the first call).
 
     ``ops`` says which ops are rounded:
 
@@ -312,31 +400,48 @@ def simulate_fp8(
     why), also logged once per captured graph at INFO on the ``"unitscale"`` logger; an op
     named like a matmul that no table recognises is warned about.
 
+    ``skip`` keeps chosen layers in high precision, as practitioners keep the first and
+    last layers or the small ones: qualified module names (``"readout"``,
+    ``["layers.0.attn", "layers.3"]``: each module and everything inside it), or a predicate
+    ``skip(name, module) -> bool`` called on every module (torchao's ``module_filter_fn``
+    with the opposite sense: True keeps the module out of FP8). Their ops are listed in
+    :func:`fp8_summary` as ``"skipped by skip="``; a name that matches no module is an error
+    naming the closest ones.
+
     :func:`scaling_cost` counts the amax reductions and scale computations of a step.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one) that TorchDynamo can capture.
         recipe: an :class:`FP8Recipe` or the key of a preset in :data:`FP8_RECIPES`.
-        scaling: ``"none"``, ``"tensorwise"`` or ``"delayed"``.
+        scaling: ``"none"``, ``"tensorwise"``, ``"delayed"``, ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"``.
         history_len: amax-history length for ``scaling="delayed"`` (default 16, torchao's
             former delayed-scaling default).
         ops: ``"matmuls"`` or ``"linear"``; None (default) takes the recipe's
             (:attr:`FP8Recipe.ops`, ``"matmuls"`` for the presets).
+        skip: modules kept in high precision: qualified names, or a predicate
+            ``(name, module) -> bool``; None (default) keeps none.
 
     Returns:
         The transformed copy (``module`` is not touched).
 
     Raises:
-        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key, or
-            ``scaling``/``history_len``/``ops`` is not supported.
+        FormatError: ``recipe`` is neither an ``FP8Recipe`` nor a preset key,
+            ``scaling``/``history_len``/``ops`` is not supported, or ``skip`` names no
+            module.
         CaptureError: as for :func:`simulate_format`.
 
     Example:
+        >>> import warnings
         >>> model = simulate_fp8(nn.Linear(2, 1, bias=False))
         >>> with torch.no_grad():
         ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
-        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125
         448.3125
+        >>> str(caught[0].message)[:41]  # not unit-scaled, and no scale: it says so
+        'simulate_fp8: Linear has no unit scaling '
         >>> scaled = simulate_fp8(model.module, scaling="tensorwise")  # 1000 -> 448 -> 1000
         >>> scaled(torch.ones(1, 2)).item()  # 0.3 * 0.448 rounds to 0.140625, / 0.448
         1000.3138427734375
@@ -345,6 +450,8 @@ def simulate_fp8(
     _check_scaling("simulate_fp8", scaling, history_len)
     scope = chosen.ops if ops is None else ops
     _check_ops("simulate_fp8", scope)
+    if scaling in ROWWISE_SCALINGS:
+        scope = _check_rowwise(recipe, chosen, scaling, ops)
     graph_pass = SimulateFormatPass(
         chosen.operands,
         chosen.operand_grads,
@@ -353,6 +460,7 @@ def simulate_fp8(
         history_len=history_len,
         ops=scope,
         transform="simulate_fp8",
+        skip=resolve_skip("simulate_fp8", module, skip),
     )
     return _transformed("simulate_fp8", module, graph_pass)
 

@@ -26,13 +26,22 @@ from torch import nn
 from ...capture import Piece, TransformedModule, example_value, warn_user
 from ...errors import UnitScaleError
 
-__all__ = ["FP8Summary", "flop_share", "fp8_summary", "linear_flops", "record"]
+__all__ = [
+    "FP8Summary",
+    "flop_share",
+    "fp8_summary",
+    "linear_flops",
+    "record",
+    "warn_if_not_unit_scaled",
+]
 
 logger = logging.getLogger("unitscale")
 
 #: ``piece.data`` keys of the records and of the linear ops' FLOPs.
 _KEY = "fp8_summary"
 _FLOPS = "fp8_flops"
+#: ``piece.data`` key of the count of unit-scaled ops each transform converted.
+_UNIT_KEY = "fp8_unit_scaled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +54,8 @@ class FP8Summary:
             an op of the top-level module, no node name where it is the op's), in graph
             order.
         not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
-            precision (outside the ``ops`` scope, no floating-point operand, or not
-            recognised).
+            precision (outside the ``ops`` scope, in a module of ``skip=``, no
+            floating-point operand, or not recognised).
         converted_flop_share: the share (0 to 1) of the linear ops' FLOPs, per forward at
             the shapes last seen, that ran in FP8 (``to_fp8`` records it; None where the
             transform records no FLOPs, as the simulations).
@@ -120,11 +129,17 @@ def record(
     converted: Sequence[str],
     not_converted: Sequence[tuple[str, str]],
     warn_reasons: Sequence[str] = (),
+    *,
+    unit_scaled: int = 0,
     flops: tuple[float, float] | None = None,
 ) -> None:
     """Store one graph's summary in ``piece`` and log it once (INFO); warn about the ops left
-    out for a reason among ``warn_reasons`` (those the user did not choose). ``flops``:
-    the linear ops' FLOPs converted and in all, for ``converted_flop_share``."""
+    out for a reason among ``warn_reasons`` (those the user did not choose). ``unit_scaled``
+    counts the converted ops that are unit-scaled ops (for
+    :func:`warn_if_not_unit_scaled`); ``flops``: the linear ops' FLOPs converted and in
+    all, for ``converted_flop_share``."""
+    counts = piece.data.setdefault(_UNIT_KEY, {})
+    counts[transform] = counts.get(transform, 0) + unit_scaled
     converted_list, left_list = piece.data.setdefault(_KEY, {}).setdefault(transform, ([], []))
     converted_list.extend(converted)
     left_list.extend(not_converted)
@@ -141,6 +156,31 @@ def record(
             f"precision, not in FP8: {ops}. unitscale.transforms.fp8_summary(model) lists "
             "every op and why."
         )
+
+
+def warn_if_not_unit_scaled(
+    transform: str, module: TransformedModule, trace: Sequence[Any]
+) -> None:
+    """Warn when ``transform`` runs ops in FP8 without scales (``scaling="none"``) in a model
+    with no unit scaling: none of the ops it converted in the call ``trace`` describes (its
+    :class:`~unitscale.capture.Invocation` list) is a unit-scaled op, i.e. the model is
+    neither ``unit_scale``'d nor built from unitscale's modules or functions. Such a model's
+    tensors are not near 1: FP8 without scales saturates the large ones and flushes small
+    gradients to zero, silently (docs/guide/fp8.rst)."""
+    converted = unit_scaled = 0
+    for piece in {id(inv.piece): inv.piece for inv in trace}.values():
+        converted += len(piece.data.get(_KEY, {}).get(transform, ((), ()))[0])
+        unit_scaled += piece.data.get(_UNIT_KEY, {}).get(transform, 0)
+    if not converted or unit_scaled:
+        return
+    warn_user(
+        f"{transform}: {type(module.module).__name__} has no unit scaling (none of its "
+        f"{converted} op(s) in FP8 is a unit-scaled op), and scaling='none' casts each tensor "
+        "as it is: values beyond the format's range saturate and small ones (gradients "
+        "above all) flush to zero. Unit-scale the model first "
+        f"({transform}(unitscale.transforms.unit_scale(model))) or scale each tensor as "
+        f"torchao does ({transform}(model, scaling='tensorwise'))."
+    )
 
 
 def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
@@ -164,7 +204,8 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
     Example:
         >>> import torch
         >>> from unitscale.transforms import simulate_fp8
-        >>> model = simulate_fp8(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), ops="linear")
+        >>> mlp = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> model = simulate_fp8(mlp, ops="linear", scaling="tensorwise")
         >>> _ = model(torch.ones(3, 4))
         >>> fp8_summary(model).converted  # module path: op (graph node)
         ('0: linear (input_1)', '1: linear (input_2)')

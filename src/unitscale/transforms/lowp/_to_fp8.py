@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -48,20 +48,26 @@ from ...capture import (
 )
 from ...errors import CaptureError
 from ...formats import FormatError
-from .._rewrite import RewritePass, placeholder_names
+from .._rewrite import RewritePass
 from . import _gemm as fp8
-from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates
-from ._pass import SimulateFormatPass, _Sites
+from ._blocks import is_block_request, real_block_gemm_refusal
+from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
+from ._pass import SimulateFormatPass, _Sites, history_variant_key
 from ._rowwise import ROWWISE
-from ._scaling import DEFAULT_HISTORY_LEN, SCALINGS, Scaling, keep_histories
+from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
-from ._summary import flop_share, fp8_summary, linear_flops, record  # noqa: F401 (example)
+from ._skip import Skip, resolve_skip
+from ._summary import (  # noqa: F401 (fp8_summary: to_fp8's example)
+    flop_share,
+    fp8_summary,
+    linear_flops,
+    record,
+    warn_if_not_unit_scaled,
+)
 
 __all__ = ["ToFP8Pass", "to_fp8"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: The scalings ``to_fp8`` takes: ``simulate_fp8``'s and torchao's rowwise recipes.
-FP8Scaling = Scaling | Literal["rowwise", "rowwise_with_gw_hp"]
 #: Below this share of the linear ops' FLOPs in FP8, ``to_fp8`` warns.
 MIN_FLOP_SHARE = 0.9
 # scaled casts in the backward of one linear op, by scaling (the forward's: 2)
@@ -111,8 +117,9 @@ class ToFP8Pass(RewritePass):
     placeholders are parameters (``addmm`` is a linear op only with a parameter as its
     second matrix). Writes: the target and arguments of each converted node (the same
     arguments plus ``scaling`` and, for ``"delayed"``, ``histories``: ``get_attr`` nodes of
-    the amax-history buffers ``fp8_amax_history_<operand>_scale`` and
-    ``..._<op>_grad_quantised``, named as ``simulate_fp8`` names them);
+    the amax-history buffers ``fp8_amax_history_<module>_input``, ``..._weight`` and
+    ``..._grad_output``, named as ``simulate_fp8`` names them, one set per place the piece
+    runs at: :func:`~._pass.history_variant_key`);
     the summary record (:mod:`~._fp8_summary`) of the graph's matmul-like ops;
     ``piece.data["fp8_scaling"]``: ``(scaling, forward scales, backward scales)``.
     """
@@ -128,24 +135,28 @@ class ToFP8Pass(RewritePass):
 
     def __init__(
         self,
-        scaling: FP8Scaling = "none",
+        scaling: Scaling = "none",
         history_len: int = DEFAULT_HISTORY_LEN,
+        skip: frozenset[str] = frozenset(),
         fast_accum: bool = True,
     ) -> None:
         self.scaling = scaling
         self.history_len = history_len
+        self.skip = skip  # modules kept in high precision (_skip.py)
         self.fast_accum = fast_accum
 
     def __repr__(self) -> str:
         return f"ToFP8Pass(scaling={self.scaling!r}, fast_accum={self.fast_accum!r})"
 
+    def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
+        return history_variant_key(self.scaling, piece, capture)
+
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
-        root = capture.owner_module if self.scaling == "delayed" else None
-        sites = _Sites(gm, root, self.history_len)
+        sites = _Sites(gm, piece, capture, self.history_len, self.scaling == "delayed")
         converted: list[str] = []
         left: list[tuple[str, str]] = []
+        unit_scaled = 0
         table = _linear_ops()
-        names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
         flops = [0.0, 0.0]  # converted, all (linear ops, per forward)
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
         for node, label, slots in fp8_candidates(self, gm, piece, capture, "linear", left):
@@ -158,7 +169,8 @@ class ToFP8Pass(RewritePass):
                 left.append((label, reason))
                 continue
             assert op is not None  # for mypy: reason is None only with an op
-            self._convert(gm.graph, node, op, bound, names, sites)
+            unit_scaled += is_unit_scaled(node)
+            self._convert(gm.graph, node, op, bound, sites)
             converted.append(label)
             flops[0] += cost
         record(
@@ -166,7 +178,8 @@ class ToFP8Pass(RewritePass):
             self.transform_name,
             converted,
             left,
-            warn_reasons=(UNRECOGNISED,),
+            (UNRECOGNISED,),
+            unit_scaled=unit_scaled,
             flops=(flops[0], flops[1]),
         )
         piece.data["fp8_scaling"] = (self.scaling, *sites.counts)
@@ -200,7 +213,6 @@ class ToFP8Pass(RewritePass):
         node: fx.Node,
         op: _LinearOp,
         bound: dict[str, Any],
-        names: dict[fx.Node, str],
         sites: _Sites,
     ) -> None:
         kwargs: dict[str, Any] = {**bound, "scaling": self.scaling, "fast_accum": self.fast_accum}
@@ -211,12 +223,10 @@ class ToFP8Pass(RewritePass):
             histories = []
             with graph.inserting_before(node):
                 for name in _operands(op):
-                    operand = bound[name]
-                    base = names.get(operand, operand.name)
-                    device = example_value(operand).device
-                    histories.append(sites.history(graph, f"{base}_scale", device))
+                    device = example_value(bound[name]).device
+                    histories.append(sites.history(graph, node, name, device))
                 device = example_value(node).device
-                histories.append(sites.history(graph, f"{node.name}_grad_quantised", device))
+                histories.append(sites.history(graph, node, "grad_output", device))
             kwargs["histories"] = tuple(histories)
         node.op, node.target = "call_function", op.target
         node.args = ()
@@ -228,6 +238,8 @@ class ToFP8Pass(RewritePass):
         if getattr(self, "_checked", False) or not trace:
             return
         self._checked = True
+        if self.scaling == "none":
+            warn_if_not_unit_scaled(self.transform_name, module, trace)
         records = [inv.piece.data.get("fp8_summary", {}).get("to_fp8") for inv in trace]
         name = type(module.module).__name__
         if not any(converted for converted, _ in filter(None, records)):
@@ -257,6 +269,8 @@ class ToFP8Pass(RewritePass):
 
 
 def _check_recipe(recipe: Any) -> None:
+    if is_block_request(recipe):
+        raise real_block_gemm_refusal("to_fp8", recipe)
     chosen = recipe
     if isinstance(recipe, str):
         if recipe not in FP8_RECIPES:
@@ -294,23 +308,12 @@ def _check_recipe(recipe: Any) -> None:
     )
 
 
-def _check_fp8_scaling(scaling: Any, history_len: Any) -> None:
-    if isinstance(scaling, str) and scaling in ROWWISE:
-        _check_scaling("to_fp8", "none", history_len)
-        return
-    if not isinstance(scaling, str) or scaling not in SCALINGS:
-        raise FormatError(
-            f"unitscale.transforms.to_fp8: argument 'scaling'={scaling!r} is not supported; "
-            f"use one of {(*SCALINGS, *ROWWISE)}"
-        )
-    _check_scaling("to_fp8", scaling, history_len)
-
-
 def to_fp8(
     module: nn.Module,
     recipe: FP8Recipe | str = "hardware",
-    scaling: FP8Scaling = "none",
+    scaling: Scaling = "none",
     history_len: int = DEFAULT_HISTORY_LEN,
+    skip: Skip = None,
     fast_accum: bool = True,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
@@ -335,6 +338,7 @@ def to_fp8(
             rowwise recipes ``"rowwise"`` and ``"rowwise_with_gw_hp"`` (see
             docs/guide/fp8-real.rst).
         history_len: amax-history length for ``scaling="delayed"``.
+        skip: modules kept in high precision, as for :func:`simulate_fp8`.
         fast_accum: the forward GEMM accumulates with cuBLAS's fast float8 accumulation
             (torchao's default, ``True``); the backward's never do. On CUDA it trades
             accumulation precision in the forward for speed; on the CPU it changes nothing.
@@ -345,22 +349,25 @@ def to_fp8(
     Raises:
         FormatError: this torch build or a parameter's device has no float8 GEMMs (use
             :func:`simulate_fp8` there); ``recipe`` cannot run as float8 GEMMs (other
-            formats, stochastic rounding, rounded operand gradients); ``scaling`` or
-            ``history_len`` is not supported.
+            formats, stochastic rounding, rounded operand gradients), or names a block-scaled
+            format (``"mxfp8_e4m3"``, a ``BlockFormat``: real block-scaled GEMMs need a
+            Blackwell-class GPU, compute capability 10.x; simulate it with
+            :func:`simulate_format`); ``scaling`` or ``history_len`` is not supported;
+            ``skip`` names no module.
         CaptureError: as for :func:`simulate_format`; or ``module`` already simulates a
             number format or runs in FP8.
 
     Example:
-        >>> model = to_fp8(nn.Linear(2, 1, bias=False))
+        >>> model = to_fp8(nn.Linear(2, 1, bias=False), scaling="tensorwise")
         >>> with torch.no_grad():
         ...     _ = model.weight.copy_(torch.tensor([[1000.0, 0.3]]))
-        >>> model(torch.ones(1, 2)).item()  # 448 (E4M3's max) + 0.3125, from _scaled_mm
-        448.3125
+        >>> model(torch.ones(1, 2)).item()  # W * 0.448 -> E4M3 -> / 0.448, by _scaled_mm
+        1000.31...
         >>> fp8_summary(model).converted
         ('linear',)
     """
     _check_recipe(recipe)
-    _check_fp8_scaling(scaling, history_len)
+    _check_scaling("to_fp8", scaling, history_len)
     if not isinstance(fast_accum, bool):
         raise FormatError(
             f"unitscale.transforms.to_fp8: argument 'fast_accum'={fast_accum!r} must be a "
@@ -381,7 +388,8 @@ def to_fp8(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
-    result = transformed(module, ToFP8Pass(scaling, history_len, fast_accum), "to_fp8")
+    skipped = resolve_skip("to_fp8", module, skip)
+    result = transformed(module, ToFP8Pass(scaling, history_len, skipped, fast_accum), "to_fp8")
     if scaling == "delayed":
         keep_histories(result.module)
     return result

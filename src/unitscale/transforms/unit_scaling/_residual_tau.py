@@ -1,8 +1,9 @@
 """How ``unit_scale`` weights residual branches: :class:`ResidualTau`.
 
 A residual add of :func:`~unitscale.transforms.unit_scale` is ``residual_add(branch, skip,
-tau)``: ``sqrt(tau) * branch + sqrt(1 - tau) * skip``, ``tau`` the branch's share of the
-stream's variance. Two rules give the taus of a whole model:
+share=share)``: ``sqrt(share) * branch + sqrt(1 - share) * skip``, ``share`` the branch's
+share of the stream's variance (the reference's ``tau``, the branch's std over the skip's,
+is ``sqrt(share / (1 - share))``). Two rules give the shares of a whole model:
 
 * ``"paper"`` (default): u-μP's residual rule (Blake et al., "u-μP: The Unit-Scaled Maximal
   Update Parametrization", ICLR 2025, Appendix G), derived in
@@ -11,11 +12,14 @@ stream's variance. Two rules give the taus of a whole model:
   of residual branches, every attention branch has the weight
   ``β_attn² = α_res² · 2 α_ratio² / (1 + α_ratio²) / (n / 2)``, every MLP branch
   ``β_mlp² = α_res² · 2 / (1 + α_ratio²) / (n / 2)``, and the ``k``-th add has
-  ``tau_k = β_k² / (1 + Σ_{j<=k} β_j²)``. Here the kind of each branch is the one the
+  ``share_k = β_k² / (1 + Σ_{j<=k} β_j²)``. Here the kind of each branch is the one the
   transform detected (not its parity), so a model whose adds do not alternate gets the
-  rule's weights all the same. At the default mults the embedding, all attention branches
-  and all MLP branches each hold a third of the final stream, at any depth (depth-μP).
-* ``"equal_shares"``: the ``k``-th add has ``tau = 1 / (k + 1)``: the stream entering the
+  rule's weights all the same. At the default mults the rule weights the embedding, all
+  attention branches and all MLP branches a third each in the final stream, at any depth
+  (depth-μP; weights, not the shares a model's stream holds at initialisation, see
+  docs/guide/umup.rst). ``depth_rule="completep"``: the ``β²`` fall like ``1 / (n/2)²``
+  instead (CompleteP, arXiv 2505.01618, ``α = 1``).
+* ``"equal_shares"``: the ``k``-th add has ``share = 1 / (k + 1)``: the stream entering the
   first block and every branch hold equal shares ``1 / (n + 1)`` of the final stream (the
   embedding's share falls with depth, so the model is not depth-μP).
 
@@ -30,19 +34,24 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...errors import UnitScaleError
+from ...functional import DEPTH_RULES, depth_divisor, share_to_tau
+from ...parameter import DEPTH_RULE
 
-__all__ = ["ResidualTau", "residual_stack_length"]
+__all__ = ["ResidualTau", "mark_depth_rule", "residual_stack_length"]
 
 _RULES = ("paper", "equal_shares")
 
 
 @dataclass(frozen=True)
 class ResidualTau:
-    """How :func:`unit_scale` weights residual branches: a rule, or a fixed ``tau`` per kind.
+    """How :func:`unit_scale` weights residual branches: a rule, or a fixed share per kind.
 
-    A residual add becomes ``sqrt(tau) * branch + sqrt(1 - tau) * skip`` (and its split the
-    matching gradient weights), so ``tau`` is the branch's share of the stream's variance.
-    Where ``attention``/``mlp`` is None (the default), the ``rule`` gives the tau:
+    A residual add becomes ``sqrt(share) * branch + sqrt(1 - share) * skip`` (and its split
+    the matching gradient weights), ``share`` the branch's share of the stream's variance;
+    :meth:`share` gives it, :meth:`tau` the same weight as the reference's ``tau`` (the
+    branch's std over the skip's, ``sqrt(share / (1 - share))``). ``attention`` and ``mlp``
+    are shares. Where ``attention``/``mlp`` is None (the default), the ``rule`` gives the
+    share:
 
     * ``"paper"`` (default): u-μP's rule (Blake et al., ICLR 2025, Appendix G; see
       :func:`~unitscale.functional.transformer_residual_scaling_rule`), with ``n`` residual
@@ -50,30 +59,34 @@ class ResidualTau:
       stack, the ``nn.ModuleList`` of layers, else the number of residual adds captured):
       attention branches weigh ``β_attn² = α_res² 2 α_ratio² / (1 + α_ratio²) / (n/2)``,
       MLP branches ``β_mlp² = α_res² 2 / (1 + α_ratio²) / (n/2)``, and the ``k``-th add
-      has ``tau = β_k² / (1 + Σ_{j<=k} β_j²)``. At the default mults the embedding, the
-      attention branches and the MLP branches each hold a third of the final stream at any
-      depth.
+      has ``share = β_k² / (1 + Σ_{j<=k} β_j²)``. At the default mults the rule weights
+      the embedding, the attention branches and the MLP branches a third each in the final
+      stream at any depth. ``depth_rule="completep"`` divides the ``β²`` by ``(n/2)²``
+      instead of ``n/2`` (CompleteP, arXiv 2505.01618: multipliers ``1/L``).
     * ``"equal_shares"``: the ``k``-th add (``k = 1, 2, ...``, in execution order) has
-      ``tau = 1 / (k + 1)``: the stream entering the first block and every branch hold
+      ``share = 1 / (k + 1)``: the stream entering the first block and every branch hold
       ``1 / (n + 1)`` of the final stream each, as in an ordinary pre-norm transformer at
       initialisation; the embedding's share falls with depth.
 
     Attributes:
-        attention: ``tau`` of attention branches (those containing attention or a
+        attention: the share of attention branches (those containing attention or a
             softmax), in (0, 1), or None for the rule.
-        mlp: ``tau`` of every other branch, in (0, 1), or None for the rule.
+        mlp: the share of every other branch, in (0, 1), or None for the rule.
         rule: ``"paper"`` or ``"equal_shares"``.
         residual_mult: α_res of the paper's rule (the mean of the attention and MLP
             branches' total contributions against the embedding's, in std).
         residual_attn_ratio: α_ratio of the paper's rule (an attention branch's weight over
             an MLP branch's, in std).
+        depth_rule: ``"depth-mup"`` (default) or ``"completep"`` (the paper's rule only).
 
     Example:
-        >>> ResidualTau().tau("attention", 1, layers=4)  # β² = 1/2: 0.5 / (1 + 0.5)
+        >>> ResidualTau().share("attention", 1, layers=4)  # β² = 1/2: 0.5 / (1 + 0.5)
         0.3333333333333333
-        >>> ResidualTau(rule="equal_shares").tau("attention", 3)  # the third add: 1 / (3 + 1)
+        >>> round(ResidualTau().tau("attention", 1, layers=4), 4)  # sqrt(0.5 / 1)
+        0.7071
+        >>> ResidualTau(rule="equal_shares").share("attention", 3)  # the third add: 1 / (3 + 1)
         0.25
-        >>> ResidualTau(attention=0.2).tau("attention", 3, layers=4)
+        >>> ResidualTau(attention=0.2).share("attention", 3, layers=4)
         0.2
     """
 
@@ -82,6 +95,7 @@ class ResidualTau:
     rule: str = "paper"
     residual_mult: float = 1.0
     residual_attn_ratio: float = 1.0
+    depth_rule: str = "depth-mup"
 
     def __post_init__(self) -> None:
         for name in ("attention", "mlp"):
@@ -96,8 +110,12 @@ class ResidualTau:
             if not 0.0 < value < 1.0:
                 raise UnitScaleError(
                     f"unitscale.unit_scale: ResidualTau({name}={value!r}) is outside (0, 1); "
-                    "tau is the branch's share of the variance"
+                    "it is the branch's share of the variance"
                 )
+        if self.depth_rule not in DEPTH_RULES:
+            raise UnitScaleError(
+                f"unitscale.unit_scale: depth_rule={self.depth_rule!r}; use one of {DEPTH_RULES}"
+            )
         if self.rule not in _RULES:
             raise UnitScaleError(
                 f"unitscale.unit_scale: ResidualTau(rule={self.rule!r}); use one of {_RULES}"
@@ -114,7 +132,7 @@ class ResidualTau:
         """``β²`` of a ``kind`` branch under the paper's rule with ``layers`` branches."""
         ratio_sq = float(self.residual_attn_ratio) ** 2
         share = 2.0 * (ratio_sq if kind == "attention" else 1.0) / (1.0 + ratio_sq)
-        return float(self.residual_mult) ** 2 * share / (layers / 2.0)
+        return float(self.residual_mult) ** 2 * share / depth_divisor(layers / 2.0, self.depth_rule)
 
     def tau(
         self,
@@ -123,7 +141,18 @@ class ResidualTau:
         layers: int | None = None,
         attention_before: int | None = None,
     ) -> float:
-        """The ``tau`` of the ``index``-th residual add (from 1), a ``kind`` branch.
+        """:meth:`share` as the reference's ``tau``: the branch's std over the skip's,
+        ``sqrt(share / (1 - share))`` (what ``residual_add(tau=...)`` takes)."""
+        return share_to_tau(self.share(kind, index, layers, attention_before))
+
+    def share(
+        self,
+        kind: str,
+        index: int,
+        layers: int | None = None,
+        attention_before: int | None = None,
+    ) -> float:
+        """The share of the variance of the ``index``-th residual add (from 1), a ``kind`` branch.
 
         Args:
             kind: ``"attention"`` or ``"mlp"``.
@@ -177,3 +206,14 @@ def residual_stack_length(module: nn.Module) -> int | None:
             continue
         best = max(best or 0, len(blocks))
     return best
+
+
+def mark_depth_rule(module: nn.Module, depth_rule: str) -> None:
+    """Tell :mod:`unitscale.optim` the depth rule of ``module``'s residual stack: every
+    parameter with a ``mup_scaling_depth`` gets ``mup_depth_rule = depth_rule`` (left unset
+    for the default ``"depth-mup"``)."""
+    if depth_rule == "depth-mup":
+        return
+    for param in module.parameters():
+        if getattr(param, "mup_scaling_depth", None):
+            setattr(param, DEPTH_RULE, depth_rule)

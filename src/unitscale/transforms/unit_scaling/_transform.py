@@ -9,7 +9,8 @@
    :func:`~unitscale.functional.residual_split`, and the add becomes
    :func:`~unitscale.functional.residual_add`. A branch that contains an attention op
    (``scaled_dot_product_attention`` or a softmax) is an *attention* branch; any other is an
-   *MLP* branch. Each gets its own ``tau`` (see :class:`ResidualTau`: by default u-μP's rule,
+   *MLP* branch. Each gets its own weight, a share of the variance (see
+   :class:`ResidualTau`: by default u-μP's rule,
    Appendix G of the paper, over ``n`` branches, ``n`` twice the length of the model's
    residual stack, found as ``transforms/unit_scaling/_residual_tau.py`` says, or else the number of
    residual adds captured; with ``mup=False``, equal shares). Adds are counted in
@@ -42,8 +43,10 @@
    (:mod:`unitscale.data_parallel`).
 
 Each replacement is logged at INFO on the ``"unitscale"`` logger as ``unit scaling function:
-<node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>)``
-(``tau`` to 4 significant digits), in graph order, when the graph is captured.
+<node>``, each residual add as ``unit scaling function: <node> (residual-add, tau=<tau>,
+share=<share>)`` (``tau`` the branch's std over the skip's, as the reference's
+``residual_add`` takes it, ``share`` its share of the variance; 4 significant digits), in
+graph order, when the graph is captured.
 
 Design constraints: the pass holds only configuration (``replace``, taus) and pickles as such;
 new and rewritten nodes keep Dynamo's ``example_value`` and source meta, so ``track_scales``
@@ -80,17 +83,15 @@ from ...capture import (
     is_float_node,
     transformed,
 )
-from ...functional import masked_scaled_dot_product_attention
+from ...functional import masked_scaled_dot_product_attention, share_to_tau
 from ...parameter import tag_model
 from .._rewrite import (
     RewritePass,
-    ancestors,
     insert_call,
     parameter_nodes,
     placeholder_names,
 )
 from ._graph import (
-    _as_residual_add,
     _batch_nodes,
     _has_mask,
     _hint_batch,
@@ -108,7 +109,8 @@ from ._initialise import (
 from ._inplace import functionalize_inplace
 from ._norms import freeze_norms
 from ._replace import _check_replace, _op_name, _torch_map
-from ._residual_tau import ResidualTau, residual_stack_length
+from ._residual_rewrite import rewrite_residual_adds
+from ._residual_tau import ResidualTau, mark_depth_rule, residual_stack_length
 from ._summary import classify, log_left_as_is
 from ._user_ops import KeptWhole, is_user_function
 
@@ -254,7 +256,9 @@ class UnitScalePass(RewritePass):
         # already ran in this call come first.
         before = self._residual_adds_before(capture)
         in_scope = self.scope_filter(capture, piece)
-        residual_adds = self._rewrite_residual_adds(graph, params, before, in_scope)
+        residual_adds = rewrite_residual_adds(
+            graph, params, before, in_scope, self.residual_tau, self.residual_layers
+        )
         weights = self._matmul_weights_to_linear(graph, gm, piece, params, capture, in_scope)
         replaced = self._replace_ops(graph, in_scope)
         replaced.extend(self._mup_readout(graph, gm, piece, replaced))
@@ -263,91 +267,29 @@ class UnitScalePass(RewritePass):
         _hint_batch(graph, _batch_nodes(gm, piece))
         graph.lint()
         # One line per rewritten node, in graph (execution) order.
-        taus = {r.node: r.node.args[2] for r in residual_adds}
-        rewritten = set(replaced) | set(taus)
+        shares: dict[fx.Node, float] = {
+            r.node: float(r.node.kwargs["share"])  # type: ignore[arg-type]
+            for r in residual_adds
+        }
+        rewritten = set(replaced) | set(shares)
         for node in graph.nodes:
-            if node in taus:
+            if node in shares:
                 logger.info(
-                    "unit scaling function: %s (residual-add, tau=%.4g)", node.name, taus[node]
+                    "unit scaling function: %s (residual-add, tau=%.4g, share=%.4g)",
+                    node.name,
+                    share_to_tau(shares[node]),
+                    shares[node],
                 )
             elif node in rewritten:
                 logger.info("unit scaling function: %s", node.name)
         piece.data[self.data_key] = {
             "replaced": [n.name for n in replaced],
             "matmul_weights": weights,
-            "residual_adds": [(r.node.name, r.kind, r.node.args[2]) for r in residual_adds],
+            "residual_adds": [(r.node.name, r.kind, r.node.kwargs["share"]) for r in residual_adds],
             # the other float ops: left as they are, or scale-neutral (see unit_scale_summary)
             **classify(graph, rewritten, in_scope),
         }
         return gm
-
-    def _rewrite_residual_adds(
-        self,
-        graph: fx.Graph,
-        params: set[fx.Node],
-        before: tuple[int, int],
-        in_scope: Callable[[fx.Node], bool],
-    ) -> list[_ResidualAdd]:
-        from ... import functional as U
-
-        adds_before, attention_before = before
-        layers = self.residual_layers
-        if layers is None:  # no residual stack known: the adds of the call so far and here
-            layers = adds_before + sum(
-                1 for n in graph.nodes if in_scope(n) and _as_residual_add(n, params)
-            )
-        found: list[_ResidualAdd] = []
-        for node in list(graph.nodes):
-            if not in_scope(node):
-                continue
-            residual = _as_residual_add(node, params)
-            if residual is None:
-                continue
-            tau = self.residual_tau.tau(
-                residual.kind,
-                adds_before + len(found) + 1,
-                layers=max(layers, adds_before + len(found) + 1),
-                attention_before=attention_before + sum(1 for r in found if r.kind == "attention"),
-            )
-            skip, branch = residual.skip, residual.branch
-            branch_side = ancestors(branch) | {branch}
-            value = example_value(skip)
-            with graph.inserting_after(skip):
-                split = insert_call(
-                    graph,
-                    U.residual_split,
-                    (skip, tau),
-                    name=f"{skip.name}_split",
-                    value=(value, value),
-                    meta_from=node,
-                )
-            with graph.inserting_after(split):
-                into_branch = insert_call(
-                    graph,
-                    operator.getitem,
-                    (split, 0),
-                    name=f"{skip.name}_residual",
-                    value=value,
-                    meta_from=node,
-                )
-            with graph.inserting_after(into_branch):
-                skipped = insert_call(
-                    graph,
-                    operator.getitem,
-                    (split, 1),
-                    name=f"{skip.name}_skip",
-                    value=value,
-                    meta_from=node,
-                )
-            for user in list(skip.users):
-                if user in branch_side:
-                    user.replace_input_with(skip, into_branch)
-            node.op = "call_function"
-            node.target = U.residual_add
-            node.args = (branch, skipped, tau)
-            node.kwargs = {}
-            found.append(residual)
-        return found
 
     def _matmul_weights_to_linear(
         self,
@@ -479,6 +421,7 @@ def unit_scale(
     residual_mult: float | None = None,
     residual_attn_ratio: float | None = None,
     trainable_norms: bool = False,
+    depth_rule: str | None = None,
 ) -> TransformedModule:
     """Return a unit-scaled, u-μP copy of ``module``: same code, unit-scaled ops and weights.
 
@@ -534,6 +477,11 @@ def unit_scale(
             at u-μP's learning rates (a norm scale steps at ``lr / sqrt(depth)``) they move
             too fast. Linear biases keep training (``lr / sqrt(depth)``, the reference's
             bias rule). With ``mup=False`` norms are left trainable.
+        depth_rule: ``"depth-mup"`` (u-μP's) or ``"completep"`` (CompleteP, Dey et al.
+            2025, arXiv 2505.01618: residual multipliers ``1/L`` and no depth factor on the
+            Adam learning rates of the stack's parameters, which carry
+            ``mup_depth_rule``; see :class:`~unitscale.TransformerDecoder`); None:
+            ``residual_tau``'s (``"depth-mup"``).
 
     Returns:
         The unit-scaled copy (``module`` is not touched; a checkpoint of ``module`` loads
@@ -572,6 +520,7 @@ def unit_scale(
         residual_attn_ratio=(
             residual_tau.residual_attn_ratio if residual_attn_ratio is None else residual_attn_ratio
         ),
+        depth_rule=residual_tau.depth_rule if depth_rule is None else depth_rule,
     )
     graph_pass = UnitScalePass(checked, residual_tau)
     result = transformed(module, graph_pass, "unit_scale")
@@ -593,6 +542,7 @@ def unit_scale(
     # residual stack (else counted from the captured adds)
     stack = residual_stack_length(result.module)
     graph_pass.residual_layers = 2 * stack if stack else None
+    mark_depth_rule(result.module, residual_tau.depth_rule)
     if mup and not trainable_norms:
         freeze_norms(result.module)
     return result
