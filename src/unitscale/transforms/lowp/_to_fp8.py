@@ -116,10 +116,10 @@ class ToFP8Pass(RewritePass):
     Reads: node targets, Dynamo's ``example_value`` meta (dtypes, shapes, devices) and which
     placeholders are parameters (``addmm`` is a linear op only with a parameter as its
     second matrix). Writes: the target and arguments of each converted node (the same
-    arguments plus ``scaling`` and, for ``"delayed"``, ``histories``: ``get_attr`` nodes of
-    the amax-history buffers ``fp8_amax_history_<module>_input``, ``..._weight`` and
-    ``..._grad_output``, named as ``simulate_fp8`` names them, one set per place the piece
-    runs at: :func:`~._pass.history_variant_key`);
+    arguments plus ``scaling``, ``fast_accum`` and, for ``"delayed"``, ``histories``:
+    ``get_attr`` nodes of the amax-history buffers ``fp8_amax_history_<module>_input``,
+    ``..._weight`` and ``..._grad_output``, named as ``simulate_fp8`` names them, one set
+    per place the piece runs at: :func:`~._pass.history_variant_key`);
     the summary record (:mod:`~._fp8_summary`) of the graph's matmul-like ops;
     ``piece.data["fp8_scaling"]``: ``(scaling, forward scales, backward scales)``.
     """
@@ -321,12 +321,15 @@ def to_fp8(
     Every linear op (an op with a weight: ``nn.Linear``/``F.linear``, unitscale's linear
     layers and readout, transformers' ``Conv1D``) runs through ``torch._scaled_mm``: forward
     ``x(E4M3) @ W(E4M3)``, backward ``grad_x = grad_y(E5M2) @ W(E4M3)`` and ``grad_W =
-    grad_y(E5M2).T @ x(E4M3)``, accumulated in FP32, written in the input's dtype, the bias
-    added afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. This is the
-    ``"hardware"`` recipe of :func:`simulate_fp8`, for real: on the CPU its outputs and
-    gradients equal rounding the same operands and multiplying in FP32, bit for bit (see
-    docs/guide/fp8-real.rst, which also says where a GPU differs). Other ops run as before;
-    :func:`fp8_summary` lists what runs in FP8 and what not.
+    grad_y(E5M2).T @ x(E4M3)``, accumulated in FP32, written in the input's dtype (under
+    ``torch.autocast``, in autocast's, as torchao's ``Float8Linear``), the bias added
+    afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. Every GEMM meets
+    CUDA's rules for ``_scaled_mm`` on every device, padding to multiples of 16 as needed,
+    so any shape converts. This is the ``"hardware"`` recipe of :func:`simulate_fp8`, for
+    real: on the CPU its outputs and gradients equal rounding the same operands and
+    multiplying them as the CPU's kernel does, bit for bit (see docs/guide/fp8-real.rst,
+    which also says where a GPU differs). Other ops run as before; :func:`fp8_summary`
+    lists what runs in FP8 and what not, and the share of the linear ops' FLOPs in FP8.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one, e.g. ``unit_scale(m)``) that
