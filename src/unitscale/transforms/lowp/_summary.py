@@ -57,8 +57,9 @@ class FP8Summary:
             precision (outside the ``ops`` scope, in a module of ``skip=``, no
             floating-point operand, or not recognised).
         converted_flop_share: the share (0 to 1) of the linear ops' FLOPs, per forward at
-            the shapes last seen, that ran in FP8 (``to_fp8`` records it; None where the
-            transform records no FLOPs, as the simulations).
+            the shapes last seen, that ran in FP8, the ops kept by ``skip=`` left out
+            (``to_fp8`` records it; None where the transform records no FLOPs, as the
+            simulations).
 
     Example:
         >>> s = FP8Summary("simulate_fp8", ("fc: linear",), (("bmm", "outside ops='linear'"),))
