@@ -207,6 +207,12 @@ def _check_block(where: str, block: str) -> None:
         raise UnsupportedArgumentError(where, "block", block, f"use one of {_BLOCKS}")
 
 
+def _check_multiple_of(module: str, multiple_of: Any) -> None:
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        fix = "use a positive int (1: no rounding)"
+        raise UnsupportedArgumentError(module, "mlp_multiple_of", multiple_of, fix)
+
+
 def _swiglu(
     hidden_size: int,
     expansion_factor: int,
@@ -215,10 +221,12 @@ def _swiglu(
     device: Any,
     dtype: torch.dtype | None,
     activation_mult: float,
+    multiple_of: int = 1,
 ) -> MLP:
-    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's (the same parameter count)."""
+    """Llama's SwiGLU MLP: inner width 2/3 of the GELU MLP's, rounded up to ``multiple_of``."""
     mlp = MLP(hidden_size, 1, bias, constraint, device, dtype, activation_mult, gated=True)
     inner = max(1, 2 * expansion_factor * hidden_size // 3)
+    inner = -(-inner // multiple_of) * multiple_of
     mlp.up = Linear(hidden_size, 2 * inner, bias, device, dtype, constraint)
     mlp.down = Linear(inner, hidden_size, bias, device, dtype, constraint)
     return mlp
@@ -264,10 +272,12 @@ class TransformerLayer(nn.Module):
         attn_share: the attention block's share of the variance, ``0 < share < 1``, or
             None (keyword only; not with ``attn_tau``).
         mlp_share: the MLP block's share of the variance, or None (likewise).
+        mlp_multiple_of: round the SwiGLU inner width up to a multiple of this (keyword only;
+            Llama's ``multiple_of``; 64: float8 GEMMs need no padding). Default 1: unrounded.
 
     Raises:
         UnsupportedArgumentError: a ``tau <= 0``, a ``share`` outside (0, 1), both given
-            for one block, bad ``heads`` or ``block``.
+            for one block, bad ``heads``, ``block`` or ``mlp_multiple_of``.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -300,9 +310,11 @@ class TransformerLayer(nn.Module):
         *,
         attn_share: float | None = None,
         mlp_share: float | None = None,
+        mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerLayer", block)
+        _check_multiple_of("TransformerLayer", mlp_multiple_of)
         self.attn_share = _block_share("attn", attn_tau, attn_share)
         self.mlp_share = _block_share("mlp", mlp_tau, mlp_share)
         norm = {"elementwise_affine": trainable_norms, "device": device, "dtype": dtype}
@@ -324,9 +336,8 @@ class TransformerLayer(nn.Module):
         self.attn_dropout = Dropout(dropout_p)
         self.mlp_norm = norm_class(hidden_size, **norm)
         if block == "llama":
-            self.mlp = _swiglu(
-                hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
-            )
+            mlp = (hidden_size, mlp_expansion_factor, bias, constraint, device, dtype)
+            self.mlp = _swiglu(*mlp, activation_mult, mlp_multiple_of)
         else:
             self.mlp = MLP(
                 hidden_size, mlp_expansion_factor, bias, constraint, device, dtype, activation_mult
@@ -477,6 +488,7 @@ class TransformerDecoder(nn.Module):
         depth_rule: ``"depth-mup"`` (default) or ``"completep"`` (see above).
         attn_share, mlp_share: fixed residual weights as variance shares (keyword only;
             not with ``attn_tau``/``mlp_tau``).
+        mlp_multiple_of: as :class:`TransformerLayer`'s (keyword only; default 1, unrounded).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -518,10 +530,12 @@ class TransformerDecoder(nn.Module):
         *,
         attn_share: float | None = None,
         mlp_share: float | None = None,
+        mlp_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         _check_block("TransformerDecoder", block)
         check_depth_rule("TransformerDecoder", depth_rule)
+        _check_multiple_of("TransformerDecoder", mlp_multiple_of)
         self.mup = mup
         self.depth_rule = depth_rule
         self.loss_mult = check_mult("TransformerDecoder", loss_mult)
@@ -550,6 +564,7 @@ class TransformerDecoder(nn.Module):
                 block,
                 attn_share=attn_share if fixed_attn else shares[2 * i],
                 mlp_share=mlp_share if fixed_mlp else shares[2 * i + 1],
+                mlp_multiple_of=mlp_multiple_of,
             )
             for i in range(depth)
         )

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from ..capture import Capture, GraphPass, Piece, Stage, TransformedModule, transformed
+from ..errors import CaptureError
 from ._rewrite import warn_uncaptured
 
 __all__ = ["CompilePass", "compile"]
@@ -122,7 +123,10 @@ def compile(module: nn.Module) -> TransformedModule:
         CaptureError: ``module`` is not a module; is already compiled (by this function or
             by ``torch.compile``); or is tracked by ``track_scales``, whose statistics cannot
             be gathered from compiled code (compile the untracked module instead); or holds
-            a submodule that is tracked or compiled (the error names it).
+            a submodule that is tracked or compiled (the error names it); or runs
+            ``to_fp8`` on the CPU with a torch whose Inductor cannot compile float8 casts
+            there (torch 2.8: run the ``to_fp8`` model eagerly, which works, or use a newer
+            torch).
 
     Example:
         >>> import torch
@@ -131,4 +135,22 @@ def compile(module: nn.Module) -> TransformedModule:
         >>> torch.allclose(fast(torch.ones(1, 4)), model(torch.ones(1, 4)))  # doctest: +SKIP
         True
     """
+    _check_fp8_compiles(module)
     return transformed(module, CompilePass(), "compile")
+
+
+def _check_fp8_compiles(module: nn.Module) -> None:
+    """Refuse compiling a ``to_fp8`` chain on the CPU where Inductor cannot compile its
+    float8 casts (found by a tiny compiled trial), with the reason."""
+    from .lowp._scaled_mm import float8_compile_error
+    from .lowp._to_fp8 import ToFP8Pass
+
+    if not isinstance(module, TransformedModule) or module.pass_of_type(ToFP8Pass) is None:
+        return
+    for device in {p.device for p in module.parameters()}:
+        error = float8_compile_error(device)
+        if error is not None:
+            raise CaptureError(
+                f"unitscale.transforms.compile: {error}; run the to_fp8 model without "
+                "compile (eager float8 GEMMs work), or compile with a newer torch"
+            )

@@ -6,8 +6,10 @@ Modules: which ops a transform covers and how their operands are found (``_ops``
 (``_quantise``); the simulation's graph pass and transforms (``_pass``, ``_simulate``), its
 form of torchao's rowwise recipes (``_simulated_rowwise``) and its block-scaled GEMMs
 (``_blocks``: MX, NVFP4); the layers kept in high precision (``_skip``); the float8 GEMMs and
-the transform that issues them (``_gemm``, ``_to_fp8``); FSDP2's float8 all-gather of their
-weights (``_fsdp``); the report of what each transform converted (``_summary``).
+the transform that issues them (``_gemm``, ``_to_fp8``), the one call of ``torch._scaled_mm``
+with CUDA's rules and padding (``_scaled_mm``) and torchao's rowwise recipes as float8 GEMMs
+(``_rowwise``); FSDP2's float8 all-gather of their weights (``_fsdp``); the report of what
+each transform converted (``_summary``).
 """
 
 from ._simulate import (

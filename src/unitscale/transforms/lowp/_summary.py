@@ -19,18 +19,28 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.fx as fx
 from torch import nn
 
-from ...capture import Piece, TransformedModule, unwrap_compiled, warn_user
+from ...capture import Piece, TransformedModule, example_value, unwrap_compiled, warn_user
 from ...errors import UnitScaleError
 from ._fsdp import GATHER_KEY
 
-__all__ = ["FP8Summary", "fp8_summary", "record", "warn_if_not_unit_scaled"]
+__all__ = [
+    "FP8Summary",
+    "flop_share",
+    "fp8_summary",
+    "linear_flops",
+    "record",
+    "warn_if_not_unit_scaled",
+]
 
 logger = logging.getLogger("unitscale")
 
-#: ``piece.data`` key of the records.
+#: ``piece.data`` keys of the records and of the linear ops' FLOPs.
 _KEY = "fp8_summary"
+_FLOPS = "fp8_flops"
 #: ``piece.data`` key of the count of unit-scaled ops each transform converted.
 _UNIT_KEY = "fp8_unit_scaled"
 
@@ -47,6 +57,10 @@ class FP8Summary:
         not_converted: ``(op, reason)`` for every matmul-like op left in the model's own
             precision (outside the ``ops`` scope, in a module of ``skip=``, no
             floating-point operand, or not recognised).
+        converted_flop_share: the share (0 to 1) of the linear ops' FLOPs, per forward at
+            the shapes last seen, that ran in FP8, the ops kept by ``skip=`` left out
+            (``to_fp8`` records it; None where the transform records no FLOPs, as the
+            simulations).
         float8_all_gather: (``to_fp8`` under FSDP2) the weights of the FP8 ops that FSDP2
             all-gathers as float8 bytes, by parameter name.
         high_precision_gather: ``(weight, reason)`` for each weight of an FP8 op that
@@ -61,11 +75,14 @@ class FP8Summary:
     transform: str
     converted: tuple[str, ...]
     not_converted: tuple[tuple[str, str], ...]
+    converted_flop_share: float | None = None
     float8_all_gather: tuple[str, ...] = ()
     high_precision_gather: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.transform}: {len(self.converted)} op(s) in FP8"
+        if self.converted_flop_share is not None:
+            text += f" ({self.converted_flop_share:.0%} of the linear ops' FLOPs)"
         if not self.not_converted:
             text += ", every matmul-like op"
         else:
@@ -79,6 +96,48 @@ class FP8Summary:
         return text
 
 
+def _hint(size: Any) -> int:
+    """A size as an int; a symbolic one's hint (its value when captured), no guard added."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if hint is not None else 0
+
+
+def linear_flops(node: fx.Node, slots: Sequence[tuple[int, str]]) -> float:
+    """FLOPs of one linear op ``node`` (``2 * rows * in * out``) from the example values of
+    its first two operands (the input, the weight in either layout); 0 where unknown."""
+    values = []
+    for position, keyword in list(slots)[:2]:
+        arg = node.kwargs.get(keyword) if keyword in node.kwargs else None
+        if arg is None and position < len(node.args):
+            arg = node.args[position]
+        value = example_value(arg) if isinstance(arg, fx.Node) else None
+        values.append(value if isinstance(value, torch.Tensor) else None)
+    x, weight = [*values, None, None][:2]
+    if x is None or weight is None or x.dim() == 0:
+        return 0.0
+    inner = max(_hint(x.shape[-1]), 1)
+    return 2.0 * _hint(x.numel()) * _hint(weight.numel()) / inner
+
+
+def flop_share(pieces: Sequence[Piece], transform: str) -> float | None:
+    """The share of linear-op FLOPs ``transform`` ran in FP8 over ``pieces`` (each counted
+    once; None if it recorded none; 0 for no linear op)."""
+    converted = total = 0.0
+    seen = False
+    unique = {id(piece): piece for piece in pieces}
+    for piece in unique.values():
+        flops = piece.data.get(_FLOPS, {}).get(transform)
+        if flops is not None:
+            seen = True
+            converted, total = converted + flops[0], total + flops[1]
+    if not seen:
+        return None
+    return converted / total if total > 0 else 0.0
+
+
 def record(
     piece: Piece,
     transform: str,
@@ -87,16 +146,21 @@ def record(
     warn_reasons: Sequence[str] = (),
     *,
     unit_scaled: int = 0,
+    flops: tuple[float, float] | None = None,
 ) -> None:
     """Store one graph's summary in ``piece`` and log it once (INFO); warn about the ops left
     out for a reason among ``warn_reasons`` (those the user did not choose). ``unit_scaled``
     counts the converted ops that are unit-scaled ops (for
-    :func:`warn_if_not_unit_scaled`)."""
+    :func:`warn_if_not_unit_scaled`); ``flops``: the linear ops' FLOPs converted and in
+    all, for ``converted_flop_share``."""
     counts = piece.data.setdefault(_UNIT_KEY, {})
     counts[transform] = counts.get(transform, 0) + unit_scaled
     converted_list, left_list = piece.data.setdefault(_KEY, {}).setdefault(transform, ([], []))
     converted_list.extend(converted)
     left_list.extend(not_converted)
+    if flops is not None:
+        before = piece.data.setdefault(_FLOPS, {}).get(transform, (0.0, 0.0))
+        piece.data[_FLOPS][transform] = (before[0] + flops[0], before[1] + flops[1])
     summary = FP8Summary(transform, tuple(converted), tuple(not_converted))
     logger.info("%s (graph %d)", summary, piece.index)
     surprising = [(op, reason) for op, reason in not_converted if reason in warn_reasons]
@@ -204,7 +268,15 @@ def fp8_summary(module: nn.Module, transform: str | None = None) -> FP8Summary:
             f"fp8_summary: transform={transform!r} did not run; choose from {', '.join(found)}"
         )
     converted, left = found[transform]
+    share = flop_share(pieces, transform)
     if transform != "to_fp8":
-        return FP8Summary(transform, tuple(converted), tuple(left))
+        return FP8Summary(transform, tuple(converted), tuple(left), share)
     high = tuple((w, why) for w, why in gathers[1].items() if w not in gathers[0])
-    return FP8Summary(transform, tuple(converted), tuple(left), tuple(gathers[0]), high)
+    return FP8Summary(
+        transform,
+        tuple(converted),
+        tuple(left),
+        share,
+        float8_all_gather=tuple(gathers[0]),
+        high_precision_gather=high,
+    )

@@ -7,10 +7,13 @@ whose second matrix is a parameter, transformers' ``Conv1D``, or ``unit_scale``'
 it), calls its float8 counterpart in :mod:`unitscale.transforms.lowp._gemm` instead, with the
 same arguments. Every other op runs as before, in the model's precision: the matmul-like ops
 that are not linear ops (attention's batched matmuls, ``matmul`` of two activations,
-convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float or
-mixed-dtype operands, weight shapes the device rejects) are listed, with the reason, in
+convolutions, ``einsum``) and the linear ops that ``_scaled_mm`` cannot take (non-float
+operands, a device without float8 GEMMs) are listed, with the reason, in
 :func:`~unitscale.transforms.fp8_summary` (the summary ``simulate_fp8`` keeps, with the
-same op names and reasons) and in one INFO log line per captured graph.
+same op names and reasons) and in one INFO log line per captured graph; the summary's
+``converted_flop_share`` is the share of the linear ops' FLOPs that ran in FP8, and
+``to_fp8`` warns when it is under 90%. Any weight shape converts (the GEMMs pad to CUDA's
+alignment, :mod:`~._scaled_mm`).
 
 The numerics are those of ``simulate_fp8`` restricted to the same ops (see
 docs/guide/fp8-real.rst): operands rounded to nearest in E4M3, the output gradient in E5M2,
@@ -51,11 +54,14 @@ from . import _gemm as fp8
 from ._blocks import is_block_request, real_block_gemm_refusal
 from ._operands import NO_FLOAT_OPERAND, UNRECOGNISED, fp8_candidates, is_unit_scaled
 from ._pass import SimulateFormatPass, _Sites, history_variant_key
-from ._scaling import DEFAULT_HISTORY_LEN, ROWWISE_SCALINGS, Scaling, keep_histories
+from ._rowwise import ROWWISE
+from ._scaling import DEFAULT_HISTORY_LEN, Scaling, keep_histories
 from ._simulate import FP8_RECIPES, FP8Recipe, _check_scaling
 from ._skip import Skip, resolve_skip
 from ._summary import (  # noqa: F401 (fp8_summary: to_fp8's example)
+    flop_share,
     fp8_summary,
+    linear_flops,
     record,
     warn_if_not_unit_scaled,
 )
@@ -63,6 +69,10 @@ from ._summary import (  # noqa: F401 (fp8_summary: to_fp8's example)
 __all__ = ["ToFP8Pass", "to_fp8"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Below this share of the linear ops' FLOPs in FP8, ``to_fp8`` warns.
+MIN_FLOP_SHARE = 0.9
+# scaled casts in the backward of one linear op, by scaling (the forward's: 2)
+_BACKWARD_CASTS = {"none": 0, "tensorwise": 1, "delayed": 1, "rowwise": 4, "rowwise_with_gw_hp": 2}
 
 
 # Each linear op: what the summary calls it, its float8 counterpart, the names of its
@@ -107,10 +117,10 @@ class ToFP8Pass(RewritePass):
     Reads: node targets, Dynamo's ``example_value`` meta (dtypes, shapes, devices) and which
     placeholders are parameters (``addmm`` is a linear op only with a parameter as its
     second matrix). Writes: the target and arguments of each converted node (the same
-    arguments plus ``scaling`` and, for ``"delayed"``, ``histories``: ``get_attr`` nodes of
-    the amax-history buffers ``fp8_amax_history_<module>_input``, ``..._weight`` and
-    ``..._grad_output``, named as ``simulate_fp8`` names them, one set per place the piece
-    runs at: :func:`~._pass.history_variant_key`);
+    arguments plus ``scaling``, ``fast_accum`` and, for ``"delayed"``, ``histories``:
+    ``get_attr`` nodes of the amax-history buffers ``fp8_amax_history_<module>_input``,
+    ``..._weight`` and ``..._grad_output``, named as ``simulate_fp8`` names them, one set
+    per place the piece runs at: :func:`~._pass.history_variant_key`);
     the summary record (:mod:`~._fp8_summary`) of the graph's matmul-like ops;
     ``piece.data["fp8_scaling"]``: ``(scaling, forward scales, backward scales)``.
     """
@@ -129,6 +139,7 @@ class ToFP8Pass(RewritePass):
         scaling: Scaling = "none",
         history_len: int = DEFAULT_HISTORY_LEN,
         skip: frozenset[str] = frozenset(),
+        fast_accum: bool = True,
     ) -> None:
         self.scaling = scaling
         self.history_len = history_len
@@ -136,9 +147,10 @@ class ToFP8Pass(RewritePass):
         #: FSDP2 float8 all-gather: each linear weight by name, None where marked for it, else
         #: the reason (None: turned off); set by to_fp8 (see :mod:`~._fsdp`).
         self.fsdp_gather: dict[str, str | None] | None = None
+        self.fast_accum = fast_accum
 
     def __repr__(self) -> str:
-        return f"ToFP8Pass(scaling={self.scaling!r})"
+        return f"ToFP8Pass(scaling={self.scaling!r}, fast_accum={self.fast_accum!r})"
 
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         return history_variant_key(self.scaling, piece, capture)
@@ -151,11 +163,14 @@ class ToFP8Pass(RewritePass):
         weights: dict[fx.Node, list[str]] = {}
         table = _linear_ops()
         names = {node: name for node, (_, name) in placeholder_names(gm, piece).items()}
+        flops = [0.0, 0.0]  # converted, all (linear ops, per forward)
         # the ops of simulate_fp8(ops="linear"), under the same names and reasons
-        for node, label, _ in fp8_candidates(self, gm, piece, capture, "linear", left):
+        for node, label, slots in fp8_candidates(self, gm, piece, capture, "linear", left):
             op = table.get(node.target)
             bound = _bind(node, op.params) if op is not None else {}
             reason = "no float8 counterpart" if op is None else self._refusal(op, bound)
+            cost = linear_flops(node, slots)
+            flops[1] += cost
             if reason is not None:
                 left.append((label, reason))
                 continue
@@ -164,8 +179,15 @@ class ToFP8Pass(RewritePass):
             self._convert(gm.graph, node, op, bound, sites)
             converted.append(label)
             weights.setdefault(bound[_operands(op)[1]], []).append(label)
+            flops[0] += cost
         record(
-            piece, self.transform_name, converted, left, (UNRECOGNISED,), unit_scaled=unit_scaled
+            piece,
+            self.transform_name,
+            converted,
+            left,
+            (UNRECOGNISED,),
+            unit_scaled=unit_scaled,
+            flops=(flops[0], flops[1]),
         )
         marks = getattr(self, "fsdp_gather", None)
         _fsdp.record_gathers(piece, gm, names, weights, marks, capture.owner_ref())
@@ -182,16 +204,17 @@ class ToFP8Pass(RewritePass):
         if not (is_float_node(x) and is_float_node(weight)):
             return NO_FLOAT_OPERAND
         x_value, w_value = example_value(x), example_value(weight)
-        if x_value.dtype not in _FLOAT_DTYPES or w_value.dtype != x_value.dtype:
+        if x_value.dtype not in _FLOAT_DTYPES or w_value.dtype not in _FLOAT_DTYPES:
             return (
-                f"operands in {x_value.dtype} and {w_value.dtype}: float8 GEMMs take one "
-                "dtype of float32, bfloat16 or float16"
+                f"operands in {x_value.dtype} and {w_value.dtype}: float8 GEMMs cast from "
+                "float32, bfloat16 or float16"
             )
         if w_value.dim() != 2 or x_value.dim() < 1:
             return f"operand shapes {tuple(x_value.shape)} and {tuple(w_value.shape)}"
-        fp8.check_float8(x_value.device, "to_fp8")
-        fan_out, fan_in = w_value.shape[::-1] if op.weight_transposed else w_value.shape
-        return fp8.float8_shape_error(int(fan_in), int(fan_out), x_value.device)
+        error = fp8.float8_device_error(x_value.device, rowwise=self.scaling in ROWWISE)
+        if error is not None:
+            return f"{error}; move the model to a device with float8 GEMMs"
+        return None
 
     def _convert(
         self,
@@ -201,10 +224,10 @@ class ToFP8Pass(RewritePass):
         bound: dict[str, Any],
         sites: _Sites,
     ) -> None:
-        kwargs: dict[str, Any] = {**bound, "scaling": self.scaling}
+        kwargs: dict[str, Any] = {**bound, "scaling": self.scaling, "fast_accum": self.fast_accum}
         if self.scaling != "none":
             sites.counts[0] += 2
-            sites.counts[1] += 1
+            sites.counts[1] += _BACKWARD_CASTS[self.scaling]
         if self.scaling == "delayed":
             histories = []
             with graph.inserting_before(node):
@@ -227,11 +250,22 @@ class ToFP8Pass(RewritePass):
         if self.scaling == "none":
             warn_if_not_unit_scaled(self.transform_name, module, trace)
         records = [inv.piece.data.get("fp8_summary", {}).get("to_fp8") for inv in trace]
+        name = type(module.module).__name__
         if not any(converted for converted, _ in filter(None, records)):
             warnings.warn(
-                f"to_fp8: {type(module.module).__name__} has no linear op that can run as "
+                f"to_fp8: {name} has no linear op that can run as "
                 "float8 GEMMs (nn.Linear, F.linear, unitscale's linear and readout, "
                 "transformers' Conv1D); it runs as before, nothing in FP8",
+                UserWarning,
+                stacklevel=6,
+            )
+            return
+        share = flop_share([inv.piece for inv in trace], "to_fp8")
+        if share is not None and share < MIN_FLOP_SHARE:
+            warnings.warn(
+                f"to_fp8: only {share:.0%} of {name}'s linear-op FLOPs run in FP8 (under "
+                f"{MIN_FLOP_SHARE:.0%}); unitscale.transforms.fp8_summary(model) lists the "
+                "ops left in high precision and why",
                 UserWarning,
                 stacklevel=6,
             )
@@ -290,26 +324,32 @@ def to_fp8(
     history_len: int = DEFAULT_HISTORY_LEN,
     skip: Skip = None,
     fsdp_float8_all_gather: bool = True,
+    fast_accum: bool = True,
 ) -> TransformedModule:
     """Return a copy of ``module`` whose linear ops run as real float8 GEMMs.
 
     Every linear op (an op with a weight: ``nn.Linear``/``F.linear``, unitscale's linear
     layers and readout, transformers' ``Conv1D``) runs through ``torch._scaled_mm``: forward
     ``x(E4M3) @ W(E4M3)``, backward ``grad_x = grad_y(E5M2) @ W(E4M3)`` and ``grad_W =
-    grad_y(E5M2).T @ x(E4M3)``, accumulated in FP32, written in the input's dtype, the bias
-    added afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. This is the
-    ``"hardware"`` recipe of :func:`simulate_fp8`, for real: on the CPU its outputs and
-    gradients equal rounding the same operands and multiplying in FP32, bit for bit (see
-    docs/guide/fp8-real.rst, which also says where a GPU differs). Other ops run as before;
-    :func:`fp8_summary` lists what runs in FP8 and what not.
+    grad_y(E5M2).T @ x(E4M3)``, accumulated in FP32, written in the input's dtype (under
+    ``torch.autocast``, in autocast's, as torchao's ``Float8Linear``), the bias added
+    afterwards; the backward keeps ``x`` and ``W`` as float8 tensors. Every GEMM meets
+    CUDA's rules for ``_scaled_mm`` on every device, padding to multiples of 16 as needed,
+    so any shape converts. This is the ``"hardware"`` recipe of :func:`simulate_fp8`, for
+    real: on the CPU its outputs and gradients equal rounding the same operands and
+    multiplying them as the CPU's kernel does, bit for bit (see docs/guide/fp8-real.rst,
+    which also says where a GPU differs). Other ops run as before; :func:`fp8_summary`
+    lists what runs in FP8 and what not, and the share of the linear ops' FLOPs in FP8.
 
     Args:
         module: any ``torch.nn.Module`` (or a transformed one, e.g. ``unit_scale(m)``) that
             TorchDynamo can capture.
         recipe: ``"hardware"`` (or the equal :class:`FP8Recipe`); others are refused.
         scaling: ``"none"`` (default: scale 1, no amax anywhere, what a unit-scaled model
-            needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config) or
-            ``"delayed"`` (amax histories, as in :func:`simulate_fp8`).
+            needs), ``"tensorwise"`` (torchao's dynamic recipe with its default config),
+            ``"delayed"`` (amax histories, as in :func:`simulate_fp8`), or torchao's
+            rowwise recipes ``"rowwise"`` and ``"rowwise_with_gw_hp"`` (see
+            docs/guide/fp8-real.rst).
         history_len: amax-history length for ``scaling="delayed"``.
         skip: modules kept in high precision, as for :func:`simulate_fp8`.
         fsdp_float8_all_gather: where :func:`unitscale.data_parallel.fully_shard` (FSDP2)
@@ -318,6 +358,9 @@ def to_fp8(
             uses as it arrives (``"none"`` and ``"tensorwise"`` scaling; the same numbers as
             gathering the weight in its precision, a quarter of FP32's bytes). ``False``
             gathers every weight in its own precision (see docs/guide/distributed.rst).
+        fast_accum: the forward GEMM accumulates with cuBLAS's fast float8 accumulation
+            (torchao's default, ``True``); the backward's never do. On CUDA it trades
+            accumulation precision in the forward for speed; on the CPU it changes nothing.
 
     Returns:
         The transformed copy (``module`` is not touched).
@@ -344,10 +387,10 @@ def to_fp8(
     """
     _check_recipe(recipe)
     _check_scaling("to_fp8", scaling, history_len)
-    if scaling in ROWWISE_SCALINGS:  # float8 GEMMs with rowwise scales are not built here
+    if not isinstance(fast_accum, bool):
         raise FormatError(
-            f"unitscale.transforms.to_fp8: scaling={scaling!r} has no float8 GEMMs in this "
-            f"build; simulate it with unitscale.transforms.simulate_fp8(model, scaling={scaling!r})"
+            f"unitscale.transforms.to_fp8: argument 'fast_accum'={fast_accum!r} must be a "
+            "bool (True: the forward GEMM accumulates fast, as torchao's default)"
         )
     _fsdp.check_not_sharded(module)
     build = fp8.float8_build_error()
@@ -359,14 +402,14 @@ def to_fp8(
         )
     if isinstance(module, nn.Module):
         for device in {p.device for p in module.parameters()}:
-            fp8.check_float8(device, "to_fp8")
+            fp8.check_float8(device, "to_fp8", rowwise=scaling in ROWWISE)
     if isinstance(module, TransformedModule) and module.pass_of_type(SimulateFormatPass):
         raise CaptureError(
             "unitscale.transforms.to_fp8: the module already simulates a number format "
             "(simulate_format/simulate_fp8); apply to_fp8 to the model without it"
         )
     skipped = resolve_skip("to_fp8", module, skip)
-    graph_pass = ToFP8Pass(scaling, history_len, skipped)
+    graph_pass = ToFP8Pass(scaling, history_len, skipped, fast_accum)
     result = transformed(module, graph_pass, "to_fp8")
     if fsdp_float8_all_gather:
         for owned in result.passes:  # the chain's own copy of the pass
