@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def test_device_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_GUARD_S,
     )
     log = done.stdout
     exits = dict(re.findall(r"^=== (\w+): exit (\d+) ===$", log, flags=re.M))
