@@ -113,6 +113,10 @@ class TransferConfig:
         depth_rule: the u-μP models' depth rule, a :data:`DEPTH_RULES` entry:
             ``"depth-mup"`` (default) or ``"completep"`` (``TransformerDecoder`` /
             ``unit_scale``'s ``depth_rule=``).
+        seed_values: the seeds, where they are not ``seed`` to ``seed + seeds - 1`` (a
+            sweep combined from runs of other seeds: :func:`combine_results`); when given,
+            ``seed`` and ``seeds`` are set from it (its first seed, its length). Empty: the
+            consecutive seeds.
 
     Example:
         >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
@@ -141,8 +145,23 @@ class TransferConfig:
     quick: bool = False
     optimizer: str = "adamw"
     depth_rule: str = "depth-mup"
+    seed_values: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.seed_values:
+            values = tuple(sorted(self.seed_values))
+            if len(set(values)) != len(values) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
+            ):
+                raise TransferConfigError(
+                    f"TransferConfig: seed_values={list(self.seed_values)!r} must be distinct "
+                    "non-negative integers"
+                )
+            if values == tuple(range(values[0], values[0] + len(values))):
+                values = ()  # consecutive: seed and seeds say it
+            object.__setattr__(self, "seed", int(sorted(self.seed_values)[0]))
+            object.__setattr__(self, "seeds", len(self.seed_values))
+            object.__setattr__(self, "seed_values", values)
         if self.vary not in ("width", "depth"):
             raise TransferConfigError(
                 f"TransferConfig: vary={self.vary!r} must be 'width' or 'depth'"
@@ -217,12 +236,16 @@ class TransferConfig:
 
     @property
     def seed_list(self) -> list[int]:
-        """The seeds of the sweep: ``seed`` to ``seed + seeds - 1``.
+        """The seeds of the sweep: ``seed`` to ``seed + seeds - 1`` (or ``seed_values``).
 
         Example:
             >>> TransferConfig(seed=3, seeds=2).seed_list
             [3, 4]
+            >>> TransferConfig(seed_values=(17, 0, 1)).seed_list
+            [0, 1, 17]
         """
+        if self.seed_values:
+            return list(self.seed_values)
         return list(range(self.seed, self.seed + self.seeds))
 
     @property
