@@ -789,7 +789,8 @@ def transfer_table(path: Path = TRANSFER) -> str:
     lines.append(_transfer_cost(groups, size))
     lines.append("")
     for claim in document["claims"]:
-        every = f" Per seed: {claim['every_seed']}." if claim.get("every_seed") else ""
+        every = claim.get("every_seed", "")
+        every = f" {every[:1].upper()}{every[1:]}." if every else ""
         lines.append(
             f"- ({claim['number']}) {claim['statement']}: **{claim['verdict']}**. "
             f"{claim['detail']}.{every}"

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     written = write_transfer_outputs(result, args.out, note)
     print((written[-1]).read_text(encoding="utf-8"), end="")
     if stale:
-        print(f"{len(stale)} FP8 run(s) not at the combined best: pass --rerun-fp8", file=sys.stderr)
+        print(f"{len(stale)} FP8 run(s) not at the combined best: --rerun-fp8", file=sys.stderr)
     return 0
 
 
