@@ -147,21 +147,25 @@ class TransferConfig:
     depth_rule: str = "depth-mup"
     seed_values: tuple[int, ...] = ()
 
+    def _set_seed_values(self) -> None:
+        """Check ``seed_values`` and set ``seed`` and ``seeds`` from it (cleared when the
+        seeds are consecutive: ``seed`` and ``seeds`` say it)."""
+        values = tuple(sorted(self.seed_values))
+        if len(set(values)) != len(values) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
+        ):
+            raise TransferConfigError(
+                f"TransferConfig: seed_values={list(self.seed_values)!r} must be distinct "
+                "non-negative integers"
+            )
+        object.__setattr__(self, "seed", values[0])
+        object.__setattr__(self, "seeds", len(values))
+        consecutive = values == tuple(range(values[0], values[0] + len(values)))
+        object.__setattr__(self, "seed_values", () if consecutive else values)
+
     def __post_init__(self) -> None:
         if self.seed_values:
-            values = tuple(sorted(self.seed_values))
-            if len(set(values)) != len(values) or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
-            ):
-                raise TransferConfigError(
-                    f"TransferConfig: seed_values={list(self.seed_values)!r} must be distinct "
-                    "non-negative integers"
-                )
-            if values == tuple(range(values[0], values[0] + len(values))):
-                values = ()  # consecutive: seed and seeds say it
-            object.__setattr__(self, "seed", int(sorted(self.seed_values)[0]))
-            object.__setattr__(self, "seeds", len(self.seed_values))
-            object.__setattr__(self, "seed_values", values)
+            self._set_seed_values()
         if self.vary not in ("width", "depth"):
             raise TransferConfigError(
                 f"TransferConfig: vary={self.vary!r} must be 'width' or 'depth'"
