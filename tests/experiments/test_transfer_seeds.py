@@ -140,6 +140,16 @@ def test_two_sweeps_combined_equal_one_sweep_over_both_seeds(
     rerun, _ = rerun_fp8(combined)
     assert fp8_not_at_best(final_frame(runs_frame(rerun.runs))) == []
     _same_runs(rerun.runs, both.runs)
+    # An FP8 run off the combined best (as a part's own best can be): exactly it is re-run.
+    off = [replace(r, lr_step=1 - r.lr_step) if (r.precision, r.seed, r.width) == ("fp8", 6, 64)
+           else r for r in rerun.runs]  # fmt: skip
+    stale = fp8_not_at_best(final_frame(runs_frame(off)))
+    assert [(s, w) for s, w, _, _ in stale] == [(6, 64)]
+    assert evaluate_claims(final_frame(runs_frame(off)))[3].verdict == "not evaluated"
+    assert "claim 4 not comparable until re-run" in summary_text(replace(rerun, runs=off))
+    again_, done = rerun_fp8(replace(rerun, runs=off))
+    assert done == stale
+    _same_runs(again_.runs, both.runs)
     assert summary_text(rerun).split("\ntime:")[0] == summary_text(both).split("\ntime:")[0]
     # written and loaded back: the same CSV bytes and the same claims
     write_transfer_outputs(both, tmp_path / "a")

@@ -88,9 +88,9 @@ class TransferConfig:
         seed: initialisation, data order and evaluation sample (the first seed).
         seeds: how many seeds to run, ``seed``, ``seed + 1``, ...: the whole FP32 sweep once
             per seed, then the FP8 runs once per seed at the learning rate best on the mean
-            over seeds. Tables, figure and claims use the mean over seeds of each grid
-            point's final loss (a point where a seed diverged counts as diverged); the
-            claims also show each seed's optimum.
+            over seeds. Tables and figure use the mean over seeds of each grid point's
+            final loss (a point where a seed diverged counts as diverged); the claims are
+            judged on that mean and on every seed (:func:`evaluate_claims`).
         fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
         model: the model family, a :data:`MODELS` entry: ``"builtin"`` (the library's
