@@ -61,6 +61,14 @@ def test_claim_one_held_on_the_mean_but_broken_on_a_seed_is_not_held() -> None:
     assert alone.held is True and alone.every_seed == ""
 
 
+def test_a_seed_s_optimum_on_the_grid_s_edge_makes_claim_one_inconclusive() -> None:
+    seed0 = {32: [2.6, 2.3, 2.2, 2.3, 2.6], 64: [2.6, 2.4, 2.0, 2.4, 2.6]}
+    seed1 = {32: [2.6, 2.3, 2.2, 2.3, 2.6], 64: [2.6, 2.4, 2.3, 2.25, 2.2]}  # 64: k=+2, edge
+    one = evaluate_claims(pd.concat([table(seed0, 0), table(seed1, 1)]))[0]
+    assert one.held is None and one.verdict == "inconclusive"
+    assert one.detail.startswith("inconclusive: a seed's optimum is on the grid's edge")
+
+
 def test_claim_two_states_each_seed_s_move_and_the_spread() -> None:
     seed0 = {32: [2.6, 2.3, 2.2, 2.3, 2.6], 64: [2.6, 2.4, 2.0, 2.4, 2.6]}
     seed1 = {32: [2.6, 2.19, 2.2, 2.3, 2.6], 64: [2.6, 2.4, 2.2, 2.19, 2.6]}

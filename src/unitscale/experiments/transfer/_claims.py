@@ -244,7 +244,10 @@ def _claim_transfer(mup: pd.DataFrame, size: str, per_seed: dict[int, pd.DataFra
         return Claim(1, statement, None, f"inconclusive: the optimum at {edges} is on the "
                      f"grid's edge (it may lie beyond); {detail}", every)  # fmt: skip
     if held is None:
-        detail = f"inconclusive: a seed's optimum is on the grid's edge; {detail}"
+        detail = (
+            f"inconclusive: a seed's optimum is on the grid's edge, or a seed diverged at "
+            f"every rate of a size; {detail}"
+        )
     return Claim(1, statement, held, detail, every)
 
 
