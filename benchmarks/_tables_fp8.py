@@ -176,6 +176,19 @@ _BASELINE_NOTE = (
 )
 
 
+def _every_seed(per_seed: dict[str, dict[str, Any]]) -> str:
+    """What holds on every seed: the largest held-out gap in magnitude, its seed and the
+    spread (as ``unitscale.experiments.training.every_seed_text`` words it)."""
+    values = {seed: v["heldout_vs_fp32"] for seed, v in per_seed.items()}
+    if any(v is None for v in values.values()):
+        return "diverged on a seed: no bound holds on every seed"
+    seed, worst = max(values.items(), key=lambda item: abs(item[1]))
+    return (
+        f"on every seed within {abs(worst):.2%} of FP32, worst seed {seed} {worst:+.2%}, "
+        f"spread {min(values.values()):+.2%} to {max(values.values()):+.2%}"
+    )
+
+
 def _seeds_claims(document: dict[str, Any]) -> list[str]:
     """The FP8 claim from the multi-seed result: each FP8 run's gap to its own FP32 run, on
     the held-out and on the final training loss, mean ± spread over the seeds."""
@@ -190,7 +203,8 @@ def _seeds_claims(document: dict[str, Any]) -> list[str]:
         )  # fmt: skip
         return (
             f"held-out {_spread(stats['heldout_vs_fp32'], percent=True)} (per seed "
-            f"{per_seed}), final training loss {_spread(stats['train_vs_fp32'], percent=True)}"
+            f"{per_seed}; {_every_seed(runs[run]['per_seed'])}), final training loss "
+            f"{_spread(stats['train_vs_fp32'], percent=True)}"
         )
 
     scaled = [r for r in ("plain-fp8-tensorwise", "plain-fp8-delayed") if r in runs]

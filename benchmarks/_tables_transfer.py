@@ -64,7 +64,7 @@ def transfer_table(path: Path = TRANSFER) -> str:
     points = {
         key: {**runs[0], "final_heldout_loss": _mean_loss(runs)} for key, runs in by_point.items()
     }
-    fp8 = {(w, d): r for (_, precision, w, d, _), r in points.items() if precision == "fp8"}
+    fp8 = {(w, d, k): r for (_, precision, w, d, k), r in points.items() if precision == "fp8"}
     lines = [
         f"| parametrisation | {size} | "
         + " | ".join(f"lr x 2^{k}" if k else "lr x 1 (default)" for k in steps)
@@ -85,7 +85,7 @@ def transfer_table(path: Path = TRANSFER) -> str:
             cells.append(f"**{text}**" if k == best else text)
         centre = runs[0]["lr"]
         best_lr = f"{runs[best]['lr']:g}" if best is not None else "n/a"
-        low = fp8.get((width, depth)) if parametrisation == "u-muP" else None
+        low = fp8.get((width, depth, best)) if parametrisation == "u-muP" else None
         fp8_text = ""
         if low is not None and best is not None:
             base = runs[best]["final_heldout_loss"]
@@ -101,15 +101,19 @@ def transfer_table(path: Path = TRANSFER) -> str:
     lines.append(_transfer_cost(groups, size))
     lines.append("")
     for claim in document["claims"]:
+        every = claim.get("every_seed", "")
+        every = f" {every[:1].upper()}{every[1:]}." if every else ""
         lines.append(
             f"- ({claim['number']}) {claim['statement']}: **{claim['verdict']}**. "
-            f"{claim['detail']}."
+            f"{claim['detail']}.{every}"
         )
     load = [document.get("load_average_before"), document.get("load_average_after")]
     load_text = " / ".join("n/a" if v is None else f"{v:.1f}" for v in load)
     first = config["seed"]
+    listed = config.get("seed_values") or list(range(first, first + seeds))
+    shown = ", ".join(map(str, listed)) if config.get("seed_values") else f"{first}-{listed[-1]}"
     seed_text = (
-        f"seeds {first}-{first + seeds - 1}, every loss the mean over the {seeds} seeds"
+        f"seeds {shown}, every loss the mean over the {seeds} seeds"
         if seeds > 1
         else f"seed {first}"
     )

@@ -157,9 +157,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="run every sweep over N seeds (--seed, --seed + 1, ...; default {seeds}): tables, "
-        "figure and claims use the mean over seeds, and the claims show each seed's optimum "
-        "(N times the runs and the time)",
+        help="run every sweep over N seeds (--seed, --seed + 1, ...; default {seeds}): tables "
+        "and figure use the mean over seeds; each claim is judged on the mean and on every "
+        "seed, with the worst seed and the spread (N times the runs and the time)",
     )
     parser.add_argument(
         "--quick",

@@ -362,6 +362,33 @@ def _mean_spread(stats: dict[str, float | None], percent: bool = False) -> str:
     return f"{show(stats['mean'])}{spread} [{show(stats['min'])}, {show(stats['max'])}]"
 
 
+def every_seed_text(run: dict[str, Any], key: str = "heldout_vs_fp32") -> str:
+    """What holds on every seed for one low-precision run of :func:`seeds_document`: its
+    largest gap to its FP32 run in magnitude (the worst seed) and the spread over seeds, as
+    ``on every seed within 1.58% of FP32 (worst: seed 2, +1.58%; spread -0.72% to
+    +1.58%)``; a seed that diverged is named ("" for a run without an FP32 baseline).
+
+    Example:
+        >>> run = {"per_seed": {"0": {"heldout_vs_fp32": -0.0072},
+        ...                     "1": {"heldout_vs_fp32": 0.0158}}}
+        >>> every_seed_text(run)
+        'on every seed within 1.58% of FP32 (worst: seed 1, +1.58%; spread -0.72% to +1.58%)'
+    """
+    values = {seed: v.get(key) for seed, v in run["per_seed"].items() if key in v}
+    if not values:
+        return ""
+    diverged = [seed for seed, v in values.items() if v is None]
+    if diverged:
+        return f"diverged on seed(s) {', '.join(diverged)}: no bound holds on every seed"
+    finite = {seed: float(v) for seed, v in values.items() if v is not None}
+    seed, worst = max(finite.items(), key=lambda item: abs(item[1]))
+    low, high = min(finite.values()), max(finite.values())
+    return (
+        f"on every seed within {abs(worst):.2%} of FP32 (worst: seed {seed}, {worst:+.2%}; "
+        f"spread {low:+.2%} to {high:+.2%})"
+    )
+
+
 def seeds_summary_text(
     results_by_seed: dict[int, dict[str, RunResult]], config: TrainConfig
 ) -> str:
@@ -399,6 +426,11 @@ def seeds_summary_text(
         "'vs FP32': each seed's loss relative to the same model's FP32 run of that seed. "
         "Each seed's own table is in seed<N>/summary.txt; every number in results.json.",
     ]
+    claims = [(name, every_seed_text(run)) for name, run in doc["runs"].items()]
+    claims = [(name, text) for name, text in claims if text]
+    if claims:
+        lines += ["", "held-out loss vs FP32, what holds on every seed (never only the mean):"]
+        lines += [f"  {name}: {text}" for name, text in claims]
     return "\n".join(lines) + "\n"
 
 

@@ -107,6 +107,7 @@ from ._train_plots import (
     zoom_limits,
 )
 from ._train_summary import (  # noqa: F401
+    every_seed_text,
     fp8_gaps,
     fp16_gaps,
     losses_frame,
@@ -145,6 +146,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     # presentation
     "losses_frame",
     "seed_stats",
+    "every_seed_text",
     "seeds_document",
     "seeds_summary_text",
     "write_seeds_json",

@@ -47,13 +47,21 @@ Design constraints:
 The package holds one idea per module: the configuration (``_config``), the parametrisations
 and their models (``_models``), the records of a sweep (``_records``), the sweep itself
 (``_sweep``), its tables (``_frames``), its claims (``_claims``), the printed summary
-(``_summary``), the figure (``_plot``) and the files (``_writers``). Every public name is
+(``_summary``), the figure (``_plot``), the files (``_writers``) and sweeps loaded back
+from them and combined across seeds (``_combine``). Every public name is
 importable from here, as it was from the single module this package replaces.
 """
 
 from __future__ import annotations
 
 from ._claims import Claim, evaluate_claims
+from ._combine import (
+    OUTPUT_FILES,
+    combine_results,
+    load_transfer,
+    rerun_fp8,
+    write_transfer_outputs,
+)
 from ._config import (
     CENTRE_FIELDS,
     DEFAULT_CONFIG,
@@ -68,7 +76,14 @@ from ._config import (
     default_config,
 )
 from ._config import HEAD_SIZE as HEAD_SIZE
-from ._frames import CSV_COLUMNS, best_points, final_frame, runs_frame, seed_mean
+from ._frames import (
+    CSV_COLUMNS,
+    best_points,
+    final_frame,
+    fp8_not_at_best,
+    runs_frame,
+    seed_mean,
+)
 from ._models import LLAMA_MLP_RATIO as LLAMA_MLP_RATIO
 from ._models import (
     PARAMETRISATION_SPECS,
@@ -123,6 +138,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "final_frame",
     "best_points",
     "seed_mean",
+    "fp8_not_at_best",
     "evaluate_claims",
     # presentation
     "sweep_tables",
@@ -135,4 +151,10 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "command_line",
     "write_transfer_json",
     "write_transfer_report",
+    # sweeps loaded back and combined
+    "OUTPUT_FILES",
+    "load_transfer",
+    "combine_results",
+    "rerun_fp8",
+    "write_transfer_outputs",
 ]

@@ -24,12 +24,16 @@ class Claim:
             with ``inconclusive``: an optimum on the grid's edge) or is not judged at all
             (``detail`` starts with ``not judged``: a quick run).
         detail: the numbers it rests on.
+        every_seed: over several seeds, what holds on every seed, with the worst seed and
+            the spread over seeds (``""`` for one seed): the claim as the seeds support it,
+            never a mean that hides a seed.
     """
 
     number: int
     statement: str
     held: bool | None
     detail: str
+    every_seed: str = ""
 
     @property
     def verdict(self) -> str:
@@ -78,9 +82,13 @@ def evaluate_claims(
     ``quick`` no claim is judged, held or not (every verdict is ``not judged``: a smoke
     run's numbers are shown, but they are no evidence either way).
 
-    Over several seeds (a ``seed`` column with more than one value), every claim is judged
-    on the mean over seeds of each grid point's loss (:func:`seed_mean`); claims 1 and 2 also
-    state each seed's optimum per size, and how many seeds would hold claim 1 on their own.
+    Over several seeds (a ``seed`` column with more than one value), claims 1, 3 and 4 are
+    judged on the mean over seeds of each grid point's loss (:func:`seed_mean`) AND on every
+    seed on its own: a claim that one seed breaks is NOT held, however well the mean does.
+    Each claim's :attr:`Claim.every_seed` then states what holds on every seed, with the
+    worst seed and the spread over seeds (claim 1: the largest move of any seed and how
+    many seeds hold it alone; claim 2: each seed's move; claim 3: the largest gap of any
+    seed's default to that seed's best; claim 4: the largest FP8 gap of any seed).
 
     Args:
         final: :func:`final_frame`, or any table with its columns.
@@ -100,16 +108,20 @@ def evaluate_claims(
         ['held', 'not evaluated', 'held', 'not evaluated']
     """
     size = _size_column(final)
-    per_seed = _per_seed_best(final, size)
-    final = seed_mean(final)
-    best = best_points(final).sort_values(["parametrisation", size], kind="stable")
+    seeds = _per_seed_tables(final)
+    per_seed = {
+        seed: best_points(t).sort_values(["parametrisation", size], kind="stable")
+        for seed, t in seeds.items()
+    }
+    mean = seed_mean(final)
+    best = best_points(mean).sort_values(["parametrisation", size], kind="stable")
     mup = best[best["parametrisation"] == "u-muP"]
     standard = best[best["parametrisation"] == "standard"]
     claims = [
         _claim_transfer(mup, size, per_seed),
         _claim_standard_moves(standard, size, per_seed),
-        _claim_default(mup, size, tolerance),
-        _claim_fp8(final, mup, size, tolerance),
+        _claim_default(mup, size, tolerance, per_seed),
+        _claim_fp8(mean, mup, size, tolerance, seeds),
     ]
     if quick:
         reason = "not judged: a --quick smoke run is no evidence either way; "
@@ -139,14 +151,11 @@ def _offsets(best: pd.DataFrame) -> list[int] | None:
     return [k - steps[0] for k in steps[1:]]
 
 
-def _per_seed_best(final: pd.DataFrame, size: str) -> dict[int, pd.DataFrame]:
-    """Each seed's best points, sorted like the mean's ({} for a table of one seed)."""
+def _per_seed_tables(final: pd.DataFrame) -> dict[int, pd.DataFrame]:
+    """Each seed's final rows ({} for a table of one seed)."""
     if "seed" not in final.columns or final["seed"].nunique() <= 1:
         return {}
-    return {
-        int(seed): best_points(group).sort_values(["parametrisation", size], kind="stable")
-        for seed, group in final.groupby("seed", sort=True)
-    }
+    return {int(seed): group for seed, group in final.groupby("seed", sort=True)}
 
 
 def _seed_optima(per_seed: dict[int, pd.DataFrame], parametrisation: str, size: str) -> str:
@@ -172,10 +181,40 @@ def _transfers(best: pd.DataFrame) -> bool | None:
     return all(abs(k) <= 1 for k in offsets)
 
 
+def _combine(verdicts: list[bool | None]) -> bool | None:
+    """One verdict from the mean's and every seed's: False if any is False, else None if any
+    is None (inconclusive or not measurable), else True."""
+    if any(v is False for v in verdicts):
+        return False
+    return None if any(v is None for v in verdicts) else True
+
+
+def _every_seed_transfer(mup: dict[int, pd.DataFrame], size: str) -> tuple[str, list[bool | None]]:
+    """Claim 1 on every seed: the worst seed's largest move, and each seed's verdict."""
+    verdicts = [_transfers(b) for b in mup.values()]
+    worst: tuple[int, int, int] | None = None  # (|move|, seed, size)
+    for seed, best in mup.items():
+        offsets = _offsets(best)
+        if offsets is None:
+            return f"not measurable on seed {seed} (a size is missing or diverged)", verdicts
+        for s, k in zip(best[size].iloc[1:], offsets, strict=True):
+            if worst is None or abs(k) > worst[0]:
+                worst = (abs(k), seed, int(s))
+    if worst is None:  # pragma: no cover - _offsets is None below two sizes
+        return "not measurable (fewer than two sizes)", verdicts
+    held = sum(v is True for v in verdicts)
+    text = (
+        f"on every seed, the optimum within {worst[0]} grid step(s) of the smallest {size}'s "
+        f"(worst: seed {worst[1]}, {worst[0]} step(s) at {size} {worst[2]}); within one step "
+        f"on its own on {held} of {len(verdicts)} seeds"
+    )
+    return text, verdicts
+
+
 def _claim_transfer(mup: pd.DataFrame, size: str, per_seed: dict[int, pd.DataFrame]) -> Claim:
     statement = (
         f"u-muP's best learning rate at every {size} is within one grid step (2x) of its best "
-        f"at the smallest"
+        f"at the smallest" + (", on the mean over seeds and on every seed" if per_seed else "")
     )
     offsets = _offsets(mup)
     if offsets is None:
@@ -187,18 +226,29 @@ def _claim_transfer(mup: pd.DataFrame, size: str, per_seed: dict[int, pd.DataFra
         f"{of_mean}moves {offsets[-1]:+d} steps (from the smallest {size}'s optimum: {moves}); "
         f"{_steps_text(mup, size)}"
     )
+    held: bool | None = all(abs(k) <= 1 for k in offsets)
+    seeds_break = False
+    every = ""
     if per_seed:
-        verdicts = [_transfers(b[b["parametrisation"] == "u-muP"]) for b in per_seed.values()]
+        chosen = {s: b[b["parametrisation"] == "u-muP"] for s, b in per_seed.items()}
+        every, verdicts = _every_seed_transfer(chosen, size)
         held_seeds = sum(v is True for v in verdicts)
         detail += (
             f"{_seed_optima(per_seed, 'u-muP', size)}; held on its own by {held_seeds} of "
             f"{len(verdicts)} seeds"
         )
+        held = _combine([held, *verdicts])
+        seeds_break = any(v is False for v in verdicts)
     edges = _edges(mup, size)
-    if edges:
+    if edges and not seeds_break:  # a seed that breaks it on its own decides
         return Claim(1, statement, None, f"inconclusive: the optimum at {edges} is on the "
-                     f"grid's edge (it may lie beyond); {detail}")  # fmt: skip
-    return Claim(1, statement, all(abs(k) <= 1 for k in offsets), detail)
+                     f"grid's edge (it may lie beyond); {detail}", every)  # fmt: skip
+    if held is None:
+        detail = (
+            f"inconclusive: a seed's optimum is on the grid's edge, or a seed diverged at "
+            f"every rate of a size; {detail}"
+        )
+    return Claim(1, statement, held, detail, every)
 
 
 def _claim_standard_moves(
@@ -212,43 +262,127 @@ def _claim_standard_moves(
         f"moves {moved:+d} steps ({2.0**moved:g}x) from the smallest to the largest {size}; "
         f"{_steps_text(standard, size)}{_seed_optima(per_seed, 'standard', size)}"
     )
-    return Claim(2, statement, None, detail)
+    moves = {s: _moved(b[b["parametrisation"] == "standard"]) for s, b in per_seed.items()}
+    every = ""
+    if moves:
+        shown = ", ".join(f"seed {s} " + ("n/a" if m is None else f"{m:+d}")
+                          for s, m in moves.items())  # fmt: skip
+        known = [m for m in moves.values() if m is not None]
+        spread = f"{min(known):+d} to {max(known):+d} steps" if known else "n/a"
+        every = f"per seed, smallest to largest {size}: {shown} (spread {spread})"
+    return Claim(2, statement, None, detail, every)
 
 
-def _claim_default(mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
+def _spread_text(gaps: dict[int, dict[int, float]], size: str, signed: bool) -> tuple[str, float]:
+    """The worst seed and each size's spread (min to max over seeds) of per-seed gaps
+    (``gaps[seed][size]``) as text, and the worst gap's magnitude (NaN where a seed
+    diverged); ``signed``: the worst is the largest magnitude, else the largest."""
+    flat = [(g, seed, s) for seed, by_size in gaps.items() for s, g in by_size.items()]
+    if not all(math.isfinite(g) for g, _, _ in flat):
+        bad = sorted({seed for g, seed, _ in flat if not math.isfinite(g)})
+        return f"n/a on seed(s) {', '.join(map(str, bad))} (diverged)", math.nan
+    worst = max(flat, key=lambda t: abs(t[0]) if signed else t[0])
+    sizes = sorted({s for _, _, s in flat})
+    spread = "; ".join(
+        f"{size} {s}: {_pct(min(v))} to {_pct(max(v))}"
+        for s in sizes
+        for v in [[by_size[s] for by_size in gaps.values() if s in by_size]]
+    )
+    return f"(worst: seed {worst[1]} at {size} {worst[2]}, {_pct(worst[0])}); spread over " \
+        f"seeds: {spread}", abs(worst[0])  # fmt: skip
+
+
+def _default_gaps(best: pd.DataFrame, size: str) -> list[tuple[int, float]]:
+    return [(int(r[size]), _gap(r["default_loss"], r["heldout_loss"])) for _, r in best.iterrows()]
+
+
+def _claim_default(
+    mup: pd.DataFrame, size: str, tolerance: float, per_seed: dict[int, pd.DataFrame]
+) -> Claim:
     statement = (
         f"u-muP at its default learning rate (every mult 1) ends within {tolerance:.0%} of the "
-        f"best point of its sweep at every {size}"
+        f"best point of its sweep at every {size}" + (", on every seed" if per_seed else "")
     )
-    gaps = [(int(r[size]), _gap(r["default_loss"], r["heldout_loss"])) for _, r in mup.iterrows()]
+    gaps = _default_gaps(mup, size)
     if not gaps:
         return Claim(3, statement, None, "not evaluated: no u-muP runs")
     held = all(math.isfinite(g) and g <= tolerance for _, g in gaps)
-    detail = "default vs best: " + "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
+    of_mean = "on the mean over seeds, " if per_seed else ""
+    detail = f"{of_mean}default vs best: " + "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
     edges = _edges(mup, size)
+    every = ""
+    if per_seed:
+        chosen = {s: b[b["parametrisation"] == "u-muP"] for s, b in per_seed.items()}
+        seed_gaps = {seed: dict(_default_gaps(b, size)) for seed, b in chosen.items()}
+        text, worst = _spread_text(seed_gaps, size, signed=False)
+        every = f"the default within {_pct(worst).lstrip('+')} of each seed's best point on " \
+            f"every seed {text}" if math.isfinite(worst) else f"default vs best {text}"  # fmt: skip
+        held = held and math.isfinite(worst) and worst <= tolerance
+        seed_edges = [f"seed {s}: {e}" for s, b in chosen.items() if (e := _edges(b, size))]
+        edges = "; ".join(([edges] if edges else []) + seed_edges)
     if held and edges:  # the true best may be lower: the gap may be larger
         return Claim(3, statement, None, f"inconclusive: the optimum at {edges} is on the "
-                     f"grid's edge (the true best may be lower); {detail}")  # fmt: skip
-    return Claim(3, statement, held, detail)
+                     f"grid's edge (the true best may be lower); {detail}", every)  # fmt: skip
+    return Claim(3, statement, held, detail, every)
 
 
-def _claim_fp8(final: pd.DataFrame, mup: pd.DataFrame, size: str, tolerance: float) -> Claim:
+def _fp8_gaps(
+    table: pd.DataFrame, mup: pd.DataFrame, size: str
+) -> tuple[list[tuple[int, float]], list[str]]:
+    """Each size's FP8 loss against the FP32 loss of ``table`` at the step best on ``mup``;
+    and the sizes whose FP8 runs ran at another step (not comparable)."""
+    fp8 = table[(table["precision"] == "fp8") & (table["parametrisation"] == "u-muP")]
+    fp32 = table[(table["precision"] == "fp32") & (table["parametrisation"] == "u-muP")]
+    gaps, elsewhere = [], []
+    for _, r in mup.iterrows():
+        here = (fp8["width"] == r["width"]) & (fp8["depth"] == r["depth"])
+        match = fp8[here & (fp8["lr_step"] == r["lr_step"])]
+        if len(fp8[here]) > len(match):
+            steps = sorted({int(k) for k in fp8[here]["lr_step"]} - {int(r["lr_step"])})
+            elsewhere.append(f"{size} {int(r[size])} (FP8 at k={steps}, best k="
+                             f"{int(r['lr_step']):+d})")  # fmt: skip
+        base = fp32[(fp32["width"] == r["width"]) & (fp32["depth"] == r["depth"])
+                    & (fp32["lr_step"] == r["lr_step"])]  # fmt: skip
+        if len(match) and len(base):
+            loss = float(match["heldout_loss"].iloc[0])
+            gaps.append((int(r[size]), _gap(loss, float(base["heldout_loss"].iloc[0]))))
+    return gaps, elsewhere
+
+
+def _claim_fp8(
+    mean: pd.DataFrame,
+    mup: pd.DataFrame,
+    size: str,
+    tolerance: float,
+    seeds: dict[int, pd.DataFrame],
+) -> Claim:
     statement = (
         f"u-muP in simulated FP8 at its best learning rate ends within {tolerance:.0%} of its "
-        f"FP32 loss at every {size}, with no loss scaling"
+        f"FP32 loss at every {size}, with no loss scaling" + (", on every seed" if seeds else "")
     )
-    fp8 = final[(final["precision"] == "fp8") & (final["parametrisation"] == "u-muP")]
-    gaps = []
-    for _, r in mup.iterrows():
-        match = fp8[(fp8["width"] == r["width"]) & (fp8["depth"] == r["depth"])]
-        if len(match):
-            loss = float(match["heldout_loss"].iloc[0])
-            gaps.append((int(r[size]), _gap(loss, r["heldout_loss"])))
+    gaps, elsewhere = _fp8_gaps(mean, mup, size)
+    if elsewhere:
+        return Claim(4, statement, None, "not evaluated: not comparable: the FP8 runs at "
+                     f"{'; '.join(elsewhere)} ran at a learning rate that is not the best of "
+                     "the mean over seeds: re-run them there")  # fmt: skip
     if not gaps or len(gaps) != len(mup):
         return Claim(4, statement, None, f"not evaluated: no FP8 run at some {size}")
     held = all(math.isfinite(g) and abs(g) <= tolerance for _, g in gaps)
-    detail = "; ".join(f"{size} {s}: {_pct(g)}" for s, g in gaps)
-    return Claim(4, statement, held, f"FP8 vs FP32 held-out: {detail}")
+    of_mean = "on the mean over seeds, " if seeds else ""
+    detail = f"{of_mean}FP8 vs FP32 held-out: " + "; ".join(f"{size} {s}: {_pct(g)}"
+                                                            for s, g in gaps)  # fmt: skip
+    every = ""
+    if seeds:
+        seed_gaps = {seed: dict(_fp8_gaps(t, mup, size)[0]) for seed, t in seeds.items()}
+        missing = [s for s, g in seed_gaps.items() if len(g) != len(mup)]
+        if missing:
+            return Claim(4, statement, None, f"not evaluated: no FP8 run at some {size} on "
+                         f"seed(s) {', '.join(map(str, missing))}; {detail}")  # fmt: skip
+        text, worst = _spread_text(seed_gaps, size, signed=True)
+        every = f"FP8 within {_pct(worst).lstrip('+')} of FP32 on every seed {text}" \
+            if math.isfinite(worst) else f"FP8 vs FP32 {text}"  # fmt: skip
+        held = held and math.isfinite(worst) and worst <= tolerance
+    return Claim(4, statement, held, detail, every)
 
 
 def _pct(value: float) -> str:

@@ -88,9 +88,9 @@ class TransferConfig:
         seed: initialisation, data order and evaluation sample (the first seed).
         seeds: how many seeds to run, ``seed``, ``seed + 1``, ...: the whole FP32 sweep once
             per seed, then the FP8 runs once per seed at the learning rate best on the mean
-            over seeds. Tables, figure and claims use the mean over seeds of each grid
-            point's final loss (a point where a seed diverged counts as diverged); the
-            claims also show each seed's optimum.
+            over seeds. Tables and figure use the mean over seeds of each grid point's
+            final loss (a point where a seed diverged counts as diverged); the claims are
+            judged on that mean and on every seed (:func:`evaluate_claims`).
         fp8: also train u-μP in simulated FP8 at each size's best FP32 learning rate.
         fp8_recipe: the :data:`unitscale.transforms.FP8_RECIPES` key of those runs.
         model: the model family, a :data:`MODELS` entry: ``"builtin"`` (the library's
@@ -113,6 +113,10 @@ class TransferConfig:
         depth_rule: the u-μP models' depth rule, a :data:`DEPTH_RULES` entry:
             ``"depth-mup"`` (default) or ``"completep"`` (``TransformerDecoder`` /
             ``unit_scale``'s ``depth_rule=``).
+        seed_values: the seeds, where they are not ``seed`` to ``seed + seeds - 1`` (a
+            sweep combined from runs of other seeds: :func:`combine_results`); when given,
+            ``seed`` and ``seeds`` are set from it (its first seed, its length). Empty: the
+            consecutive seeds.
 
     Example:
         >>> c = TransferConfig(widths=(32, 64), depths=(2,), lr_steps=(-1, 0, 1))
@@ -141,8 +145,27 @@ class TransferConfig:
     quick: bool = False
     optimizer: str = "adamw"
     depth_rule: str = "depth-mup"
+    seed_values: tuple[int, ...] = ()
+
+    def _set_seed_values(self) -> None:
+        """Check ``seed_values`` and set ``seed`` and ``seeds`` from it (cleared when the
+        seeds are consecutive: ``seed`` and ``seeds`` say it)."""
+        values = tuple(sorted(self.seed_values))
+        if len(set(values)) != len(values) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
+        ):
+            raise TransferConfigError(
+                f"TransferConfig: seed_values={list(self.seed_values)!r} must be distinct "
+                "non-negative integers"
+            )
+        object.__setattr__(self, "seed", values[0])
+        object.__setattr__(self, "seeds", len(values))
+        consecutive = values == tuple(range(values[0], values[0] + len(values)))
+        object.__setattr__(self, "seed_values", () if consecutive else values)
 
     def __post_init__(self) -> None:
+        if self.seed_values:
+            self._set_seed_values()
         if self.vary not in ("width", "depth"):
             raise TransferConfigError(
                 f"TransferConfig: vary={self.vary!r} must be 'width' or 'depth'"
@@ -217,12 +240,16 @@ class TransferConfig:
 
     @property
     def seed_list(self) -> list[int]:
-        """The seeds of the sweep: ``seed`` to ``seed + seeds - 1``.
+        """The seeds of the sweep: ``seed`` to ``seed + seeds - 1`` (or ``seed_values``).
 
         Example:
             >>> TransferConfig(seed=3, seeds=2).seed_list
             [3, 4]
+            >>> TransferConfig(seed_values=(17, 0, 1)).seed_list
+            [0, 1, 17]
         """
+        if self.seed_values:
+            return list(self.seed_values)
         return list(range(self.seed, self.seed + self.seeds))
 
     @property

@@ -131,3 +131,38 @@ def best_points(final: pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     columns = ["parametrisation", "width", "depth", "lr_step", "lr", "heldout_loss"]
     return pd.DataFrame(rows, columns=[*columns, "at_edge", "default_loss"])
+
+
+def fp8_not_at_best(final: pd.DataFrame) -> list[tuple[int, int, int, int]]:
+    """The FP8 runs a sweep lacks at the learning rate best on its mean over seeds: one
+    ``(seed, width, depth, lr_step)`` per seed and size whose FP8 run is missing there or
+    ran at another step. Empty for a sweep run in one go (its FP8 runs are at the best by
+    construction); after :func:`combine_results`, the best of the combined mean may differ
+    from the best of either part's, and these are the FP8 runs to re-run
+    (:func:`rerun_fp8`). A size whose every FP32 run diverged is left out.
+
+    Example:
+        >>> import pandas as pd
+        >>> t = pd.DataFrame({"parametrisation": "u-muP", "seed": 0, "width": 32, "depth": 2,
+        ...                   "precision": ["fp32", "fp32", "fp8"], "lr_step": [0, 1, 1],
+        ...                   "lr": [0.5, 1.0, 1.0], "heldout_loss": [2.0, 2.1, 2.1]})
+        >>> fp8_not_at_best(t)
+        [(0, 32, 2, 0)]
+    """
+    mup = final[final["parametrisation"] == "u-muP"]
+    fp8 = mup[mup["precision"] == "fp8"]
+    if not len(fp8):
+        return []
+    best = best_points(mup)
+    seeds = sorted(int(s) for s in final["seed"].unique()) if "seed" in final.columns else [0]
+    missing = []
+    for _, r in best.iterrows():
+        if not math.isfinite(r["lr_step"]):
+            continue
+        for seed in seeds:
+            ran = fp8[(fp8["width"] == r["width"]) & (fp8["depth"] == r["depth"])]
+            if "seed" in fp8.columns:
+                ran = ran[ran["seed"] == seed]
+            if not (ran["lr_step"] == r["lr_step"]).any():
+                missing.append((seed, int(r["width"]), int(r["depth"]), int(r["lr_step"])))
+    return missing

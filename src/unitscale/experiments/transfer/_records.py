@@ -56,9 +56,12 @@ class TransferResult:
         runs: every run: the FP32 sweep of each seed in turn, then the FP8 runs.
         seconds: wall time of the whole sweep.
         load_average: the 1-minute load average before and after (None where unknown).
+        date: when the sweep ran (``transfer.json``'s UTC ``date``), kept by a sweep loaded
+            back (:func:`load_transfer`); empty for a new one (the writer takes the time).
     """
 
     config: TransferConfig
     runs: list[TransferRun]
     seconds: float = 0.0
     load_average: tuple[float | None, float | None] = (None, None)
+    date: str = ""

@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING
 
 from ._claims import Claim, evaluate_claims
 from ._config import TransferConfig
-from ._frames import _size_column, best_points, final_frame, runs_frame, seed_mean
+from ._frames import (
+    _size_column,
+    best_points,
+    final_frame,
+    fp8_not_at_best,
+    runs_frame,
+    seed_mean,
+)
 from ._models import PARAMETRISATIONS, describe
 from ._records import TransferResult
 
@@ -46,7 +53,7 @@ def sweep_tables(
                 text = _loss_text(float(value.iloc[0])) if len(value) else ""
                 cells.append(text + ("*" if k == k_best else " "))
             cells.append(f"{grid[int(k_best)]:g}" if math.isfinite(k_best) else "n/a")
-            fp8 = group[group["precision"] == "fp8"]
+            fp8 = group[(group["precision"] == "fp8") & (group["lr_step"] == k_best)]
             cells.append(_loss_text(float(fp8["heldout_loss"].iloc[0])) if len(fp8) else "")
             rows.append(cells)
         tables.append((f"{p}: final held-out loss at lr = {grid[0]:g} x 2^k", header, rows))
@@ -97,9 +104,17 @@ def _header_lines(result: TransferResult) -> list[str]:
 
 def _seeds_text(config: TransferConfig) -> str:
     """``seed 0``, or ``seeds 0-2 (losses: means over seeds)``."""
-    if config.seeds == 1:
-        return f"seed {config.seed}"
-    return f"seeds {config.seed}-{config.seed + config.seeds - 1} (losses: means over seeds)"
+    seeds = config.seed_list
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {_seed_range(seeds)} (losses: means over seeds)"
+
+
+def _seed_range(seeds: list[int]) -> str:
+    """``0-2`` for consecutive seeds, else ``0, 1, 2, 17``."""
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
 
 
 def _losses_note(config: TransferConfig) -> str:
@@ -139,5 +154,15 @@ def summary_text(result: TransferResult) -> str:
     for claim in transfer_claims(result):
         lines.append(f"claim ({claim.number}) {claim.statement}: {claim.verdict}")
         lines.append(f"    {claim.detail}")
+        if claim.every_seed:
+            lines.append(f"    {claim.every_seed}")
+    stale = fp8_not_at_best(final)
+    if stale:
+        points = ", ".join(f"seed {s} {config.vary} {w if config.vary == 'width' else d} k={k:+d}"
+                           for s, w, d, k in stale)  # fmt: skip
+        lines.append(
+            f"FP8 runs not at the best learning rate of the mean over seeds (claim 4 not "
+            f"comparable until re-run: benchmarks/transfer_combine_seeds.py --rerun-fp8): {points}"
+        )
     lines += ["", _time_note(result)]
     return "\n".join(lines) + "\n"

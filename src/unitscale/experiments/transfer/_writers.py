@@ -62,6 +62,8 @@ def command_line(config: TransferConfig) -> str:
             parts.append(f"--{name} {shown}")
     if not config.fp8:
         parts.append("--no-fp8")
+    if config.seed_values:  # no option gives them: a sweep combined from several runs
+        parts.append(f"(seeds {','.join(map(str, config.seed_values))}, combined)")
     return " ".join(parts)
 
 
@@ -101,7 +103,7 @@ def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) ->
     load to ``path`` as JSON (the committed results README's table is generated from)."""
     document = {
         "command": command_line(result.config),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": result.date or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": result.config.threads,
@@ -129,7 +131,13 @@ def write_transfer_json(result: TransferResult, path: str | os.PathLike[str]) ->
             for r in result.runs
         ],
         "claims": [
-            {"number": c.number, "statement": c.statement, "verdict": c.verdict, "detail": c.detail}
+            {
+                "number": c.number,
+                "statement": c.statement,
+                "verdict": c.verdict,
+                "detail": c.detail,
+                "every_seed": c.every_seed,
+            }
             for c in transfer_claims(result)
         ],
     }
@@ -160,7 +168,11 @@ def write_transfer_report(result: TransferResult, path: str | os.PathLike[str]) 
     for title, header, rows in sweep_tables(final, config):
         body += [f"<h3>{html.escape(title)}</h3>", report.html_table(header, rows)]
     body += report.html_paragraphs([_losses_note(config)])
-    claims = [(str(c.number), c.statement, c.verdict, c.detail) for c in transfer_claims(result)]
+    claims = [
+        (str(c.number), c.statement, c.verdict, f"{c.detail}; {c.every_seed}" if c.every_seed
+         else c.detail)
+        for c in transfer_claims(result)
+    ]  # fmt: skip
     body += [
         "<h2>Claims</h2>",
         report.html_table(("claim", "statement", "verdict", "numbers"), claims, text=True),
