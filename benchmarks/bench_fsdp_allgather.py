@@ -317,10 +317,13 @@ def one_device_check(device: str = "cuda") -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default=None, help="one-rank check on this device")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS, help=f"results history (default {RESULTS})"
+    )
     args = parser.parse_args()
     if args.device is not None:
         run = {**machine_state(), **one_device_check(args.device)}
-        append_run(RESULTS, run)
+        append_run(args.output, run)
         print(json.dumps(run))
         if not all(run[s]["equal"] and run[s]["weights_in_float8"] for s in ("none", "tensorwise")):
             raise SystemExit(1)
@@ -344,7 +347,7 @@ def main() -> None:
         "cases": cases,
         "against_torchao": measured["torchao"],
     }
-    append_run(RESULTS, run)
+    append_run(args.output, run)
     for row in summary:
         print(json.dumps(row))
     print(json.dumps(measured["torchao"]))

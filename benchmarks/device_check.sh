@@ -19,11 +19,14 @@
 #      script stops there.
 #   2. fp8_tests (45 s): tests/transforms/test_to_fp8_cuda.py (odd row counts, 3-D inputs,
 #      padding, bf16, autocast, rowwise, delayed scaling on the GPU);
-#   3. fp8_step (270 s, compilation included): bench_fp8_step.py --device cuda: tokens/s, peak memory and the
+#   3. fp8_step (255 s, compilation included): bench_fp8_step.py --device cuda: tokens/s, peak memory and the
 #      converted FLOP share of each variant (bf16 plain and unit-scaled; torchao and to_fp8,
 #      tensorwise and rowwise, on the plain model; to_fp8 scaling="none" on the unit-scaled
 #      model and on the built-in u-muP decoder), each appended to $OUT/fp8_step.json as
-#      soon as it is measured; variants past its 255 s budget are recorded as skipped;
+#      soon as it is measured; variants past its 240 s budget are recorded as skipped;
+#   3b. fsdp_allgather (15 s): bench_fsdp_allgather.py --device cuda: FSDP2 on one rank
+#      (NCCL) with to_fp8's float8 all-gather, "none" and "tensorwise": training equal bit
+#      for bit with and without it, the weights that arrived in float8 ($OUT/fsdp_allgather.json);
 #   4. the CUDA cases of tests/formats and tests/tracking (`-k cuda`; CI runs the rest);
 #   5. bench_formats.py --device cuda (torch.compile(fmt.quantise) for several formats);
 #   6. bench_tracking.py --device cuda (bert4, bert2, tiny, gpt2);
@@ -36,7 +39,8 @@
 #
 # The benchmarks append their CUDA runs to copies of the committed histories in $OUT. Back on
 # the development machine: copy $OUT/formats.json, $OUT/tracking.json, $OUT/fp8_scaling.json,
-# $OUT/compile_lengths.json, $OUT/tracking_zoo.json and $OUT/fp8_step.json over
+# $OUT/compile_lengths.json, $OUT/tracking_zoo.json, $OUT/fp8_step.json and
+# $OUT/fsdp_allgather.json over
 # benchmarks/results/, run `python benchmarks/readme_tables.py` (CUDA runs get rows of their
 # own; the CPU rows keep coming from the newest CPU runs) and commit.
 #
@@ -62,8 +66,8 @@ fi
 cp benchmarks/results/formats.json benchmarks/results/tracking.json \
   benchmarks/results/fp8_scaling.json "$OUT"/
 cp benchmarks/results/compile_lengths.json benchmarks/results/tracking_zoo.json \
-  benchmarks/results/fp8_step.json "$OUT"/ 2>/dev/null || true
-STEPS=${STEPS:-preflight,fp8_tests,fp8_step,tests,formats,tracking,fp8_scaling,compile_lengths}
+  benchmarks/results/fp8_step.json benchmarks/results/fsdp_allgather.json "$OUT"/ 2>/dev/null || true
+STEPS=${STEPS:-preflight,fp8_tests,fp8_step,fsdp_allgather,tests,formats,tracking,fp8_scaling,compile_lengths}
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: one step's output to $OUT/NAME.log, its status kept
@@ -106,8 +110,10 @@ if [ "$status" -ne 0 ]; then
   exit 1
 fi
 step fp8_tests 45 "$PYTHON" -m pytest -q -p no:cacheprovider tests/transforms/test_to_fp8_cuda.py
-step fp8_step 270 "$PYTHON" benchmarks/bench_fp8_step.py --device "$DEVICE" \
-  --budget-s 255 --output "$OUT/fp8_step.json"
+step fp8_step 255 "$PYTHON" benchmarks/bench_fp8_step.py --device "$DEVICE" \
+  --budget-s 240 --output "$OUT/fp8_step.json"
+step fsdp_allgather 15 "$PYTHON" benchmarks/bench_fsdp_allgather.py --device "$DEVICE" \
+  --output "$OUT/fsdp_allgather.json"
 step tests 50 "$PYTHON" -m pytest -q -p no:cacheprovider tests/formats tests/tracking -k "$tests"
 step formats 40 "$PYTHON" benchmarks/bench_formats.py --device "$DEVICE" --rounds "$rounds" \
   --log2-numel "$formats_numel" --output "$OUT/formats.json"

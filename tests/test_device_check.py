@@ -30,11 +30,14 @@ def test_device_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
     )
     log = done.stdout
     exits = dict(re.findall(r"^=== (\w+): exit (\d+) ===$", log, flags=re.M))
-    steps = "preflight fp8_tests fp8_step tests formats tracking fp8_scaling compile_lengths"
+    steps = "preflight fp8_tests fp8_step fsdp_allgather tests formats tracking fp8_scaling"
+    steps += " compile_lengths"
     assert list(exits) == steps.split(), log[-4000:]  # every step ran, in this order
     # the FP8 steps pass; another step may only run out of its time on a loaded shared CPU
     # (its limit sized for a GPU, doubled here), never fail otherwise
-    assert all(exits[name] == "0" for name in ("preflight", "fp8_tests", "fp8_step")), exits
+    assert all(
+        exits[name] == "0" for name in ("preflight", "fp8_tests", "fp8_step", "fsdp_allgather")
+    ), exits
     assert set(exits.values()) <= {"0", "124"}, (exits, log[-4000:], done.stderr[-2000:])
     preflight = json.loads((tmp_path / "preflight.json").read_text())
     assert preflight["device"] == "cpu" and "torch" in preflight and "torchao" in preflight
