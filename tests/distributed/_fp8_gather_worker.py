@@ -225,6 +225,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     results: dict[str, Any] = {}
     for check in checks:
+        if check == "fsdp-averages":  # whether this torch's FSDP2 averages over gloo at all
+            from _worker import check_fsdp_averages
+
+            results[check] = check_fsdp_averages()
+            continue
         name, scaling = check.split(":")
         try:
             results[check] = check_torchao() if name == "torchao" else check_equal(name, scaling)
