@@ -5,7 +5,10 @@ few steps (float32 gradient sums in another order; measured ~1e-6). The FP8 runs
 ~1e-3 from the first step when each rank's mean loss gave its examples twice one process's
 gradient. FP8 runs with per-tensor scales take each rank's own amax, as
 torchao does by default (``docs/guide/fp8.rst``), so their forward rounding differs from one
-process's: they are checked within 3e-3 (measured up to 9e-4 over 3 steps).
+process's: they are checked within 3e-3 (measured up to 9e-4 over 3 steps). MXFP8 (blocks
+of 32 tokens, as many as each rank holds here) matches within 1e-5; the MXFP4 and NVFP4 runs
+round gradients stochastically, each rank with its own draws: within 3e-2 (measured up to
+1.6e-2 over 3 steps, losses near 5.4).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def test_nproc_2_matches_one_process_for_every_run_kind(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for kind in _KINDS:
         tolerance = 3e-3 if kind.scaling not in ("", "none") else 1e-5  # per-rank amax
+        if any(f in kind.name for f in ("mxfp4", "nvfp4")):  # stochastic gradient rounding:
+            tolerance = 3e-2  # each rank draws its own (measured up to 1.6e-2 over 3 steps)
         got = _losses(out / "losses.csv", kind.name)
         _assert_close(got, _one_process_losses(kind.name), tolerance)
     assert result.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
