@@ -19,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("CI") == "true" and os.environ.get("UNITSCALE_CI_README_LEG") != "1",
+    reason="4 minutes of benchmarks at a tiny size: CI runs it once, in the README's "
+    "environment (.ci/run); each step's code is tested on every leg by its own tests",
+)
 def test_device_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(
