@@ -44,6 +44,7 @@ gather and the reshard.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -53,7 +54,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ...formats import FormatError
-from ._scaling import amax_scale, tensor_amax
+from ._scaling import amax_scale, saturate_to, scaled_cast, tensor_amax
 
 __all__ = [
     "GATHER_ATTR",
@@ -99,11 +100,12 @@ _VIEWS = {
 
 
 def _saturate(x: Tensor, scale: Tensor | None) -> Tensor:
-    """``x`` (times ``scale``, in float32) cast to E4M3 with saturation, as ``_gemm._cast``."""
+    """``x`` (times ``scale``, in float32) cast to E4M3 with saturation: the one scaled cast
+    (:func:`~._scaling.scaled_cast`), as ``_gemm._cast`` does it."""
     fmax = torch.finfo(_E4M3).max
-    if scale is not None:
-        x = x.to(torch.float32) * scale
-    return x.clamp(-fmax, fmax).to(_E4M3)
+    saturate = functools.partial(saturate_to, dtype=_E4M3, fmax=fmax)
+    scaling = "none" if scale is None else "tensorwise"
+    return scaled_cast(x, saturate, fmax, scaling, scale=scale)[0]
 
 
 #: Counts the in-place ops on wrapped weights (an optimiser step, ``load_state_dict``): the

@@ -56,7 +56,7 @@ from ._scaled_mm import (
     float8_device_error,
     padded_mm,
 )
-from ._scaling import scaled_cast
+from ._scaling import saturate_to, scaled_cast
 
 __all__ = [
     "E4M3_DTYPE",
@@ -78,12 +78,8 @@ def _cast(
 ) -> tuple[Tensor, Tensor | None]:
     """``x`` cast to float8 (saturated), and the inverse scale (None for ``"none"``)."""
     fmax = torch.finfo(dtype).max
-    saturate = functools.partial(_saturate, dtype=dtype, fmax=fmax)
+    saturate = functools.partial(saturate_to, dtype=dtype, fmax=fmax)
     return scaled_cast(x, saturate, fmax, scaling, history=history, record=record)
-
-
-def _saturate(x: Tensor, dtype: Any, fmax: float) -> Tensor:
-    return x.clamp(-fmax, fmax).to(dtype)
 
 
 def _gemm_scales(

@@ -28,13 +28,14 @@ Design constraints: tensor ops only (no host synchronisation), as in :mod:`._gem
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._scaled_mm import E4M3_DTYPE, padded_mm
-from ._scaling import amax_scale
+from ._scaling import saturate_to, scaled_cast
 
 __all__ = ["ROWWISE", "RowwiseMatmul", "rowwise_matmul"]
 
@@ -44,20 +45,17 @@ ROWWISE = ("rowwise", "rowwise_with_gw_hp")
 
 def _cast(x: Tensor, dim: int | None) -> tuple[Tensor, Tensor]:
     """``x`` in E4M3 scaled along ``dim`` (amax over ``dim``, kept; None: one scale), and
-    the scale, a power of two."""
+    the inverse scale, a power of two: the one scaled cast (:func:`~._scaling.scaled_cast`)."""
     fmax = torch.finfo(E4M3_DTYPE).max
-    magnitude = x.abs()
-    amax = magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)
-    scale = amax_scale(amax, fmax)
-    scale = torch.exp2(torch.floor(torch.log2(scale)))
-    scaled = (x.to(torch.float32) * scale).clamp(-fmax, fmax)
-    return scaled.to(E4M3_DTYPE), scale
+    saturate = functools.partial(saturate_to, dtype=E4M3_DTYPE, fmax=fmax)
+    x8, inverse = scaled_cast(x, saturate, fmax, "rowwise", dim=dim)
+    assert inverse is not None  # rowwise scaling always scales
+    return x8, inverse
 
 
-def _mm(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, out: Any, fast: bool) -> Tensor:
-    """torchao's ``addmm_float8_unwrapped`` of rowwise-scaled ``a (M, K)`` (scales ``(M,
-    1)``) and ``b (K, N)`` (scales ``(1, N)``), written in ``out``."""
-    a_inverse, b_inverse = sa.reciprocal(), sb.reciprocal()
+def _mm(a: Tensor, a_inverse: Tensor, b: Tensor, b_inverse: Tensor, out: Any, fast: bool) -> Tensor:
+    """torchao's ``addmm_float8_unwrapped`` of rowwise-scaled ``a (M, K)`` (inverse scales
+    ``(M, 1)``) and ``b (K, N)`` (inverse scales ``(1, N)``), written in ``out``."""
     post = None
     if not fast:
         post = a_inverse * b_inverse

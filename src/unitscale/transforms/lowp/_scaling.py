@@ -56,6 +56,7 @@ __all__ = [
     "history_buffer",
     "keep_histories",
     "power_of_2_floor",
+    "saturate_to",
     "scaled_cast",
     "tensor_amax",
 ]
@@ -219,6 +220,12 @@ def scaled_cast(
             return cast(x), None
         scale = cast_scale(x, format_max, scaling, history, record, dim)
     return cast(x.to(torch.float32) * scale), scale.reciprocal()
+
+
+def saturate_to(x: Tensor, dtype: torch.dtype, fmax: float) -> Tensor:
+    """``x`` clamped to ``[-fmax, fmax]`` and converted to the float8 ``dtype``: the cast
+    ``to_fp8`` hands :func:`scaled_cast` (torch's conversion does not saturate by itself)."""
+    return x.clamp(-fmax, fmax).to(dtype)
 
 
 HISTORY_PREFIX = "fp8_amax_history_"
