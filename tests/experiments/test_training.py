@@ -405,9 +405,14 @@ def test_real_fp8_runs_equal_the_simulated_runs_on_the_cpu() -> None:
     results = train_runs(config, progress=False)
     for simulated in ("plain-fp8-tensorwise", "unit-scaled-fp8"):
         real = results[f"{simulated}-real"]
-        # the same ops, the same arithmetic (tests/transforms/test_to_fp8.py): equal
-        assert real.train_losses == results[simulated].train_losses, simulated
-        assert real.final_heldout_loss == results[simulated].final_heldout_loss, simulated
+        # The same ops and scales (tests/transforms/test_to_fp8.py): equal where the CPU's
+        # float8 GEMM sums as the simulation does (torch 2.13's oneDNN here: bit for bit);
+        # torch 2.8's applies the scales after the sum, a last-bit difference (1.7e-7 of the
+        # loss at the third step, measured): within 1e-5 relative.
+        assert real.train_losses == pytest.approx(results[simulated].train_losses, rel=1e-5)
+        assert real.final_heldout_loss == pytest.approx(
+            results[simulated].final_heldout_loss, rel=1e-5
+        ), simulated
 
 
 def test_rowwise_runs_are_torchaos_rowwise_recipe_on_request() -> None:
