@@ -51,6 +51,8 @@ def test_device_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
     assert list(ours)[:2] == ["bf16-plain", "to_fp8-none-unit_scale"]  # the FP8 step first
     assert len(ours) == 8
     for name, result in ours.items():
+        if "rowwise" in name and "rowwise scales" in result.get("error", ""):
+            continue  # a CPU kernel without rowwise scales (torch 2.8's): refused, said why
         if name.startswith("to_fp8"):  # what ran in FP8 is recorded, so no silent fallback
             assert result["converted_flop_share"] == 1.0, (name, result)
         elif name.startswith("torchao") and "status" in result:
