@@ -43,10 +43,9 @@ import torch
 from torch import Tensor
 
 from ... import functional as U
-from ...formats import FormatError
 from ...scale import scale_bwd
 from ._fsdp import float8_weight
-from ._ops import add_bias
+from ._ops import add_bias, addmm_weight
 from ._rowwise import ROWWISE, rowwise_matmul
 from ._scaled_mm import (
     E4M3_DTYPE,
@@ -224,17 +223,6 @@ def _linear(
     return add_bias(out, bias, factors.weight_grad)
 
 
-def _addmm_weight(op: str, mat2: Tensor, beta: float, alpha: float) -> Tensor:
-    """``addmm``'s second matrix as the linear op's weight (``mat2.t()``); ``beta`` and
-    ``alpha`` other than 1 are refused (``to_fp8`` converts no other addmm)."""
-    if beta != 1 or alpha != 1:
-        raise FormatError(
-            f"unitscale.transforms.{op}: beta={beta!r}, alpha={alpha!r} are not supported "
-            "(only 1, as to_fp8 converts); scale the operands, or call torch.addmm"
-        )
-    return mat2.t()
-
-
 def linear(
     input: Tensor,
     weight: Tensor,
@@ -267,7 +255,7 @@ def addmm(
 ) -> Tensor:
     """``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``) as float8 GEMMs:
     :func:`linear` of ``(mat1, mat2.t(), input)``; ``beta`` and ``alpha`` must be 1."""
-    weight = _addmm_weight("addmm", mat2, beta, alpha)
+    weight = addmm_weight("addmm", mat2, beta, alpha)
     return _linear(mat1, weight, input, None, scaling, histories, fast_accum)
 
 
@@ -316,7 +304,7 @@ def unit_addmm(
 ) -> Tensor:
     """The unit-scaled ``addmm`` of ``unit_scale`` (:func:`unit_linear` of ``(mat1,
     mat2.t(), input)``) as float8 GEMMs; ``beta`` and ``alpha`` must be 1."""
-    weight = _addmm_weight("unit_addmm", mat2, beta, alpha)
+    weight = addmm_weight("unit_addmm", mat2, beta, alpha)
     return unit_linear(
         mat1, weight, input, constraint, scaling=scaling, histories=histories, fast_accum=fast_accum
     )

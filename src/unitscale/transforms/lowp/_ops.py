@@ -30,12 +30,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...formats import FormatError
 from ...scale import scale_bwd
 
 __all__ = [
     "OPS_SCOPES",
     "OpsScope",
     "add_bias",
+    "addmm_weight",
     "grouped_operands",
     "is_linear",
     "looks_matmul_like",
@@ -198,3 +200,15 @@ def unit_addmm_bias(
     """As :func:`unit_linear_bias`, for ``unit_scale``'s ``addmm`` (``linear(mat1, mat2.t(),
     bias)``, transformers' ``Conv1D``)."""
     return unit_linear_bias(out, bias, mat1, mat2.t(), constraint)
+
+
+def addmm_weight(where: str, mat2: Tensor, beta: float, alpha: float) -> Tensor:
+    """``addmm``'s second matrix as a linear op's weight (``mat2.t()``), for the linear-op
+    counterparts that take ``addmm`` (transformers' ``Conv1D``); ``beta`` and ``alpha``
+    other than 1 are refused, naming ``where`` (e.g. ``"to_fp8: addmm"``)."""
+    if beta != 1 or alpha != 1:
+        raise FormatError(
+            f"unitscale.transforms.{where}: beta={beta!r}, alpha={alpha!r} are not supported "
+            "(only 1); scale the operands, or call torch.addmm"
+        )
+    return mat2.t()

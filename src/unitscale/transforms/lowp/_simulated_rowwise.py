@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ... import functional as U
-from ...formats import E4M3, FormatError
+from ...formats import E4M3
 from ...scale import scale_bwd
-from ._ops import add_bias
+from ._ops import add_bias, addmm_weight
 from ._scaling import scaled_cast
 
 __all__ = [
@@ -136,15 +136,6 @@ def _linear(
     return add_bias(out, bias, factors.weight_grad)
 
 
-def _addmm_weight(op: str, mat2: Tensor, beta: float, alpha: float) -> Tensor:
-    if beta != 1 or alpha != 1:
-        raise FormatError(
-            f"unitscale.transforms.simulate_fp8: {op} with beta={beta!r}, alpha={alpha!r} "
-            "has no rowwise FP8 form (only 1); scale the operands, or call torch.addmm"
-        )
-    return mat2.t()
-
-
 def linear(
     input: Tensor, weight: Tensor, bias: Tensor | None = None, *, scaling: str = "rowwise"
 ) -> Tensor:
@@ -170,7 +161,9 @@ def addmm(
 ) -> Tensor:
     """``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``): :func:`linear` of
     ``(mat1, mat2.t(), input)``."""
-    return _linear(mat1, _addmm_weight("addmm", mat2, beta, alpha), input, None, scaling)
+    return _linear(
+        mat1, addmm_weight("simulate_fp8: addmm", mat2, beta, alpha), input, None, scaling
+    )
 
 
 def unit_linear(
@@ -211,7 +204,7 @@ def unit_addmm(
     scaling: str = "rowwise",
 ) -> Tensor:
     """``unit_scale``'s ``addmm`` (transformers' ``Conv1D``) with a rowwise recipe."""
-    weight = _addmm_weight("unit_addmm", mat2, beta, alpha)
+    weight = addmm_weight("simulate_fp8: unit_addmm", mat2, beta, alpha)
     return unit_linear(mat1, weight, input, constraint, scaling=scaling)
 
 
