@@ -274,7 +274,7 @@ def test_decoder_summary_says_what_runs_in_fp8() -> None:
     ((attention, reason),) = summary.not_converted
     assert "scaled_dot_product_attention" in attention and reason == "outside ops='linear'"
     assert "to_fp8: 5 op(s) in FP8 (100% of the linear ops' FLOPs)" in str(summary)
-    assert summary.converted_flop_share == 1.0  # SwiGLU's 170 wide hidden layer included
+    assert summary.converted_flop_share == 1.0
     # the one summary, and the one scope: simulate_fp8(ops="linear") names the same ops
     simulated = simulate_fp8(_decoder(), ops="linear")
     simulated(_ids())

@@ -332,12 +332,13 @@ def test_the_decoders_swiglu_width_can_be_rounded_up_as_llamas_multiple_of() -> 
     from unitscale.errors import UnsupportedArgumentError
 
     widths = {}
-    for multiple_of in (1, 64):
-        model = unitscale.TransformerDecoder(
-            64, depth=1, heads=4, vocab_size=16, mlp_multiple_of=multiple_of
-        )
+    for multiple_of in (1, 64, None):
+        options = {} if multiple_of is None else {"mlp_multiple_of": multiple_of}
+        model = unitscale.TransformerDecoder(64, depth=1, heads=4, vocab_size=16, **options)
         widths[multiple_of] = model.layers[0].mlp.down.weight.shape[1]
-    assert widths == {1: 170, 64: 192}  # the default stays unrounded (170)
+    assert widths == {1: 170, 64: 192, None: 192}  # the default rounds to 64, as Llama's
+    layer = unitscale.TransformerLayer(128, heads=4)
+    assert layer.mlp.up.weight.shape == (2 * 384, 128)  # 341 rounded up to 384
     with pytest.raises(UnsupportedArgumentError, match="mlp_multiple_of"):
         unitscale.TransformerLayer(64, heads=4, mlp_multiple_of=0)
 
