@@ -92,6 +92,44 @@ def _quick(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+def test_ctrl_c_keeps_the_runs_completed_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C left an empty folder after a long sweep: the completed runs are kept in
+    transfer.csv, summary.txt says where it stopped, no claim is judged, an earlier run's
+    outputs (replaced under --overwrite) are removed, and the status is 130."""
+    from unitscale.experiments.transfer import _sweep
+
+    original = _sweep.train_one
+    calls = []
+
+    def interrupting(*args: object, **kwargs: object) -> object:  # Ctrl-C in the 3rd run
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sweep, "train_one", interrupting)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("transfer.json", "report.html", "effective_rates.csv"):
+        (out / name).write_text("an earlier run's")
+    tiny = ["--quick", "--steps", "2", "--no-progress", "--overwrite", "--out", str(out)]
+    assert main(["transfer", *tiny]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted; kept what finished" in captured.err
+    summary = (out / "summary.txt").read_text()
+    assert captured.out == summary
+    assert summary.startswith("INTERRUPTED (Ctrl-C) after 2 of 14 runs")
+    assert "no claim judged" in summary and "claim (1)" not in summary
+    assert summary.count("  seed 0 standard fp32 width 32 depth 2 lr ") == 2
+    assert {p.name for p in out.iterdir()} == {"transfer.csv", "summary.txt"}
+    with (out / "transfer.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len({r["lr"] for r in rows}) == 2 and {r["width"] for r in rows} == {"32"}
+    assert {r["step"] for r in rows if r["final"] == "True"} == {"2"}
+
+
 def test_quick_run_writes_every_output_and_is_deterministic(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = _quick(out)

@@ -8,11 +8,17 @@ summary on stdout and writes the files.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import Parser, usage_error
 from ._args import positive_int
 from ._output import add_out_options, finish_summary, prepare_out_folder, start_command
+
+if TYPE_CHECKING:
+    from ..experiments.transfer import SweepInterrupted
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -235,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
         + ") "
         "on the bundled CPython documentation text"
     )
-    result = sweep.run_transfer(config, progress=None if args.no_progress else progress)
+    try:
+        result = sweep.run_transfer(config, progress=None if args.no_progress else progress)
+    except sweep.SweepInterrupted as exc:
+        return _keep_interrupted(exc, out)
     out.mkdir(parents=True, exist_ok=True)
 
     written = [sweep.write_transfer_csv(result, out / "transfer.csv")]
@@ -245,3 +254,38 @@ def run(args: argparse.Namespace) -> int:
     written.append(sweep.write_transfer_report(result, out / "report.html"))
     written.append(sweep.write_effective_rates(config, out / "effective_rates.csv"))
     return finish_summary(sweep.summary_text(result), out, written, progress)
+
+
+def _keep_interrupted(exc: SweepInterrupted, out: Path) -> int:
+    """Ctrl-C: keep the runs that completed (``transfer.csv``) and say so in
+    ``summary.txt``; return 130 (the status of an interrupt). No claim is judged on a part
+    of a sweep, and no table or figure drawn from one; an earlier run's outputs in ``out``
+    (replaced under ``--overwrite``) are removed, so that none is taken for this one's."""
+    from ..experiments import transfer as sweep
+
+    runs = exc.partial.runs
+    lines = [
+        f"INTERRUPTED (Ctrl-C) after {len(runs)} of {exc.planned} runs, "
+        f"{exc.partial.seconds:.0f}s: not a complete result; no claim judged.",
+        f"runs completed: {len(runs)}" + (" (every number in transfer.csv)" if runs else ""),
+    ]
+    for run in runs:
+        loss = run.final_heldout_loss
+        shown = f"{loss:.4f}" if math.isfinite(loss) else f"diverged at step {run.stopped_at}"
+        lines.append(
+            f"  seed {run.seed} {run.parametrisation} {run.precision} width {run.width} "
+            f"depth {run.depth} lr {run.lr:g}: held-out {shown}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    written = [sweep.write_transfer_csv(exc.partial, out / "transfer.csv")] if runs else []
+    summary = out / "summary.txt"
+    for stale in (*OUTPUTS, "effective_rates.csv"):  # an earlier run's (--overwrite): not ours
+        if out / stale not in (*written, summary):
+            (out / stale).unlink(missing_ok=True)
+    names = [p.name for p in [*written, summary]]
+    lines.append(f"\nwrote {len(names)} outputs to {out}/: " + ", ".join(names))
+    text = "\n".join(lines) + "\n"
+    summary.write_text(text, encoding="utf-8")
+    sys.stdout.write(text)
+    print("unitscale transfer: interrupted; kept what finished", file=sys.stderr)
+    return 130

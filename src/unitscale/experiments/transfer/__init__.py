@@ -94,7 +94,7 @@ from ._models import (
 )
 from ._models import _llama_mup as _llama_mup
 from ._plot import plot_transfer
-from ._records import TransferResult, TransferRun
+from ._records import SweepInterrupted, TransferResult, TransferRun
 from ._summary import summary_text, sweep_tables, table_lines, transfer_claims
 from ._sweep import _eval_data as _eval_data
 from ._sweep import _train_data as _train_data
@@ -131,6 +131,7 @@ __all__ = [  # noqa: RUF022 (grouped by kind)
     "describe",
     "train_one",
     "run_transfer",
+    "SweepInterrupted",
     # tables and claims
     "CSV_COLUMNS",
     "Claim",

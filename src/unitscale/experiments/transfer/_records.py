@@ -65,3 +65,21 @@ class TransferResult:
     seconds: float = 0.0
     load_average: tuple[float | None, float | None] = (None, None)
     date: str = ""
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep, carrying the runs that completed before it.
+
+    A :class:`KeyboardInterrupt`, so code that stops on Ctrl-C still stops; ``unitscale
+    transfer`` keeps ``partial`` (its completed runs) in ``transfer.csv`` and says in
+    ``summary.txt`` where the sweep stopped.
+
+    Attributes:
+        partial: the sweep so far: the runs that completed, its wall time until the interrupt.
+        planned: how many runs the whole sweep would have trained (the FP8 runs included).
+    """
+
+    def __init__(self, partial: TransferResult, planned: int) -> None:
+        super().__init__(f"sweep interrupted after {len(partial.runs)} of {planned} run(s)")
+        self.partial = partial
+        self.planned = planned

@@ -23,7 +23,7 @@ from ._config import (
 )
 from ._frames import best_points, final_frame, runs_frame
 from ._models import PARAMETRISATIONS, build_model, build_optimiser
-from ._records import TransferResult, TransferRun
+from ._records import SweepInterrupted, TransferResult, TransferRun
 
 
 def _eval_data(config: TransferConfig, split: Literal["train", "heldout"]) -> list[Batch]:
@@ -126,6 +126,10 @@ def run_transfer(
     Returns:
         The :class:`TransferResult`.
 
+    Raises:
+        SweepInterrupted: on Ctrl-C (a :class:`KeyboardInterrupt` carrying the runs that
+            completed).
+
     Example:
         >>> c = default_config(quick=True, steps=2, eval_every=2, eval_batches=1,
         ...                    lr_steps=(0,), fp8=False, widths=(32, 64))
@@ -202,14 +206,18 @@ def _run_transfer(config: TransferConfig, progress: Callable[[str], None] | None
                 f"lr {run.lr:g}: held-out {shown} ({run.seconds:.1f}s)"
             )
 
-    for item in plan:
-        one(*item)
-    if config.fp8:
-        best = best_points(final_frame(runs_frame(runs)))  # on the mean over seeds
-        for c in seeds:
-            for width, depth in config.sizes:
-                mup = best[best.parametrisation == "u-muP"]
-                row = mup[(mup.width == width) & (mup.depth == depth)]
-                if len(row) and row.lr_step.notna().all():
-                    one(c, "u-muP", width, depth, int(row.lr_step.iloc[0]), "fp8")
+    try:
+        for item in plan:
+            one(*item)
+        if config.fp8:
+            best = best_points(final_frame(runs_frame(runs)))  # on the mean over seeds
+            for c in seeds:
+                for width, depth in config.sizes:
+                    mup = best[best.parametrisation == "u-muP"]
+                    row = mup[(mup.width == width) & (mup.depth == depth)]
+                    if len(row) and row.lr_step.notna().all():
+                        one(c, "u-muP", width, depth, int(row.lr_step.iloc[0]), "fp8")
+    except KeyboardInterrupt as exc:  # Ctrl-C: the completed runs go with the interrupt
+        partial = TransferResult(config, runs, time.perf_counter() - start, (load_before, None))
+        raise SweepInterrupted(partial, total) from exc
     return TransferResult(config, runs, time.perf_counter() - start, (load_before, _load()))
