@@ -115,6 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=64)
     add("--lr-plain", type=float, default=0.0015, help="the plain runs' peak lr")
     add("--jobs", type=int, default=1, help="jobs at once, one torch thread each")
+    add("--job-timeout", type=float, default=None, help="stop a job after S seconds (a hang guard)")
     add("--report-only", action="store_true", help="run nothing; report what is complete")
     add("--dry-run", action="store_true", help="list the jobs and their commands")
     args = parser.parse_args(argv)
@@ -290,6 +291,10 @@ def run_jobs(pending: list[tuple[int, str]], args: argparse.Namespace) -> list[s
             load = _load()[0]
             for job in list(running):
                 job.peak = max(job.peak, load)
+                limit = args.job_timeout
+                if limit is not None and time.perf_counter() - job.started > limit:
+                    job.process.kill()  # a hang: _finish reports the failure
+                    job.process.wait()
                 if job.process.poll() is not None:
                     running.remove(job)
                     failure = _finish(job, args, commit)
