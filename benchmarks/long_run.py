@@ -254,7 +254,7 @@ def _finish(job: _Running, args: argparse.Namespace, commit: dict[str, Any]) -> 
         "end": _now(),
         "wall_s": round(wall, 1),
         "run_s": run_s,
-        "step_ms": round(1000 * run_s / args.steps, 1),
+        "run_ms_per_step": round(1000 * run_s / args.steps, 1),  # build and evaluations in
         "load_average_before": job.before,
         "load_average_1min_peak_during": peak,
         "load_average_after": _load(),

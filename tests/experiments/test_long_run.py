@@ -229,7 +229,14 @@ def test_the_script_at_a_tiny_size_resumes_and_reports(
     ranges = json.loads((out / "results.json").read_text())["scale_ranges"]["ops"]
     assert ranges["layers.0.mlp.up"]["weight"]["overflow_e4m3"]["seed0"]["max"] == 0.375
 
-    # an interrupted job (a stale .partial, no completed folder) is run again, alone
+    _an_interrupted_job_runs_again_alone(long_run, out, results, monkeypatch)
+
+
+def _an_interrupted_job_runs_again_alone(
+    long_run: ModuleType, out: Path, results: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale ``.partial`` folder and no completed one: reported missing, then that job,
+    and only it, is run again, with the same losses."""
     monkeypatch.undo()
     started = []
     popen = long_run.subprocess.Popen
