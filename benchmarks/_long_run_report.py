@@ -38,6 +38,8 @@ ROLE_FORMATS: dict[str, tuple[str, ...]] = {
 RECIPE_FORMAT = {role: formats[0] for role, formats in ROLE_FORMATS.items()}
 #: ``linear_ops.csv``'s columns.
 COLUMNS = ("step", "op", "role", "tensor", "metric", "value")
+#: The monitor's metrics ``linear_ops.csv`` keeps (of ``training.MONITOR_METRICS``).
+METRICS = ("rms", "abs_max", "overflow_e4m3", "underflow_e4m3", "overflow_e5m2", "underflow_e5m2")
 
 
 def linear_op_rows(table: pd.DataFrame) -> pd.DataFrame:
@@ -46,7 +48,8 @@ def linear_op_rows(table: pd.DataFrame) -> pd.DataFrame:
 
     ``table`` is ``ScaleMonitor.table()`` (or the ``scales_<run>.csv`` of ``unitscale train
     --monitor-every``) of a model under ``simulate_fp8``. Returns the columns
-    :data:`COLUMNS`; ``op`` is the linear op's module, ``tensor`` the recorded node.
+    :data:`COLUMNS` and the metrics :data:`METRICS`; ``op`` is the linear op's module,
+    ``tensor`` the recorded node.
 
     Raises:
         ValueError: no quantised operand in the table (not an FP8 run), or an operand's
@@ -73,6 +76,7 @@ def linear_op_rows(table: pd.DataFrame) -> pd.DataFrame:
             raise ValueError(f"linear_op_rows: {node!r} of {module!r} is recorded twice a step")
         parts.append(rows.assign(op=module, role=role)[list(COLUMNS)])
     frame = pd.concat(parts, ignore_index=True)
+    frame = frame[frame["metric"].isin(METRICS)]
     return frame.sort_values(["op", "role", "metric", "step"], kind="stable", ignore_index=True)
 
 
@@ -131,8 +135,9 @@ def range_figures(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
 
 
 def _kept(role: str, metric: str) -> bool:
-    """The metrics ``results.json`` keeps: rms, and under/overflow in the role's formats."""
-    if metric == "rms":
+    """The metrics ``results.json`` keeps: rms, abs_max, and under/overflow in the role's
+    formats."""
+    if metric in ("rms", "abs_max"):
         return True
     kind, _, fmt = metric.partition("_")
     return kind in ("overflow", "underflow") and fmt in ROLE_FORMATS.get(role, ())
@@ -223,6 +228,24 @@ def _among(roles: tuple[str, ...], metric: str) -> Any:
 GROUPS = {"forward operands": ("input", "weight"), "output gradients": ("output_grad",)}
 
 
+def _headroom(ops: dict[str, Any], group: str, roles: tuple[str, ...]) -> list[str]:
+    """The largest magnitude of ``roles`` at a recorded step, and how far below the largest
+    finite value of the recipe's format it stayed (a factor; below 1: it overflowed)."""
+    from unitscale.formats import get_format
+
+    top = _worst(ops, _among(roles, "abs_max"))
+    if top is None or top[0] <= 0:
+        return []
+    fmt = RECIPE_FORMAT[roles[0]]
+    largest = get_format(fmt).max_absolute_value
+    factor = largest / top[0]
+    shown = f"{factor:.3g}" if factor < 1000 else f"{factor:,.0f}"
+    return [
+        f"{group}: largest magnitude {top[0]:.4g} on {top[1]}, {shown}x below "
+        f"{fmt.upper()}'s largest value {largest:g}"
+    ]
+
+
 def statements(ranges: dict[str, Any]) -> list[str]:
     """The sentences ``summary.txt`` gives about the monitored run's ranges, from
     ``results.json``'s ``scale_ranges`` section: whether the static unit scales stayed in
@@ -252,6 +275,7 @@ def statements(ranges: dict[str, Any]) -> list[str]:
             + (f"max overflow {grads[0]:.3g} on {grads[1]}" if grads[0] else "no overflow")
         )
     for group, roles in GROUPS.items():
+        lines += _headroom(ops, group, roles)
         for _, text in _drifts(ops, _among(roles, "underflow_{fmt}"))[:2]:
             lines.append(f"{group}: underflow drifted from {text}")
         top = _worst(ops, _among(roles, "underflow_{fmt}"))

@@ -318,6 +318,8 @@ def _check_done(done: list[tuple[int, str]], args: argparse.Namespace) -> None:
         differ = [n for n in SETTINGS if record["settings"].get(n) != getattr(args, n)]
         if kind != args.monitor:  # only the monitored job's record depends on it
             differ = [n for n in differ if n != "monitor_every"]
+        if record["settings"].get("monitored") != (kind == args.monitor):
+            differ.append("monitored")
         if differ:
             theirs = ", ".join(f"{n}={record['settings'].get(n)}" for n in differ)
             raise SystemExit(

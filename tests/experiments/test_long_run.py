@@ -102,7 +102,7 @@ def _frame(values: dict[tuple[str, str, str], list[float]], steps: list[int]) ->
 def _fabricated(overflow: float) -> dict[int, pd.DataFrame]:
     """Two seeds, two ops, three records; one input overflows by ``overflow`` at step 200
     of seed 1, one output gradient's underflow drifts from 1e-4 to 3e-2, one weight's rms
-    doubles."""
+    doubles, one input's largest magnitude peaks at 56 at step 100."""
     steps = [0, 100, 200]
     frames = {}
     for seed in (0, 1):
@@ -114,10 +114,12 @@ def _fabricated(overflow: float) -> dict[int, pd.DataFrame]:
                     values[(op, role, f"overflow_{fmt}")] = [0.0, 0.0, 0.0]
                     values[(op, role, f"underflow_{fmt}")] = [1e-4, 1e-4, 1e-4]
                 values[(op, role, "rms")] = [1.0, 1.0, 1.0]
+                values[(op, role, "abs_max")] = [4.0, 4.0, 4.0]
         if seed == 1:
             values[("layers.1.mlp.down", "input", "overflow_e4m3")] = [0.0, 0.0, overflow]
         values[("layers.0.mlp.up", "output_grad", "underflow_e5m2")] = [1e-4, 1e-3, 3e-2]
         values[("layers.1.mlp.down", "weight", "rms")] = [1.0, 1.5, 2.0]
+        values[("layers.0.mlp.up", "input", "abs_max")] = [4.0, 56.0, 8.0]
         frames[seed] = _frame(values, steps)
     return frames
 
@@ -141,6 +143,14 @@ def test_the_statements_are_derived_from_the_figures(modules: Any) -> None:
         line.startswith("forward operands: rms drifted from 1 to 2 on layers.1.mlp.down weight")
         for line in lines
     ), lines
+    assert (
+        "forward operands: largest magnitude 56 on layers.0.mlp.up input (abs_max, seed0, "
+        "step 100), 8x below E4M3's largest value 448"
+    ) in lines
+    assert (
+        "output gradients: largest magnitude 4 on layers.0.mlp.up output_grad (abs_max, seed0, "
+        "step 0), 14,336x below E5M2's largest value 57344"
+    ) in lines
     lines = report.statements(_ranges(report, _fabricated(0.125)))
     assert lines[0] == (
         "static unit scales did not stay in range: max overflow 0.125 on layers.1.mlp.down "
