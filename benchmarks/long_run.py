@@ -87,6 +87,17 @@ SETTINGS = (
     "monitor_every",
 )
 POLL_S = 1.0
+#: CPU milliseconds per step at the default size, one thread (measured on 2 busy cores, see
+#: docs/guide/experiments.rst): the longest jobs start first, so that ``--jobs 2`` does not
+#: end with one core idle while the other trains an MXFP8 run. Other kinds count 100.
+STEP_MS = {
+    "plain-fp32": 36,
+    "plain-fp8-tensorwise": 53,
+    "plain-fp8-rowwise": 84,
+    "unit-scaled-fp32": 55,
+    "unit-scaled-fp8": 68,
+    "unit-scaled-mxfp8": 160,
+}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -276,6 +287,19 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _stop(running: list[_Running]) -> None:
+    """Stop the jobs in flight: SIGTERM, then SIGKILL after a minute or a second Ctrl-C."""
+    for job in running:
+        job.process.terminate()
+    for job in running:
+        try:
+            job.process.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            job.process.kill()
+            job.process.wait()
+        job.log.close()
+
+
 def run_jobs(pending: list[tuple[int, str]], args: argparse.Namespace) -> list[str]:
     """Run ``pending`` jobs, ``args.jobs`` at once; return the failures' messages. On Ctrl-C
     or SIGTERM the running jobs are stopped (their ``.partial`` folders restart next time)."""
@@ -300,11 +324,7 @@ def run_jobs(pending: list[tuple[int, str]], args: argparse.Namespace) -> list[s
                     failure = _finish(job, args, commit)
                     failures += [failure] if failure else []
     except KeyboardInterrupt:
-        for job in running:
-            job.process.terminate()
-        for job in running:
-            job.process.wait(timeout=60)
-            job.log.close()
+        _stop(running)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -349,11 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(seed, kind) for seed in args.seeds for kind in args.kinds]
     done = [j for j in jobs if (job_folder(args.out, *j) / JOB_RECORD).exists()]
     _check_done(done, args)
-    pending = [j for j in jobs if j not in done]
+    pending = sorted((j for j in jobs if j not in done), key=lambda j: -STEP_MS.get(j[1], 100))
     print(f"long run: {len(done)} of {len(jobs)} jobs complete, {len(pending)} to run "
           f"({args.jobs} at once) in {_shown(args.out)}", file=sys.stderr)  # fmt: skip
     if args.dry_run:
-        for seed, kind in jobs:
+        cpu_h = sum(STEP_MS.get(kind, 100) for _, kind in pending) * args.steps / 3.6e6
+        print(f"pending: about {cpu_h:.1f} CPU hours of training steps at the default size's "
+              "step times (STEP_MS), in this order:")  # fmt: skip
+        for seed, kind in [*done, *pending]:
             state = "done" if (seed, kind) in done else "to run"
             options = " ".join(train_options(seed, kind, args))
             print(f"seed{seed}/{kind} [{state}]: python -m unitscale train {options}")

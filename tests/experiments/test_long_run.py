@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -270,3 +271,36 @@ def _an_interrupted_job_runs_again_alone(
     again = json.loads((out / "results.json").read_text())["jobs"]["seed0"]["unit-scaled-fp32"]
     assert again["final_heldout_loss"] == before["final_heldout_loss"]
     assert not list(out.rglob("*.partial"))
+
+
+def test_an_interrupt_stops_the_running_jobs_and_keeps_nothing_partial_as_done(
+    modules: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long_run = modules[0]
+    started: list[Any] = []
+    popen = long_run.subprocess.Popen
+
+    def keep(command: list[str], **kwargs: Any) -> Any:
+        process = popen(command, **kwargs)
+        started.append(process)
+        return process
+
+    sleep, calls = time.sleep, []
+
+    def interrupt(seconds: float) -> None:  # Ctrl-C once, in the first wait of the scheduler
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        sleep(seconds)
+
+    monkeypatch.setattr(long_run.subprocess, "Popen", keep)
+    monkeypatch.setattr(long_run.time, "sleep", interrupt)
+    out = tmp_path / "long"
+    assert long_run.main([*TINY, "--out", str(out), "--jobs", "2"]) == 130
+    jobs = [p for p in started if "--runs" in p.args]
+    assert len(jobs) == 2 and all(p.returncode is not None for p in jobs)  # stopped
+    assert sorted(p.name for p in (out / "seed0").iterdir()) == [
+        "unit-scaled-fp32.partial",
+        "unit-scaled-fp8.partial",
+    ]
+    assert not (out / "results.json").exists()
