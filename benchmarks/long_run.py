@@ -13,8 +13,8 @@ format in the ``"hardware"`` recipe).
 
 Each (seed, run) is one job: ``python -m unitscale train --runs RUN --seed S ...`` in its own
 process (one torch thread), writing into ``OUT/seed<S>/<run>.partial/``, renamed to
-``OUT/seed<S>/<run>/`` once its ``job.json`` (the command, the code commit, the wall time, the
-load average before, at its peak and after) is written. A completed job is never run again:
+``OUT/seed<S>/<run>/`` once its ``job.json`` (the command, the code commit, the wall and CPU
+time, the load average before, at its peak and after) is written. A completed job is never run again:
 stop the script at any time (Ctrl-C, or a cut-off session) and run the same command to go on.
 ``--jobs 2`` runs two jobs at once. The monitored job keeps ``linear_ops.csv`` (the linear
 ops' rows of its scales table); the full table, the HTML report and the per-job loss plot
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -237,21 +238,27 @@ def _slim(folder: Path, monitored: bool) -> None:
     tables = sorted(folder.glob("scales_*.csv"))
     if monitored:
         if len(tables) != 1:
-            raise SystemExit(f"long_run: expected one scales table in {folder}, got {tables}")
+            raise ValueError(f"expected one scales table in {folder}, got {tables}")
         write_linear_op_rows(linear_op_rows(pd.read_csv(tables[0])), folder / LINEAR_OPS)
     for table in tables:
         table.unlink()
 
 
-def _finish(job: _Running, args: argparse.Namespace, commit: dict[str, Any]) -> str | None:
-    """Record a job that ended; return None, or why it failed."""
+def _finish(
+    job: _Running, args: argparse.Namespace, commit: dict[str, Any], cpu_s: float
+) -> str | None:
+    """Record a job that ended (``cpu_s``: its process's CPU seconds); return None, or why it
+    failed."""
     wall = time.perf_counter() - job.started
     job.log.close()
     name = f"seed{job.seed}/{job.kind}"
     if job.process.returncode != 0:
         tail = (job.folder / "job.log").read_text(errors="replace").splitlines()[-5:]
         return f"{name} exited with {job.process.returncode}:\n  " + "\n  ".join(tail)
-    _slim(job.folder, job.kind == args.monitor)
+    try:
+        _slim(job.folder, job.kind == args.monitor)
+    except ValueError as exc:
+        return f"{name}: its outputs could not be read: {exc}"
     ran = json.loads((job.folder / "results.json").read_text(encoding="utf-8"))
     run_s = ran["runs"][job.kind]["per_seed"][str(job.seed)]["seconds"]
     cpus, peak = os.cpu_count() or 1, job.peak
@@ -264,6 +271,7 @@ def _finish(job: _Running, args: argparse.Namespace, commit: dict[str, Any]) -> 
         "start": job.start_iso,
         "end": _now(),
         "wall_s": round(wall, 1),
+        "cpu_s": round(cpu_s, 1),
         "run_s": run_s,
         "run_ms_per_step": round(1000 * run_s / args.steps, 1),  # build and evaluations in
         "load_average_before": job.before,
@@ -281,6 +289,12 @@ def _finish(job: _Running, args: argparse.Namespace, commit: dict[str, Any]) -> 
     job.folder.rename(job_folder(args.out, job.seed, job.kind))
     print(f"long run: {name} done in {wall:.0f}s", file=sys.stderr)
     return None
+
+
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of this process's reaped children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -318,12 +332,12 @@ def run_jobs(pending: list[tuple[int, str]], args: argparse.Namespace) -> list[s
                 limit = args.job_timeout
                 if limit is not None and time.perf_counter() - job.started > limit:
                     job.process.kill()  # a hang: _finish reports the failure
-                    job.process.wait()
-                if job.process.poll() is not None:
+                cpu = _children_cpu_s()
+                if job.process.poll() is not None:  # reaped: its CPU time joins the children's
                     running.remove(job)
-                    failure = _finish(job, args, commit)
+                    failure = _finish(job, args, commit, _children_cpu_s() - cpu)
                     failures += [failure] if failure else []
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM or a bug: no job left running unwatched
         _stop(running)
         raise
     finally:

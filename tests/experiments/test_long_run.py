@@ -204,6 +204,7 @@ def test_the_script_at_a_tiny_size_resumes_and_reports(
     assert record["command"].startswith("python -m unitscale train --runs unit-scaled-fp8")
     assert "--monitor-every 5" in record["command"]
     assert len(record["code_commit"]) == 40 and record["wall_s"] > 0
+    assert 0 < record["cpu_s"] < 2 * record["wall_s"]  # its own process's, one thread
     assert len(record["load_average_before"]) == 3 and record["torch_threads"] == 1
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] and results["missing_jobs"] == []
