@@ -269,10 +269,12 @@ def statements(ranges: dict[str, Any]) -> list[str]:
             f"{overflow[1]} (recorded steps: {records})"
         ]
     grads = _worst(ops, lambda role: "overflow_e4m3" if role == "output_grad" else None)
-    if grads is not None:
+    under = _worst(ops, lambda role: "underflow_e4m3" if role == "output_grad" else None)
+    if grads is not None and under is not None:
         lines.append(
             "output gradients in E4M3 instead of E5M2: "
             + (f"max overflow {grads[0]:.3g} on {grads[1]}" if grads[0] else "no overflow")
+            + f"; largest underflow {under[0]:.3g} on {under[1]}"
         )
     for group, roles in GROUPS.items():
         lines += _headroom(ops, group, roles)

@@ -14,11 +14,11 @@ format in the ``"hardware"`` recipe).
 Each (seed, run) is one job: ``python -m unitscale train --runs RUN --seed S ...`` in its own
 process (one torch thread), writing into ``OUT/seed<S>/<run>.partial/``, renamed to
 ``OUT/seed<S>/<run>/`` once its ``job.json`` (the command, the code commit, the wall and CPU
-time, the load average before, at its peak and after) is written. A completed job is never run again:
-stop the script at any time (Ctrl-C, or a cut-off session) and run the same command to go on.
-``--jobs 2`` runs two jobs at once. The monitored job keeps ``linear_ops.csv`` (the linear
-ops' rows of its scales table); the full table, the HTML report and the per-job loss plot
-are dropped to keep the folder small enough to commit.
+time, the load average before, at its peak and after) is written. A completed job is never
+run again: stop the script at any time (Ctrl-C, or a cut-off session) and run the same
+command to go on. ``--jobs 2`` runs two jobs at once, the longest first. The monitored job
+keeps ``linear_ops.csv`` (the linear ops' rows of its scales table); the full table, the HTML
+report and the per-job loss plot are dropped to keep the folder small enough to commit.
 
 When every job is complete (or with ``--report-only``), ``OUT`` gets ``results.json`` (every
 job's final losses, each low-precision run's gap to its FP32 run, and per linear op and
@@ -26,7 +26,7 @@ tensor the first, last and largest overflow and underflow fractions and rms),
 ``overflow_underflow.png``, ``loss_curves.png`` and ``summary.txt``, whose statements are
 computed from those numbers (``benchmarks/_long_run_report.py``).
 
-Run: ``python benchmarks/long_run.py --jobs 2`` (about 5 CPU hours on 2 cores; see
+Run: ``python benchmarks/long_run.py --jobs 2`` (about 2.6 CPU hours, 1.3 h on 2 idle cores; see
 docs/guide/experiments.rst); ``--dry-run`` lists the jobs, their state and their commands.
 """
 
@@ -60,6 +60,8 @@ from _long_run_report import (
     write_linear_op_rows,
 )
 from train_wall_time import _load, _now
+
+from unitscale.experiments.training import RUN_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "train" / "long-run-10k"
@@ -131,8 +133,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--report-only", action="store_true", help="run nothing; report what is complete")
     add("--dry-run", action="store_true", help="list the jobs and their commands")
     args = parser.parse_args(argv)
+    kinds = {kind.name: kind for kind in RUN_KINDS}
+    unknown = [name for name in args.kinds if name not in kinds]
+    if unknown or not args.kinds or len(set(args.kinds)) != len(args.kinds):
+        parser.error(f"--kinds: unknown or repeated {unknown or args.kinds}; choose from "
+                     f"{','.join(kinds)}")  # fmt: skip
     if args.monitor not in args.kinds:
         parser.error(f"--monitor {args.monitor} is not one of --kinds {','.join(args.kinds)}")
+    monitored = kinds[args.monitor]
+    if monitored.precision != "fp8" or monitored.real:  # no quantise nodes to read otherwise
+        parser.error(f"--monitor {args.monitor}: choose a simulated FP8 run (simulate_fp8)")
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     return args

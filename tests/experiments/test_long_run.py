@@ -182,6 +182,21 @@ def test_a_folder_in_use_is_not_taken_over(modules: Any, tmp_path: Path) -> None
     assert list(folder.iterdir()) == []
 
 
+def test_the_options_are_checked_before_any_job(
+    modules: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long_run = modules[0]
+    for options, message in (
+        (["--kinds", "plain-fp32,nope", "--monitor", "plain-fp32"], "unknown or repeated"),
+        (["--monitor", "unit-scaled-fp32"], "choose a simulated FP8 run"),
+        (["--kinds", "plain-fp32"], "--monitor unit-scaled-fp8 is not one of --kinds"),
+    ):
+        with pytest.raises(SystemExit):
+            long_run.parse_args([*options, "--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_the_script_at_a_tiny_size_resumes_and_reports(
     modules: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
