@@ -114,7 +114,10 @@ def _optional(value: float | None) -> float | None:
 
 def range_figures(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
     """Per linear op, role and metric, per seed: the first and last recorded value, the
-    maximum over steps and its (first) step. ``frames``: each seed's :func:`linear_op_rows`."""
+    largest finite value over steps and its (first) step, and how many recorded values were
+    not finite (None in JSON). ``frames``: each seed's :func:`linear_op_rows`."""
+    import numpy as np
+
     ops: dict[str, Any] = {}
     for seed, frame in sorted(frames.items()):
         for (op, role, metric), rows in frame.groupby(["op", "role", "metric"], sort=True):
@@ -122,7 +125,8 @@ def range_figures(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
                 continue
             rows = rows.sort_values("step")
             values = rows["value"].to_numpy(dtype=float)
-            top = int(values.argmax()) if len(values) else 0
+            finite = np.isfinite(values)
+            top = int(np.where(finite, values, -np.inf).argmax())
             ops.setdefault(op, {}).setdefault(role, {}).setdefault(metric, {})[f"seed{seed}"] = {
                 "first": _number(values[0]),
                 "last": _number(values[-1]),
@@ -130,6 +134,7 @@ def range_figures(frames: dict[int, pd.DataFrame]) -> dict[str, Any]:
                 "max_step": int(rows["step"].iloc[top]),
                 "first_step": int(rows["step"].iloc[0]),
                 "last_step": int(rows["step"].iloc[-1]),
+                "non_finite": int((~finite).sum()),
             }
     return ops
 
@@ -246,6 +251,21 @@ def _headroom(ops: dict[str, Any], group: str, roles: tuple[str, ...]) -> list[s
     ]
 
 
+def _non_finite(ops: dict[str, Any]) -> list[str]:
+    """A sentence naming the series that recorded a NaN or Inf, if any."""
+    series = [
+        f"{op} {role} ({metric}, {seed}: {figures['non_finite']})"
+        for op, roles in sorted(ops.items())
+        for role, metrics in roles.items()
+        for metric, seeds in sorted(metrics.items())
+        for seed, figures in sorted(seeds.items())
+        if figures.get("non_finite")
+    ]
+    if not series:
+        return []
+    return [f"non-finite values recorded (series: count) in {', '.join(series)}"]
+
+
 def statements(ranges: dict[str, Any]) -> list[str]:
     """The sentences ``summary.txt`` gives about the monitored run's ranges, from
     ``results.json``'s ``scale_ranges`` section: whether the static unit scales stayed in
@@ -276,6 +296,7 @@ def statements(ranges: dict[str, Any]) -> list[str]:
             + (f"max overflow {grads[0]:.3g} on {grads[1]}" if grads[0] else "no overflow")
             + f"; largest underflow {under[0]:.3g} on {under[1]}"
         )
+    lines += _non_finite(ops)
     for group, roles in GROUPS.items():
         lines += _headroom(ops, group, roles)
         for _, text in _drifts(ops, _among(roles, "underflow_{fmt}"))[:2]:

@@ -160,8 +160,20 @@ def test_the_statements_are_derived_from_the_figures(modules: Any) -> None:
     figures = report.range_figures(_fabricated(0.125))["layers.1.mlp.down"]["input"]
     assert figures["overflow_e4m3"]["seed1"] == {
         "first": 0.0, "last": 0.125, "max": 0.125, "max_step": 200, "first_step": 0,
-        "last_step": 200,
+        "last_step": 200, "non_finite": 0,
     }  # fmt: skip
+    frames = _fabricated(0.0)  # a NaN is counted, and the largest finite value kept
+    hit = (frames[0]["op"] == "layers.0.mlp.up") & (frames[0]["metric"] == "rms")
+    frames[0].loc[hit & (frames[0]["role"] == "input") & (frames[0]["step"] == 100), "value"] = (
+        float("nan")
+    )
+    rms = report.range_figures(frames)["layers.0.mlp.up"]["input"]["rms"]["seed0"]
+    assert (rms["max"], rms["max_step"], rms["non_finite"]) == (1.0, 0, 1)
+    assert (
+        "non-finite values recorded (series: count) in layers.0.mlp.up input (rms, seed0: 1)"
+        in report.statements(_ranges(report, frames))
+    )
+    assert not any("non-finite" in line for line in lines)
     assert report.statements({"run": "unit-scaled-fp8", "ops": {}}) == [
         "no scales recorded yet (the monitored run is not complete)"
     ]
