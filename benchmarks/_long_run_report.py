@@ -315,16 +315,18 @@ def loss_statements(document: dict[str, Any]) -> list[str]:
     lines = []
     runs = sorted({run for seed in document["gaps_to_fp32"].values() for run in seed})
     for run in runs:
-        parts = []
-        for seed, gaps in sorted(document["gaps_to_fp32"].items()):
-            gap = gaps.get(run, {}).get("heldout")
+        parts, gaps = [], []
+        for seed, by_run in sorted(document["gaps_to_fp32"].items()):
+            gap = by_run.get(run, {}).get("heldout")
             parts.append(f"{'n/a' if gap is None else f'{gap:+.2%}'} ({seed})")
-        lines.append(f"{run}: held-out loss vs its FP32 run {', '.join(parts)}")
+            gaps += [] if gap is None else [gap]
+        mean = f"; mean {sum(gaps) / len(gaps):+.2%}" if len(gaps) > 1 else ""
+        lines.append(f"{run}: held-out loss vs its FP32 run {', '.join(parts)}{mean}")
     for seed, runs_ in sorted(document["jobs"].items()):
         for run, job in runs_.items():
             if job.get("stopped_at") is not None:
                 lines.append(f"{run} ({seed}) stopped at step {job['stopped_at']}: not finite")
-    return lines
+    return lines or ["no run with its FP32 run to compare"]
 
 
 def write_json(document: dict[str, Any], path: Path) -> Path:
