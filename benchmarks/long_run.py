@@ -241,10 +241,11 @@ def _start(seed: int, kind: str, args: argparse.Namespace) -> _Running:
 
 
 def _slim(folder: Path, monitored: bool) -> None:
-    """Keep what the report needs: drop :data:`DROPPED`, and the scales table once its linear
-    ops' rows are in ``linear_ops.csv`` (the monitored run)."""
+    """Keep what the report needs: drop :data:`DROPPED`, the TensorBoard scalars, and the
+    scales table once its linear ops' rows are in ``linear_ops.csv`` (the monitored run)."""
     for name in DROPPED:
         (folder / name).unlink(missing_ok=True)
+    shutil.rmtree(folder / "tensorboard", ignore_errors=True)  # where tensorboard is installed
     tables = sorted(folder.glob("scales_*.csv"))
     if monitored:
         if len(tables) != 1:
