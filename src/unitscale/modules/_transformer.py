@@ -273,8 +273,7 @@ class TransformerLayer(nn.Module):
             None (keyword only; not with ``attn_tau``).
         mlp_share: the MLP block's share of the variance, or None (likewise).
         mlp_multiple_of: round the SwiGLU inner width up to a multiple of this (keyword only;
-            Llama's ``multiple_of``; default 64, so that no float8 GEMM is padded: width 128,
-            341 -> 384). 1 keeps the unrounded ``8 * width / 3``.
+            Llama's ``multiple_of``; default 64: no float8 GEMM padded; 1: unrounded).
 
     Raises:
         UnsupportedArgumentError: a ``tau <= 0``, a ``share`` outside (0, 1), both given
