@@ -54,14 +54,14 @@ def _losses(path: Path, run: str = RUN) -> list[tuple[str, str]]:
 
 
 def _assert_close(
-    got: list[tuple[str, str]], want: list[tuple[str, str]], tolerance: float = 1e-5
+    got: list[tuple[str, str]], want: list[tuple[str, str]], tolerance: float = 1e-5, run: str = ""
 ) -> None:
-    assert len(got) == len(want)
+    assert len(got) == len(want), run
     for (train, heldout), (train_ref, heldout_ref) in zip(got, want, strict=True):
         for value, ref in ((train, train_ref), (heldout, heldout_ref)):
-            assert (value == "") == (ref == "")
+            assert (value == "") == (ref == ""), run
             if ref:
-                assert float(value) == pytest.approx(float(ref), abs=tolerance)
+                assert float(value) == pytest.approx(float(ref), abs=tolerance), run
 
 
 # Every run kind this installation can run (the real-FP8 ones need float8 GEMMs).
@@ -108,11 +108,14 @@ def test_nproc_2_matches_one_process_for_every_run_kind(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for kind in _KINDS:
-        tolerance = 3e-3 if kind.scaling not in ("", "none") else 1e-5  # per-rank amax
+        # Two half-batch gradients averaged by the all-reduce are summed in another order
+        # than one process's whole batch: float32 rounding, 1.1e-5 after 3 steps on torch
+        # 2.8 (a missing average or a rank's stale weights moves the losses by > 1e-2).
+        tolerance = 3e-3 if kind.scaling not in ("", "none") else 1e-4  # per-rank amax
         if any(f in kind.name for f in ("mxfp4", "nvfp4")):  # stochastic gradient rounding:
             tolerance = 3e-2  # each rank draws its own (measured up to 1.6e-2 over 3 steps)
         got = _losses(out / "losses.csv", kind.name)
-        _assert_close(got, _one_process_losses(kind.name), tolerance)
+        _assert_close(got, _one_process_losses(kind.name), tolerance, kind.name)
     assert result.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
     # ...and it alone prints the stage lines.
     assert result.stderr.count(f"training {len(_KINDS)} run(s)") == 1, result.stderr

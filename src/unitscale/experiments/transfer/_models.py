@@ -220,9 +220,10 @@ def build_optimiser(
         >>> m = build_model("u-muP", 64, 2, TransferConfig())
         >>> groups = build_optimiser("u-muP", m, 1.0).param_groups
         >>> rates = sorted({g["lr"] * g["lr_scale"] for g in groups})
-        >>> # 1/sqrt(fan_in * depth), fan-ins 170 (SwiGLU's down projection) and 64
+        >>> # 1/sqrt(fan_in * depth), fan-ins 192 (SwiGLU's down projection: 8/3 x 64
+        >>> # rounded up to a multiple of 64) and 64
         >>> [round(r * math.sqrt(2), 4) for r in rates[:2]]
-        [0.0767, 0.125]
+        [0.0722, 0.125]
     """
     if optimizer == "muon" and parametrisation == "u-muP":
         return _mup_muon(model, lr)
