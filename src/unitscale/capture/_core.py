@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from .._compat import compile_module, dynamo_recompile_limit
 from .._lazy_dynamo import disable
 from ..errors import CaptureError, UnitScaleError
+from ._inline import InlinePlan, whole_frame
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
@@ -111,6 +112,12 @@ class GraphPass:
     #: The qualified name of the submodule whose ops this pass transforms, or "" for every
     #: op. Set on the passes of a transformed child when a transform of its parent absorbs it.
     scope: str = ""
+    def inlinable(self) -> bool:
+        """Whether a ``torch.compile`` of the transformed module may trace its transformed
+        graph in place of the capture (``_inline.py``): the pass's work is all in the graph
+        (state it updates per call included), and its call hooks only check and warn (they
+        ran at the eager call the plan was built from). False by default: the boundary."""
+        return False
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
@@ -303,6 +310,14 @@ class Capture:
         # compiled per backend.
         self._keyed = [p for p in owner.passes if type(p).state_key is not GraphPass.state_key]
         self._by_state: dict[Hashable, Callable[..., Any]] = {}
+        #: How a torch.compile of the module runs a graph that was a whole call inline, one
+        #: plan per such graph, each built at its first eager call (none: behind a break).
+        self.inline: tuple[InlinePlan, ...] = ()
+        self._inlinable = bool(owner.passes) and all(p.inlinable() for p in owner.passes)
+        # The transformed graph of each piece that is a whole frame (see whole_frame), by
+        # index; the indices of the pieces a plan was tried for.
+        self._whole: dict[int, fx.GraphModule] = {}
+        self._planned: set[int] = set()
 
     def _compiled_for_state(self) -> Callable[..., Any]:
         if not self._keyed:
@@ -344,11 +359,14 @@ class Capture:
             ]
 
         kinds = classify(example_inputs)
+        whole = self._inlinable and whole_frame(module)
         passes = owner.passes
         keyed = [p for p in passes if type(p).variant_key is not GraphPass.variant_key]
         # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
         template = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if keyed else None
         first = self._build_piece(gm, kinds, example_inputs, passes)
+        if whole:
+            self._whole[first[0].index] = first[1].__self__  # type: ignore[attr-defined]
         variants = {self._variant_key(first[0], keyed): first}
 
         def invoke(*args: Any) -> Any:
@@ -457,8 +475,39 @@ class Capture:
                 graph_pass.after_call(owner, self, out)
         if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
             self.last_trace = self.trace
+        if self._inlinable and len(self.trace) == 1 and not marked:
+            self._build_inline(args, kwargs, out)
         self.produced = {}
         return _VaryingSizes.unmark(out, marked) if marked else out
+
+    def _build_inline(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """The plan of a torch.compile of the module (see ``_inline.py``) for the piece this
+        call ran, alone, where it is a whole frame and has no plan yet."""
+        piece = self.trace[0].piece
+        if piece.index in self._planned or piece.index not in self._whole:
+            return
+        self._planned.add(piece.index)
+        produced = {
+            tensor_id: where[1]
+            for tensor_id, (ref, where) in self.produced.items()
+            if where[0] == 0 and ref() is not None
+        }
+        plan = InlinePlan.build(
+            self.owner_module,
+            self._whole[piece.index],
+            self.trace[0].input_ids,
+            args,
+            kwargs,
+            out,
+            produced,
+        )
+        if plan is None:
+            return
+        if any(p.conditions() == plan.conditions() for p in self.inline):
+            # Dynamo told the two apart by state a plan does not see: keep the boundary.
+            self.inline, self._inlinable = (), False
+            return
+        self.inline = (*self.inline, plan)
 
     def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Run the forward eagerly after Dynamo failed, and raise what the user's own code
@@ -505,7 +554,10 @@ class TransformedModule(_Wrapper):
     # -- running ---------------------------------------------------------------------------
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # traced by a torch.compile: see _run_transformed
+        if torch.compiler.is_compiling():  # traced by a torch.compile: see _inline.py
+            for plan in self._capture.inline if self._capture is not None else ():
+                if plan.matches(self.module, args, kwargs):
+                    return plan.run(self.module, args, kwargs)
             return _run_transformed(self, args, kwargs)
         return self._transformed_forward(args, kwargs)
 

@@ -207,6 +207,11 @@ class SimulateFormatPass(RewritePass):
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         return history_variant_key(self.scaling, piece, capture)
 
+    def inlinable(self) -> bool:
+        """True: the roundings are ops of the graph, and so are the updates of delayed
+        scaling's amax histories (buffers the graph updates in place); the call hooks warn."""
+        return True
+
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         super().after_call(module, capture, output)
         trace = capture.trace or capture.last_trace

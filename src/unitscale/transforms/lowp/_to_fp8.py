@@ -155,6 +155,11 @@ class ToFP8Pass(RewritePass):
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         return history_variant_key(self.scaling, piece, capture)
 
+    def inlinable(self) -> bool:
+        """True, as for ``simulate_fp8``. (Weights that FSDP2 shards are no longer plain
+        parameters: the plan refuses them, and the transform runs behind its boundary.)"""
+        return True
+
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         sites = _Sites(gm, piece, capture, self.history_len, self.scaling == "delayed")
         converted: list[str] = []

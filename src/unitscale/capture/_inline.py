@@ -1,0 +1,222 @@
+"""A transformed module traced whole by a ``torch.compile`` of it: :class:`InlinePlan`.
+
+``torch.compile`` of a transformed model (or of a model holding one) traces the wrapper's
+``forward``. Traced as written, Dynamo would inline the wrapped module and drop the passes;
+so by default the transform runs as a capture of its own, behind one graph break. Where the
+transformed model has already run eagerly and its capture holds exactly one graph for the
+whole call (no graph break, no recompilation, no variant), the outer trace calls that
+transformed graph instead: its ops (unit-scaled ops, simulated roundings, float8 GEMMs)
+join the user's compiled graph, with no break.
+
+An :class:`InlinePlan` records, from that eager call, how to feed the graph (each input of
+the graph by identity: a parameter or buffer by qualified name, or a leaf of the call's
+arguments), how to build the call's output from the graph's (leaf by leaf: a graph output,
+an argument, or a constant) and the conditions of the capture: the arguments' structure,
+shapes, dtypes and devices, the constant arguments, grad mode, and every plain attribute
+(bool, int, float, str, None: ``training``, flags, sizes) of every module. The traced forward
+checks them (so the outer graph guards on each) and falls back to the boundary where one
+differs: Dynamo compiles the outer graph again rather than reuse one made for other state.
+
+Design constraints: the plan is built once per capture, from one eager call, and costs
+nothing per eager call afterwards; it is refused (the boundary kept) where a pass is not
+:attr:`~._core.GraphPass.inlinable`, where the last pass compiles the graph itself, where
+Dynamo replayed Python side effects after the graph (read off its ``side_effects``; where
+that internal is missing, as it may be in a torch release other than those tested, the
+plan is refused) or where an input or output is not a tensor it can map. Not covered:
+Python state other than the modules' own plain attributes (a global flag the forward reads
+and branches on); run the model eagerly once after changing it, which captures anew and
+drops the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["InlinePlan", "whole_frame"]
+
+_CONSTANTS = (bool, int, float, str, type(None))
+_keys = itertools.count()
+
+
+def whole_frame(module: nn.Module) -> bool:
+    """Whether the frame Dynamo is compiling now (asked from a backend) is the top frame of a
+    call of ``module`` (its ``forward``, or the wrapper torch.compile runs a ``torch.nn``
+    module through: not a function resumed after a graph break, nor a nested call compiled
+    on its own) and replays no Python side effects after its graph (no object that existed
+    before the call modified, no hook registered). False where torch's internals do not say
+    (a release without ``InstructionTranslator.current_tx``, ``f_code``, or
+    ``SideEffects.id_to_variable``, ``is_modified``, ``tensor_hooks``, ``save_for_backward``,
+    as torch 2.8-2.13 have them)."""
+    try:
+        from torch._dynamo import external_utils
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code = tx.f_code
+        forward = getattr(type(module).forward, "__code__", None)
+        wrapper = code.co_name == "inner" and code.co_filename == external_utils.__file__
+        if code is not forward and not wrapper:
+            return False
+        side_effects = tx.output.side_effects
+        for variable in side_effects.id_to_variable.values():
+            # Objects the frame created (its output tensors...) are not side effects; what
+            # it returns of them is rebuilt from the graph's outputs.
+            if type(variable.mutation_type).__name__.endswith("MutationNew"):
+                continue
+            if side_effects.is_modified(variable):
+                return False
+        return not (side_effects.tensor_hooks or side_effects.save_for_backward)
+    except Exception:  # an internal missing: keep the boundary
+        return False
+
+
+def _meta(tensor: Tensor) -> tuple[type, tuple[int, ...], torch.dtype, torch.device]:
+    return type(tensor), tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+class InlinePlan:
+    """How a ``torch.compile`` trace runs one transformed graph in place of the capture.
+
+    Built by :meth:`build` after an eager call; :meth:`matches` and :meth:`run` are traced.
+    """
+
+    def __init__(self) -> None:
+        #: Unique per plan: read by the traced forward, so the outer graph guards on it.
+        self.key = f"plan{next(_keys)}"
+        self.gm: fx.GraphModule | None = None
+        #: Per graph input: ``("input", leaf index)`` or ``("state", attribute path)``.
+        self.inputs: list[tuple[str, Any]] = []
+        self.state_meta: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
+        self.arg_spec: Any = None
+        self.arg_meta: list[Any] = []  # per leaf: tensor metadata or the constant
+        #: Per output leaf: ``("graph", index)``, ``("input", leaf index)`` or ``("constant", v)``.
+        self.outputs: list[tuple[str, Any]] = []
+        self.out_spec: Any = None
+        self.grad_enabled = True
+        self.attributes: list[tuple[int, str, Any]] = []
+
+    @classmethod
+    def build(
+        cls,
+        module: nn.Module,
+        gm: fx.GraphModule,
+        input_ids: Sequence[int],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        graph_output_ids: dict[int, int],
+    ) -> InlinePlan | None:
+        """The plan of an eager call whose one piece ran ``gm`` on the tensors ``input_ids``
+        and returned the tensors ``graph_output_ids`` (``id`` -> output index); None where
+        a value cannot be mapped."""
+        plan = cls()
+        plan.gm = gm
+        leaves, plan.arg_spec = pytree.tree_flatten((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                plan.arg_meta.append(_meta(leaf))
+            elif isinstance(leaf, _CONSTANTS):
+                plan.arg_meta.append(leaf)
+            else:
+                return None
+        leaf_index = {id(leaf): i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+        state: dict[int, tuple[str, Tensor]] = {}
+        for name, tensor in itertools.chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False),
+        ):
+            if is_traceable_wrapper_subclass(tensor):  # a DTensor of FSDP2, a float8 weight
+                return None
+            state.setdefault(id(tensor), (name, tensor))
+        for tensor_id in input_ids:
+            if tensor_id in leaf_index:
+                plan.inputs.append(("input", leaf_index[tensor_id]))
+            elif tensor_id in state:
+                name, tensor = state[tensor_id]
+                path = tuple(name.split("."))
+                plan.inputs.append(("state", path))
+                plan.state_meta.append((path, _meta(tensor)))
+            else:  # a global tensor, a closure's, an attribute of an argument
+                return None
+        out_leaves, plan.out_spec = pytree.tree_flatten(output)
+        for leaf in out_leaves:
+            if isinstance(leaf, Tensor):
+                if id(leaf) in graph_output_ids:
+                    plan.outputs.append(("graph", graph_output_ids[id(leaf)]))
+                elif id(leaf) in leaf_index:
+                    plan.outputs.append(("input", leaf_index[id(leaf)]))
+                else:
+                    return None
+            elif isinstance(leaf, _CONSTANTS):
+                plan.outputs.append(("constant", leaf))
+            else:
+                return None
+        plan.grad_enabled = torch.is_grad_enabled()
+        for index, submodule in enumerate(module.modules()):
+            for name, value in vars(submodule).items():
+                if not name.startswith("_") and isinstance(value, _CONSTANTS):
+                    plan.attributes.append((index, name, value))
+        return plan
+
+    def conditions(self) -> tuple[Any, ...]:
+        """What :meth:`matches` checks: two plans with the same conditions are two graphs
+        that Dynamo told apart by state the plans do not see."""
+        return (
+            self.arg_spec, self.arg_meta, self.state_meta, self.grad_enabled, self.attributes
+        )  # fmt: skip
+
+    # -- traced by the outer torch.compile ----------------------------------------------------
+    def matches(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the call is one the graph was captured for (each check a guard of the
+        outer graph)."""
+        if not self.key or torch.is_grad_enabled() != self.grad_enabled:
+            return False
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.arg_spec:
+            return False
+        for leaf, meta in zip(leaves, self.arg_meta, strict=True):
+            if isinstance(leaf, Tensor):
+                if not isinstance(meta, tuple) or _meta(leaf) != meta:
+                    return False
+            elif isinstance(meta, tuple) or type(leaf) is not type(meta) or leaf != meta:
+                return False
+        for path, meta in self.state_meta:
+            if _meta(_state(module, path)) != meta:
+                return False
+        modules = list(module.modules())
+        for index, name, value in self.attributes:
+            current = getattr(modules[index], name)
+            if type(current) is not type(value) or current != value:
+                return False
+        return True
+
+    def run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call's output, computed by the transformed graph."""
+        assert self.gm is not None
+        leaves = pytree.tree_leaves((args, kwargs))
+        inputs = [
+            leaves[where] if kind == "input" else _state(module, where)
+            for kind, where in self.inputs
+        ]
+        out = self.gm(*inputs)
+        graph_out = out if isinstance(out, (list, tuple)) else (out,)
+        results = [
+            graph_out[value] if kind == "graph" else leaves[value] if kind == "input" else value
+            for kind, value in self.outputs
+        ]
+        return pytree.tree_unflatten(results, self.out_spec)
+
+
+def _state(module: nn.Module, path: tuple[str, ...]) -> Tensor:
+    value: Any = module
+    for part in path:
+        value = getattr(value, part)
+    return value
