@@ -112,6 +112,7 @@ class GraphPass:
     #: The qualified name of the submodule whose ops this pass transforms, or "" for every
     #: op. Set on the passes of a transformed child when a transform of its parent absorbs it.
     scope: str = ""
+
     def inlinable(self) -> bool:
         """Whether a ``torch.compile`` of the transformed module may trace its transformed
         graph in place of the capture (``_inline.py``): the pass's work is all in the graph
