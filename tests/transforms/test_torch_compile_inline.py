@@ -88,10 +88,11 @@ def test_torch_compile_after_an_eager_call_traces_the_transformed_graph_whole(
     histories = {k: v.clone() for k, v in transformed.named_buffers() if "history" in k}
     _fresh_dynamo()
     compiled = torch.compile(transformed, backend="eager")
+    calls = transformed.capture.calls  # type: ignore[union-attr]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # unitscale warns so
         out, grads = _step(compiled, inputs, params)
-    assert _graph_breaks() == []
+    assert _graph_breaks() == [] and transformed.capture.calls == calls  # type: ignore[union-attr]
     if histories:  # delayed scaling: the compiled call updated the histories too
         # A second eager step from the same histories gives what the compiled step gave.
         after = {k: v.clone() for k, v in transformed.named_buffers() if "history" in k}
@@ -222,17 +223,20 @@ def test_a_changed_attribute_recompiles_rather_than_reuse_the_inlined_graph() ->
     compiled = torch.compile(transformed, backend="eager")
     single = compiled(x)
     assert _graph_breaks() == []
+    capture = transformed.capture
+    assert capture is not None
+    calls = capture.calls  # calls run through the capture (behind the boundary)
     transformed.module.double = True  # no eager call in between: the outer graph guards on it
     torch.testing.assert_close(compiled(x), 2 * single, rtol=0, atol=0)
     assert _boundary_only(_graph_breaks()), _graph_breaks()  # no graph for it yet
+    assert capture.calls == calls + 1
     # That call captured the new graph, whole: the next compiled call traces it inline.
-    assert len(transformed.capture.inline) == 2  # type: ignore[union-attr]
+    assert len(capture.inline) == 2
     counters.clear()
     torch.testing.assert_close(compiled(x), 2 * single, rtol=0, atol=0)
-    assert _graph_breaks() == []
     transformed.module.double = False
     torch.testing.assert_close(compiled(x), single, rtol=0, atol=0)
-    assert _graph_breaks() == []
+    assert _graph_breaks() == [] and capture.calls == calls + 1
 
 
 def test_training_and_evaluation_without_grad_are_both_traced_whole() -> None:
@@ -244,9 +248,25 @@ def test_training_and_evaluation_without_grad_are_both_traced_whole() -> None:
     transformed.train()
     _fresh_dynamo()
     compiled = torch.compile(transformed, backend="eager")
+    calls = transformed.capture.calls  # type: ignore[union-attr]
     torch.testing.assert_close(compiled(x), trained, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(compiled.eval()(x), evaluated, rtol=0, atol=0)
+    transformed.train()
+    torch.testing.assert_close(compiled(x), trained, rtol=0, atol=0)
+    assert _graph_breaks() == [] and transformed.capture.calls == calls  # type: ignore[union-attr]
+
+
+def test_a_graph_captured_again_after_a_reset_keeps_its_plan() -> None:
+    model, (x,) = _mlp()
+    transformed = simulate_fp8(unit_scale(model))
+    expected = transformed(x)
+    torch.compiler.reset()  # the capture's graphs are gone too: the next call captures anew
+    torch.testing.assert_close(transformed(x), expected, rtol=0, atol=0)
+    assert len(transformed.capture.pieces) == 2  # type: ignore[union-attr]
+    assert len(transformed.capture.inline) == 1  # type: ignore[union-attr]
+    _fresh_dynamo()
+    torch.testing.assert_close(torch.compile(transformed, backend="eager")(x), expected)
     assert _graph_breaks() == []
 
 

@@ -504,8 +504,10 @@ class Capture:
         )
         if plan is None:
             return
-        if any(p.conditions() == plan.conditions() for p in self.inline):
-            # Dynamo told the two apart by state a plan does not see: keep the boundary.
+        same = [p for p in self.inline if p.conditions() == plan.conditions()]
+        if same and all(p.code == plan.code for p in same):
+            return  # the graph captured again (after torch.compiler.reset(), say)
+        if same:  # Dynamo told the two apart by state a plan does not see: the boundary
             self.inline, self._inlinable = (), False
             return
         self.inline = (*self.inline, plan)

@@ -92,6 +92,7 @@ class InlinePlan:
         #: Unique per plan: read by the traced forward, so the outer graph guards on it.
         self.key = f"plan{next(_keys)}"
         self.gm: fx.GraphModule | None = None
+        self.code = ""  # the transformed graph's Python code
         #: Per graph input: ``("input", leaf index)`` or ``("state", attribute path)``.
         self.inputs: list[tuple[str, Any]] = []
         self.state_meta: list[tuple[tuple[str, ...], tuple[Any, ...]]] = []
@@ -118,7 +119,7 @@ class InlinePlan:
         and returned the tensors ``graph_output_ids`` (``id`` -> output index); None where
         a value cannot be mapped."""
         plan = cls()
-        plan.gm = gm
+        plan.gm, plan.code = gm, gm.code
         leaves, plan.arg_spec = pytree.tree_flatten((args, kwargs))
         for leaf in leaves:
             if isinstance(leaf, Tensor):
