@@ -202,6 +202,20 @@ def test_track_scales_keeps_its_boundary_and_records() -> None:
     assert len(list(tracked.scales_graph().nodes)) > 0
 
 
+@pytest.mark.slow
+def test_unitscale_compile_keeps_its_boundary() -> None:
+    from unitscale.transforms import compile as unitscale_compile
+
+    model, (x,) = _mlp()
+    compiled_graphs = unitscale_compile(unit_scale(model))
+    expected = compiled_graphs(x)
+    assert not compiled_graphs.capture.inline  # type: ignore[union-attr] # Inductor's code
+    _fresh_dynamo()
+    out = torch.compile(compiled_graphs, backend="eager")(x)
+    assert _boundary_only(_graph_breaks()), _graph_breaks()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 class _Switch(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -42,9 +42,8 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import compile_module, dynamo_recompile_limit
-from .._lazy_dynamo import disable
 from ..errors import CaptureError, UnitScaleError
-from ._inline import InlinePlan, whole_frame
+from ._inline import InlinePlans, compiled_forward
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
@@ -114,10 +113,9 @@ class GraphPass:
     scope: str = ""
 
     def inlinable(self) -> bool:
-        """Whether a ``torch.compile`` of the transformed module may trace its transformed
-        graph in place of the capture (``_inline.py``): the pass's work is all in the graph
-        (state it updates per call included), and its call hooks only check and warn (they
-        ran at the eager call the plan was built from). False by default: the boundary."""
+        """Whether a ``torch.compile`` of the module may trace the transformed graph in place
+        of the capture (``_inline.py``): all the pass does is in the graph, and its call hooks
+        only check and warn. False by default: the transform runs behind a graph break."""
         return False
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
@@ -311,14 +309,8 @@ class Capture:
         # compiled per backend.
         self._keyed = [p for p in owner.passes if type(p).state_key is not GraphPass.state_key]
         self._by_state: dict[Hashable, Callable[..., Any]] = {}
-        #: How a torch.compile of the module runs a graph that was a whole call inline, one
-        #: plan per such graph, each built at its first eager call (none: behind a break).
-        self.inline: tuple[InlinePlan, ...] = ()
-        self._inlinable = bool(owner.passes) and all(p.inlinable() for p in owner.passes)
-        # The transformed graph of each piece that is a whole frame (see whole_frame), by
-        # index; the indices of the pieces a plan was tried for.
-        self._whole: dict[int, fx.GraphModule] = {}
-        self._planned: set[int] = set()
+        #: How a torch.compile of the module traces a graph that was a whole call inline.
+        self.inline = InlinePlans(bool(owner.passes) and all(p.inlinable() for p in owner.passes))
 
     def _compiled_for_state(self) -> Callable[..., Any]:
         if not self._keyed:
@@ -360,14 +352,12 @@ class Capture:
             ]
 
         kinds = classify(example_inputs)
-        whole = self._inlinable and whole_frame(module)
         passes = owner.passes
         keyed = [p for p in passes if type(p).variant_key is not GraphPass.variant_key]
         # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
         template = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if keyed else None
         first = self._build_piece(gm, kinds, example_inputs, passes)
-        if whole:
-            self._whole[first[0].index] = first[1].__self__  # type: ignore[attr-defined]
+        self.inline.note_piece(first[0].index, first[1], module)
         variants = {self._variant_key(first[0], keyed): first}
 
         def invoke(*args: Any) -> Any:
@@ -476,41 +466,12 @@ class Capture:
                 graph_pass.after_call(owner, self, out)
         if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
             self.last_trace = self.trace
-        if self._inlinable and len(self.trace) == 1 and not marked:
-            self._build_inline(args, kwargs, out)
+        if not marked:
+            self.inline.after_call(
+                self.owner_module, self.trace, self.produced, (args, kwargs, out)
+            )
         self.produced = {}
         return _VaryingSizes.unmark(out, marked) if marked else out
-
-    def _build_inline(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """The plan of a torch.compile of the module (see ``_inline.py``) for the piece this
-        call ran, alone, where it is a whole frame and has no plan yet."""
-        piece = self.trace[0].piece
-        if piece.index in self._planned or piece.index not in self._whole:
-            return
-        self._planned.add(piece.index)
-        produced = {
-            tensor_id: where[1]
-            for tensor_id, (ref, where) in self.produced.items()
-            if where[0] == 0 and ref() is not None
-        }
-        plan = InlinePlan.build(
-            self.owner_module,
-            self._whole[piece.index],
-            self.trace[0].input_ids,
-            args,
-            kwargs,
-            out,
-            produced,
-        )
-        if plan is None:
-            return
-        same = [p for p in self.inline if p.conditions() == plan.conditions()]
-        if same and all(p.code == plan.code for p in same):
-            return  # the graph captured again (after torch.compiler.reset(), say)
-        if same:  # Dynamo told the two apart by state a plan does not see: the boundary
-            self.inline, self._inlinable = (), False
-            return
-        self.inline = (*self.inline, plan)
 
     def _raise_eager_error(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Run the forward eagerly after Dynamo failed, and raise what the user's own code
@@ -558,10 +519,7 @@ class TransformedModule(_Wrapper):
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced by a torch.compile: see _inline.py
-            for plan in self._capture.inline if self._capture is not None else ():
-                if plan.matches(self.module, args, kwargs):
-                    return plan.run(self.module, args, kwargs)
-            return _run_transformed(self, args, kwargs)
+            return compiled_forward(self, args, kwargs)
         return self._transformed_forward(args, kwargs)
 
     def _transformed_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -630,14 +588,6 @@ class TransformedModule(_Wrapper):
 
     def extra_repr(self) -> str:
         return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
-
-
-@disable
-def _run_transformed(module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> Any:
-    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it:
-    the transform is a capture of its own, with its backend (Dynamo would inline it and drop
-    the passes), so the user's graph breaks there, once."""
-    return module._transformed_forward(args, kwargs)
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

@@ -1,37 +1,41 @@
-"""A transformed module traced whole by a ``torch.compile`` of it: :class:`InlinePlan`.
+"""A transformed module traced whole by a ``torch.compile`` of it: :class:`InlinePlans`.
 
 ``torch.compile`` of a transformed model (or of a model holding one) traces the wrapper's
-``forward``. Traced as written, Dynamo would inline the wrapped module and drop the passes;
-so by default the transform runs as a capture of its own, behind one graph break. Where the
-transformed model has already run eagerly and its capture holds exactly one graph for the
-whole call (no graph break, no recompilation, no variant), the outer trace calls that
-transformed graph instead: its ops (unit-scaled ops, simulated roundings, float8 GEMMs)
-join the user's compiled graph, with no break.
+``forward`` (:func:`compiled_forward`). Traced as written, Dynamo would inline the wrapped
+module and drop the passes; so by default the transform runs as a capture of its own,
+behind one graph break (``_run_transformed``). Where an eager call of the transformed model
+ran one captured graph as the whole call (the top frame of its forward: no graph break, no
+Python side effects for Dynamo to replay after the graph), the capture keeps an
+:class:`InlinePlan` of it, and a traced call that matches the plan calls that transformed
+graph instead: its ops (unit-scaled ops, simulated roundings and their amax-history
+updates, float8 GEMMs) join the user's compiled graph, with no break.
 
-An :class:`InlinePlan` records, from that eager call, how to feed the graph (each input of
-the graph by identity: a parameter or buffer by qualified name, or a leaf of the call's
-arguments), how to build the call's output from the graph's (leaf by leaf: a graph output,
-an argument, or a constant) and the conditions of the capture: the arguments' structure,
-shapes, dtypes and devices, the constant arguments, grad mode, and every plain attribute
-(bool, int, float, str, None: ``training``, flags, sizes) of every module. The traced forward
-checks them (so the outer graph guards on each) and falls back to the boundary where one
-differs: Dynamo compiles the outer graph again rather than reuse one made for other state.
+A plan records, from that eager call, how to feed the graph (each input by identity: a
+parameter or buffer by qualified name, or a leaf of the call's arguments), how to build the
+call's output from the graph's (leaf by leaf: a graph output, an argument, or a constant)
+and the conditions of the capture: the arguments' structure, types, shapes, dtypes and
+devices, the constant arguments, the parameters' and buffers' types, shapes, dtypes and
+devices, grad mode, and every plain attribute (bool, int, float, str, None: ``training``,
+flags, sizes) of every module. The traced forward checks them, so that the outer graph
+guards on each: a call with other state compiles the outer graph again (and runs another
+plan, or the boundary) rather than reuse one made for other state.
 
-Design constraints: the plan is built once per capture, from one eager call, and costs
-nothing per eager call afterwards; it is refused (the boundary kept) where a pass is not
-:attr:`~._core.GraphPass.inlinable`, where the last pass compiles the graph itself, where
-Dynamo replayed Python side effects after the graph (read off its ``side_effects``; where
-that internal is missing, as it may be in a torch release other than those tested, the
-plan is refused) or where an input or output is not a tensor it can map. Not covered:
-Python state other than the modules' own plain attributes (a global flag the forward reads
-and branches on); run the model eagerly once after changing it, which captures anew and
-drops the plan.
+Design constraints: a plan is built once per captured graph, from its first eager call,
+and an eager call costs nothing more afterwards; there is none where a pass is not
+:meth:`~._core.GraphPass.inlinable`, where the last pass compiles the graph itself, where
+an input or output is not a value it can map (a global tensor, an object), where a weight
+is a tensor subclass (FSDP2's DTensor), where the inputs' sizes vary between calls (marked
+dynamic), or where torch's internals (:func:`whole_frame`) do not say that the graph was a
+whole frame without side effects: a torch release that changed them keeps the boundary.
+Not covered: Python state outside the modules that the forward branches on (a global
+flag); after changing it, run the model eagerly once: two graphs with the same conditions
+leave every call behind the boundary.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +44,9 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["InlinePlan", "whole_frame"]
+from .._lazy_dynamo import disable
+
+__all__ = ["InlinePlan", "InlinePlans", "compiled_forward", "whole_frame"]
 
 _CONSTANTS = (bool, int, float, str, type(None))
 _keys = itertools.count()
@@ -221,3 +227,75 @@ def _state(module: nn.Module, path: tuple[str, ...]) -> Tensor:
     for part in path:
         value = getattr(value, part)
     return value
+
+
+class InlinePlans:
+    """The plans of one capture: one per captured graph that ran as a whole call, each built
+    at its first eager call (:meth:`note_piece` from the backend, :meth:`after_call` after
+    each call), and the one a traced call matches (:meth:`find`)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # every pass of the chain is inlinable (and no clash seen)
+        self.plans: tuple[InlinePlan, ...] = ()
+        # The transformed graph of each piece that is a whole frame and has no plan yet.
+        self._whole: dict[int, fx.GraphModule] = {}
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def note_piece(self, index: int, run: Callable[..., Any], module: nn.Module) -> None:
+        """Called from the backend with what runs a new piece: the transformed graph's
+        ``forward``, unless the last pass compiled it (then it has no plan)."""
+        gm = getattr(run, "__self__", None)
+        if self.enabled and isinstance(gm, fx.GraphModule) and whole_frame(module):
+            self._whole[index] = gm
+
+    def after_call(
+        self,
+        module: nn.Module,
+        trace: Sequence[Any],
+        produced: dict[int, tuple[Any, tuple[int, int]]],
+        call: tuple[tuple[Any, ...], dict[str, Any], Any],
+    ) -> None:
+        """Plan the piece a call ran, alone (``trace``: its one :class:`~._core.Invocation`;
+        ``produced``: the capture's record of the tensors it returned; ``call``: the
+        arguments and the output), where it is a whole frame and has no plan yet."""
+        gm = self._whole.pop(trace[0].piece.index, None) if len(trace) == 1 else None
+        if gm is None or not self.enabled:
+            return
+        outputs = {key: where[1] for key, (ref, where) in produced.items() if ref() is not None}
+        plan = InlinePlan.build(module, gm, trace[0].input_ids, *call, outputs)
+        if plan is None:
+            return
+        same = [p for p in self.plans if p.conditions() == plan.conditions()]
+        if same and all(p.code == plan.code for p in same):
+            return  # the graph captured again (after torch.compiler.reset(), say)
+        if same:  # Dynamo told the two apart by state a plan does not see: the boundary
+            self.plans, self.enabled = (), False
+            return
+        self.plans = (*self.plans, plan)
+
+    def find(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict) -> InlinePlan | None:
+        """The plan whose graph a traced call runs (None: behind the boundary)."""
+        for plan in self.plans:
+            if plan.matches(module, args, kwargs):
+                return plan
+        return None
+
+
+def compiled_forward(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A :class:`~._core.TransformedModule`'s forward traced by a ``torch.compile``: a
+    plan's graph where one matches, else the transform behind its boundary."""
+    capture = module.capture
+    plan = capture.inline.find(module.module, args, kwargs) if capture is not None else None
+    if plan is not None:
+        return plan.run(module.module, args, kwargs)
+    return _run_transformed(module, args, kwargs)
+
+
+@disable
+def _run_transformed(module: Any, args: tuple[Any, ...], kwargs: dict) -> Any:
+    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it
+    where no plan matches the call: the transform is a capture of its own, with its backend
+    (Dynamo would inline it and drop the passes), so the user's graph breaks there, once."""
+    return module._transformed_forward(args, kwargs)
