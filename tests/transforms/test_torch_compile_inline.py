@@ -316,3 +316,19 @@ def test_a_new_input_shape_runs_behind_the_boundary() -> None:
     out = torch.compile(transformed, backend="eager")(wider)
     assert _boundary_only(_graph_breaks()), _graph_breaks()
     torch.testing.assert_close(out, transformed(wider), rtol=0, atol=0)
+
+
+def test_dynamic_shapes_run_behind_the_boundary() -> None:
+    # A plan is of the sizes it was captured at; under dynamic=True the traced sizes are
+    # symbolic: the transform runs behind its boundary, for every size.
+    model, (x,) = _mlp()
+    transformed = simulate_fp8(unit_scale(model))
+    params = list(transformed.parameters())
+    expected, expected_grads = _step(transformed, (x,), params)
+    _fresh_dynamo()
+    compiled = torch.compile(transformed, backend="eager", dynamic=True)
+    out, grads = _step(compiled, (x,), params)
+    assert _boundary_only(_graph_breaks()), _graph_breaks()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -86,6 +87,20 @@ def whole_frame(module: nn.Module) -> bool:
 
 def _meta(tensor: Tensor) -> tuple[type, tuple[int, ...], torch.dtype, torch.device]:
     return type(tensor), tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def _same_meta(tensor: Tensor, meta: tuple[Any, ...]) -> bool:
+    """Whether ``tensor`` (traced) has the recorded ``meta``. A symbolic size (``dynamic=
+    True``, or a size Dynamo made dynamic after it changed) is not the recorded one: a plan
+    is of one size, and comparing would specialise the size. (Specialised, torch 2.13's
+    Dynamo then failed to trace the backward of the roundings' autograd function: "lift_
+    tracked_freevar_to_input should not be called on root SubgraphTracer".)"""
+    kind, shape, dtype, device = meta
+    if type(tensor) is not kind or tensor.dtype != dtype or tensor.device != device:
+        return False
+    if tensor.dim() != len(shape):
+        return False
+    return all(statically_known_true(n == m) for n, m in zip(tensor.shape, shape, strict=True))
 
 
 class InlinePlan:
@@ -191,12 +206,12 @@ class InlinePlan:
             return False
         for leaf, meta in zip(leaves, self.arg_meta, strict=True):
             if isinstance(leaf, Tensor):
-                if not isinstance(meta, tuple) or _meta(leaf) != meta:
+                if not isinstance(meta, tuple) or not _same_meta(leaf, meta):
                     return False
             elif isinstance(meta, tuple) or type(leaf) is not type(meta) or leaf != meta:
                 return False
         for path, meta in self.state_meta:
-            if _meta(_state(module, path)) != meta:
+            if not _same_meta(_state(module, path), meta):
                 return False
         modules = list(module.modules())
         for index, name, value in self.attributes:
