@@ -332,3 +332,16 @@ def test_dynamic_shapes_run_behind_the_boundary() -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+def test_a_hook_on_the_wrapped_module_runs_behind_the_boundary() -> None:
+    model, (x,) = _mlp()
+    transformed = simulate_fp8(unit_scale(model))
+    expected = transformed(x)
+    seen: list[int] = []
+    transformed.module.register_forward_hook(lambda module, args, out: seen.append(1))
+    _fresh_dynamo()
+    out = torch.compile(transformed, backend="eager")(x)
+    assert _boundary_only(_graph_breaks()), _graph_breaks()
+    assert seen == [1]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

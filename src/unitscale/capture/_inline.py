@@ -23,7 +23,8 @@ plan, or the boundary) rather than reuse one made for other state.
 Design constraints: a plan is built once per captured graph, from its first eager call,
 and an eager call costs nothing more afterwards; there is none where a pass is not
 :meth:`~._core.GraphPass.inlinable`, where the last pass compiles the graph itself, where
-an input or output is not a value it can map (a global tensor, an object), where a weight
+an input or output is not a value it can map (a global tensor, an object), where hooks run
+around the wrapped module's forward (outside the captured frame), where a weight
 is a tensor subclass (FSDP2's DTensor), where the inputs' sizes vary between calls (marked
 dynamic), or where torch's internals (:func:`whole_frame`) do not say that the graph was a
 whole frame without side effects: a torch release that changed them keeps the boundary.
@@ -89,6 +90,15 @@ def _meta(tensor: Tensor) -> tuple[type, tuple[int, ...], torch.dtype, torch.dev
     return type(tensor), tuple(tensor.shape), tensor.dtype, tensor.device
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks around its forward: ``Module.__call__`` runs
+    them outside the frame Dynamo captures, so the graph alone would skip them."""
+    hooks = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
+    return any(getattr(module, f"_{name}", None) for name in hooks) or any(
+        getattr(nn.modules.module, f"_global_{name}", None) for name in hooks
+    )
+
+
 def _same_meta(tensor: Tensor, meta: tuple[Any, ...]) -> bool:
     """Whether ``tensor`` (traced) has the recorded ``meta``. A symbolic size (``dynamic=
     True``, or a size Dynamo made dynamic after it changed) is not the recorded one: a plan
@@ -139,6 +149,8 @@ class InlinePlan:
         """The plan of an eager call whose one piece ran ``gm`` on the tensors ``input_ids``
         and returned the tensors ``graph_output_ids`` (``id`` -> output index); None where
         a value cannot be mapped."""
+        if _hooked(module):
+            return None
         plan = cls()
         plan.gm, plan.code = gm, gm.code
         leaves, plan.arg_spec = pytree.tree_flatten((args, kwargs))
@@ -199,7 +211,7 @@ class InlinePlan:
     def matches(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the call is one the graph was captured for (each check a guard of the
         outer graph)."""
-        if not self.key or torch.is_grad_enabled() != self.grad_enabled:
+        if not self.key or torch.is_grad_enabled() != self.grad_enabled or _hooked(module):
             return False
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.arg_spec:
