@@ -51,6 +51,14 @@ def _skip_without_float8(name: str) -> None:
         pytest.skip(f"no float8 GEMM on this CPU: {error}")
 
 
+def _inlined(name: str) -> bool:
+    """Whether ``TRANSFORMS[name]`` of a CPU model is traced whole: not ``to_fp8`` where
+    Inductor cannot compile float8 casts on the CPU (torch 2.8), the GEMMs stay apart."""
+    from unitscale.transforms.lowp._scaled_mm import float8_compile_error
+
+    return not name.startswith("to_fp8") or float8_compile_error("cpu") is None
+
+
 def _step(model: Callable[..., Tensor], inputs: tuple[Tensor, ...], params: list[Tensor]) -> Any:
     """The output of one call and the gradients of its sum (then cleared)."""
     out = model(*inputs)
@@ -65,6 +73,10 @@ def _graph_breaks() -> list[str]:
     from torch._dynamo.utils import counters
 
     return list(counters["graph_break"])
+
+
+def _boundary_only(reasons: list[str]) -> bool:
+    return bool(reasons) and all("_run_transformed" in r for r in reasons)
 
 
 def _fresh_dynamo() -> None:
@@ -84,7 +96,8 @@ def test_torch_compile_after_an_eager_call_traces_the_transformed_graph_whole(
     transformed = TRANSFORMS[name](model)
     params = list(transformed.parameters())
     expected, expected_grads = _step(transformed, inputs, params)
-    assert transformed.capture.inline  # type: ignore[union-attr]
+    inlined = _inlined(name)
+    assert bool(transformed.capture.inline) is inlined  # type: ignore[union-attr]
     histories = {k: v.clone() for k, v in transformed.named_buffers() if "history" in k}
     _fresh_dynamo()
     compiled = torch.compile(transformed, backend="eager")
@@ -92,7 +105,10 @@ def test_torch_compile_after_an_eager_call_traces_the_transformed_graph_whole(
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # unitscale warns so
         out, grads = _step(compiled, inputs, params)
-    assert _graph_breaks() == [] and transformed.capture.calls == calls  # type: ignore[union-attr]
+    if inlined:
+        assert _graph_breaks() == [] and transformed.capture.calls == calls  # type: ignore[union-attr]
+    else:
+        assert _boundary_only(_graph_breaks()), _graph_breaks()
     if histories:  # delayed scaling: the compiled call updated the histories too
         # A second eager step from the same histories gives what the compiled step gave.
         after = {k: v.clone() for k, v in transformed.named_buffers() if "history" in k}
@@ -135,7 +151,10 @@ def test_torch_compile_of_to_fp8_with_inductor_runs_the_float8_gemms_in_the_user
     expected, expected_grads = _step(transformed, inputs, params)
     _fresh_dynamo()
     out, grads = _step(torch.compile(transformed), inputs, params)
-    assert _graph_breaks() == []
+    if _inlined("to_fp8"):
+        assert _graph_breaks() == []
+    else:
+        assert _boundary_only(_graph_breaks()), _graph_breaks()
     # Inductor fuses the casts and the gradient factors: the output matched bit for bit on
     # torch 2.13's CPU, the gradients within 5e-7 (float32 rounding of another order)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -166,10 +185,6 @@ def test_a_transformed_submodule_joins_its_parents_compiled_graph() -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
-
-
-def _boundary_only(reasons: list[str]) -> bool:
-    return bool(reasons) and all("_run_transformed" in r for r in reasons)
 
 
 @pytest.mark.parametrize("name", ["unit_scale", "to_fp8"])

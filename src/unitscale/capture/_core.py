@@ -112,10 +112,11 @@ class GraphPass:
     #: op. Set on the passes of a transformed child when a transform of its parent absorbs it.
     scope: str = ""
 
-    def inlinable(self) -> bool:
-        """Whether a ``torch.compile`` of the module may trace the transformed graph in place
-        of the capture (``_inline.py``): all the pass does is in the graph, and its call hooks
-        only check and warn. False by default: the transform runs behind a graph break."""
+    def inlinable(self, module: nn.Module) -> bool:
+        """Whether a ``torch.compile`` of ``module`` (the wrapped one) may trace the transformed
+        graph in place of the capture (``_inline.py``): all the pass does is in the graph, and
+        its call hooks only check and warn. False by default: the transform stays behind a
+        graph break."""
         return False
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
@@ -310,7 +311,8 @@ class Capture:
         self._keyed = [p for p in owner.passes if type(p).state_key is not GraphPass.state_key]
         self._by_state: dict[Hashable, Callable[..., Any]] = {}
         #: How a torch.compile of the module traces a graph that was a whole call inline.
-        self.inline = InlinePlans(bool(owner.passes) and all(p.inlinable() for p in owner.passes))
+        passes = owner.passes
+        self.inline = InlinePlans(bool(passes) and all(p.inlinable(owner.module) for p in passes))
 
     def _compiled_for_state(self) -> Callable[..., Any]:
         if not self._keyed:

@@ -185,7 +185,7 @@ class UnitScalePass(RewritePass):
         clone._kept = KeptWhole(self._kept.functions)
         return clone
 
-    def inlinable(self) -> bool:
+    def inlinable(self, module: nn.Module) -> bool:
         """True: the rewrite is all in the graph (the residual weights of its one piece are
         fixed); the call hooks keep the user's functions whole while Dynamo captures, and warn."""
         return True
