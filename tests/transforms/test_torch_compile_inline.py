@@ -360,3 +360,14 @@ def test_a_hook_on_the_wrapped_module_runs_behind_the_boundary() -> None:
     assert _boundary_only(_graph_breaks()), _graph_breaks()
     assert seen == [1]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_replaced_submodule_recompiles_rather_than_reuse_the_inlined_graph() -> None:
+    model, (x,) = _mlp()
+    transformed = simulate_fp8(unit_scale(model))
+    transformed(x)
+    _fresh_dynamo()
+    compiled = torch.compile(transformed, backend="eager")
+    compiled(x)
+    transformed.module[1] = nn.ReLU()  # the wrapped copy's activation, swapped
+    torch.testing.assert_close(compiled(x), transformed(x), rtol=0, atol=0)

@@ -51,6 +51,7 @@ from .._lazy_dynamo import disable
 __all__ = ["InlinePlan", "InlinePlans", "compiled_forward", "whole_frame"]
 
 _CONSTANTS = (bool, int, float, str, type(None))
+_MISSING = object()  # an attribute deleted since the plan was made
 _keys = itertools.count()
 
 
@@ -133,7 +134,8 @@ class InlinePlan:
         self.outputs: list[tuple[str, Any]] = []
         self.out_spec: Any = None
         self.grad_enabled = True
-        self.attributes: list[tuple[int, str, Any]] = []
+        self.module_types: list[type] = []  # of module.modules(), in order
+        self.attributes: list[tuple[int, str, Any]] = []  # (module index, name, value)
 
     @classmethod
     def build(
@@ -195,6 +197,7 @@ class InlinePlan:
                 return None
         plan.grad_enabled = torch.is_grad_enabled()
         for index, submodule in enumerate(module.modules()):
+            plan.module_types.append(type(submodule))
             for name, value in vars(submodule).items():
                 if not name.startswith("_") and isinstance(value, _CONSTANTS):
                     plan.attributes.append((index, name, value))
@@ -204,7 +207,8 @@ class InlinePlan:
         """What :meth:`matches` checks: two plans with the same conditions are two graphs
         that Dynamo told apart by state the plans do not see."""
         return (
-            self.arg_spec, self.arg_meta, self.state_meta, self.grad_enabled, self.attributes
+            self.arg_spec, self.arg_meta, self.state_meta, self.grad_enabled,
+            self.module_types, self.attributes,
         )  # fmt: skip
 
     # -- traced by the outer torch.compile ----------------------------------------------------
@@ -222,13 +226,19 @@ class InlinePlan:
                     return False
             elif isinstance(meta, tuple) or type(leaf) is not type(meta) or leaf != meta:
                 return False
-        for path, meta in self.state_meta:
-            if not _same_meta(_state(module, path), meta):
-                return False
         modules = list(module.modules())
+        if len(modules) != len(self.module_types):
+            return False
+        for submodule, kind in zip(modules, self.module_types, strict=True):
+            if type(submodule) is not kind:
+                return False
         for index, name, value in self.attributes:
-            current = getattr(modules[index], name)
+            current = getattr(modules[index], name, _MISSING)
             if type(current) is not type(value) or current != value:
+                return False
+        for path, meta in self.state_meta:
+            tensor = _state(module, path)
+            if not isinstance(tensor, Tensor) or not _same_meta(tensor, meta):
                 return False
         return True
 
@@ -249,10 +259,10 @@ class InlinePlan:
         return pytree.tree_unflatten(results, self.out_spec)
 
 
-def _state(module: nn.Module, path: tuple[str, ...]) -> Tensor:
+def _state(module: nn.Module, path: tuple[str, ...]) -> Any:
     value: Any = module
     for part in path:
-        value = getattr(value, part)
+        value = getattr(value, part, None)
     return value
 
 
