@@ -63,7 +63,7 @@ def whole_frame(module: nn.Module) -> bool:
     before the call modified, no hook registered). False where torch's internals do not say
     (a release without ``InstructionTranslator.current_tx``, ``f_code``, or
     ``SideEffects.id_to_variable``, ``is_modified``, ``tensor_hooks``, ``save_for_backward``,
-    as torch 2.8-2.13 have them)."""
+    as torch 2.8 to 2.14 have them)."""
     try:
         from torch._dynamo import external_utils
         from torch._dynamo.symbolic_convert import InstructionTranslator
