@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from unitscale.transforms import simulate_fp8, to_fp8, track_scales, unit_scale
+from unitscale.transforms import simulate_fp8, track_scales, unit_scale
 
 
 def test_a_transformed_sequential_indexes_iterates_and_has_a_length() -> None:
@@ -388,36 +388,8 @@ def test_a_module_dynamo_gives_up_on_leaves_later_transforms_whole(plain_first: 
         assert int(user_graphs) == 1
 
 
-@pytest.mark.parametrize("transform", [unit_scale, simulate_fp8, to_fp8])
-def test_torch_compile_of_a_transformed_model_breaks_only_at_its_boundary(
-    transform: object,
-) -> None:
-    """``torch.compile(to_fp8(m))`` broke its graph inside unitscale's wrapper (a bound
-    method built, a config patch, warnings: 5 breaks) and warned that nothing was
-    transformed. The transform now runs as one unit, where Dynamo would otherwise inline its
-    capture and drop the passes: the only break is that boundary, the output is the
-    transformed model's, and nothing warns."""
-    import warnings
-
-    from torch._dynamo.utils import counters
-
-    from unitscale.transforms.lowp import _gemm
-
-    if transform is to_fp8 and _gemm.float8_device_error("cpu") is not None:
-        pytest.skip(f"no float8 GEMM on this CPU: {_gemm.float8_device_error('cpu')}")
-    torch.manual_seed(0)
-    model = transform(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))  # type: ignore[operator]
-    x = torch.randn(16, 32)
-    expected = model(x)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = compiled(x)
-    reasons = list(counters["graph_break"])
-    assert reasons and all("_run_transformed" in r for r in reasons), reasons
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+# torch.compile of a transformed model, traced whole or behind its boundary: see
+# test_torch_compile_inline.py.
 
 
 def test_every_summary_accepts_what_torch_compile_returns() -> None:

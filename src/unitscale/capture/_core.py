@@ -42,8 +42,8 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._compat import compile_module, dynamo_recompile_limit
-from .._lazy_dynamo import disable
 from ..errors import CaptureError, UnitScaleError
+from ._inline import InlinePlans, compiled_forward
 from ._naming import _clean_module_path, _frame_module, _placeholder_kind, _positional_names
 from ._quiet import quiet_torch_logs
 from ._signature import signed_forward
@@ -111,6 +111,13 @@ class GraphPass:
     #: The qualified name of the submodule whose ops this pass transforms, or "" for every
     #: op. Set on the passes of a transformed child when a transform of its parent absorbs it.
     scope: str = ""
+
+    def inlinable(self, module: nn.Module) -> bool:
+        """Whether a ``torch.compile`` of ``module`` (the wrapped one) may trace the transformed
+        graph in place of the capture (``_inline.py``): all the pass does is in the graph, and
+        its call hooks only check and warn. False by default: the transform stays behind a
+        graph break."""
+        return False
 
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         """Return the graph module to run for ``piece`` (may modify ``gm`` in place)."""
@@ -303,6 +310,9 @@ class Capture:
         # compiled per backend.
         self._keyed = [p for p in owner.passes if type(p).state_key is not GraphPass.state_key]
         self._by_state: dict[Hashable, Callable[..., Any]] = {}
+        #: How a torch.compile of the module traces a graph that was a whole call inline.
+        passes = owner.passes
+        self.inline = InlinePlans(bool(passes) and all(p.inlinable(owner.module) for p in passes))
 
     def _compiled_for_state(self) -> Callable[..., Any]:
         if not self._keyed:
@@ -349,6 +359,7 @@ class Capture:
         # The graph as Dynamo gave it, for variants built later (sharing gm's attributes).
         template = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if keyed else None
         first = self._build_piece(gm, kinds, example_inputs, passes)
+        self.inline.note_piece(first[0].index, first[1], module)
         variants = {self._variant_key(first[0], keyed): first}
 
         def invoke(*args: Any) -> Any:
@@ -457,6 +468,10 @@ class Capture:
                 graph_pass.after_call(owner, self, out)
         if not any(getattr(p, "enabled", True) is False for p in self.owner_passes):
             self.last_trace = self.trace
+        if not marked:
+            self.inline.after_call(
+                self.owner_module, self.trace, self.produced, (args, kwargs, out)
+            )
         self.produced = {}
         return _VaryingSizes.unmark(out, marked) if marked else out
 
@@ -505,8 +520,8 @@ class TransformedModule(_Wrapper):
     # -- running ---------------------------------------------------------------------------
     @signed_forward  # inspect.signature(self.forward) is the wrapped module's (_signature.py)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # traced by a torch.compile: see _run_transformed
-            return _run_transformed(self, args, kwargs)
+        if torch.compiler.is_compiling():  # traced by a torch.compile: see _inline.py
+            return compiled_forward(self, args, kwargs)
         return self._transformed_forward(args, kwargs)
 
     def _transformed_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -575,14 +590,6 @@ class TransformedModule(_Wrapper):
 
     def extra_repr(self) -> str:
         return "passes=[" + ", ".join(type(p).__name__ for p in self.passes) + "]"
-
-
-@disable
-def _run_transformed(module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> Any:
-    """A transformed module's forward, run outside the trace of a ``torch.compile`` of it:
-    the transform is a capture of its own, with its backend (Dynamo would inline it and drop
-    the passes), so the user's graph breaks there, once."""
-    return module._transformed_forward(args, kwargs)
 
 
 def iter_tensors(tree: Any) -> Iterator[Tensor]:

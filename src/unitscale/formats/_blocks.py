@@ -105,6 +105,16 @@ class BlockStats:
     error: float
 
 
+class _Where:
+    """``unitscale.formats.<format>.<method>``, for errors: formatted only when one is raised."""
+
+    def __init__(self, fmt: BlockFormat, method: str) -> None:
+        self.fmt, self.method = fmt, method
+
+    def __str__(self) -> str:
+        return f"unitscale.formats.{self.fmt!r}.{self.method}"
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """A block-scaled number format: ``element`` values in blocks of ``block_size`` along one
@@ -262,7 +272,8 @@ class BlockFormat:
     ) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """``x`` in float32 as ``(..., blocks, block_size)`` with ``dim`` blocked last, and
         the function that puts a result of that shape back into ``x``'s shape and dtype."""
-        where = f"unitscale.formats.{self!r}.{method}"
+        # Only where it raises: TorchDynamo 2.8 cannot trace repr() of a frozen dataclass.
+        where = _Where(self, method)
         if not isinstance(x, Tensor):
             raise FormatError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _FLOAT_DTYPES:

@@ -32,7 +32,6 @@ pass holds only configuration.
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from collections.abc import Callable
@@ -76,12 +75,19 @@ def block_spec(fmt: BlockFormat) -> BlockSpec:
     return (element, fmt.block_size, fmt.scale_format, fmt.scale_mode, fmt.tensor_scale)
 
 
-@functools.lru_cache(maxsize=64)
+# The block formats of the specs seen (a dict, not functools.lru_cache: see _quantise.py).
+_BLOCKS: dict[BlockSpec, BlockFormat] = {}
+
+
 def _block_of(spec: BlockSpec) -> BlockFormat:
     from ._quantise import _format_of
 
-    element, size, scale_format, mode, tensor_scale = spec
-    return BlockFormat(_format_of(tuple(element)), size, scale_format, mode, tensor_scale)  # type: ignore[arg-type]
+    block = _BLOCKS.get(spec)
+    if block is None:
+        element, size, scale_format, mode, tensor_scale = spec
+        block = BlockFormat(_format_of(tuple(element)), size, scale_format, mode, tensor_scale)  # type: ignore[arg-type]
+        _BLOCKS[spec] = block
+    return block
 
 
 def _as_block(spec: BlockFormat | BlockSpec) -> BlockFormat:

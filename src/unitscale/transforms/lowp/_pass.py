@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
 
 from ...capture import (
     Capture,
@@ -206,6 +207,11 @@ class SimulateFormatPass(RewritePass):
 
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         return history_variant_key(self.scaling, piece, capture)
+
+    def inlinable(self, module: nn.Module) -> bool:
+        """True: the roundings are ops of the graph, and so are the updates of delayed
+        scaling's amax histories (buffers the graph updates in place); the call hooks warn."""
+        return True
 
     def after_call(self, module: TransformedModule, capture: Capture, output: Any) -> None:
         super().after_call(module, capture, output)

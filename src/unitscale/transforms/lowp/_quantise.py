@@ -10,7 +10,6 @@ only embed Python literals).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -34,9 +33,16 @@ def format_spec(fmt: FPFormat) -> FormatSpec:
     return spec if fmt.overflow == "saturate" else (*spec, fmt.overflow)
 
 
-@functools.lru_cache(maxsize=64)
-def _format_of(spec: FormatSpec) -> FPFormat:
-    return FPFormat(*spec)
+# The formats of the specs seen: a dict rather than functools.lru_cache, which Dynamo warns
+# about when it traces a transformed graph inside a user's torch.compile (and traces through).
+_FORMATS: dict[tuple[Any, ...], FPFormat] = {}
+
+
+def _format_of(spec: tuple[Any, ...]) -> FPFormat:
+    fmt = _FORMATS.get(spec)
+    if fmt is None:
+        fmt = _FORMATS[spec] = FPFormat(*spec)
+    return fmt
 
 
 def _as_format(spec: FPFormat | FormatSpec) -> FPFormat:

@@ -155,6 +155,17 @@ class ToFP8Pass(RewritePass):
     def variant_key(self, piece: Piece, capture: Capture) -> Hashable:
         return history_variant_key(self.scaling, piece, capture)
 
+    def inlinable(self, module: nn.Module) -> bool:
+        """True, as for ``simulate_fp8``, except where the weights are on a device whose
+        Inductor cannot compile the float8 casts (torch 2.8 on the CPU, see
+        :func:`~._scaled_mm.float8_compile_error`): a user's torch.compile would hand them
+        to Inductor (whose compiled backward crashed there), so the GEMMs stay behind the
+        boundary. (Weights that FSDP2 shards are not plain parameters: no plan takes them.)"""
+        from ._scaled_mm import float8_compile_error
+
+        devices = {param.device for param in module.parameters()}
+        return all(float8_compile_error(device) is None for device in devices)
+
     def transform(self, gm: fx.GraphModule, piece: Piece, capture: Capture) -> fx.GraphModule:
         sites = _Sites(gm, piece, capture, self.history_len, self.scaling == "delayed")
         converted: list[str] = []

@@ -185,6 +185,11 @@ class UnitScalePass(RewritePass):
         clone._kept = KeptWhole(self._kept.functions)
         return clone
 
+    def inlinable(self, module: nn.Module) -> bool:
+        """True: the rewrite is all in the graph (the residual weights of its one piece are
+        fixed); the call hooks keep the user's functions whole while Dynamo captures, and warn."""
+        return True
+
     def before_call(self, module: TransformedModule, args: tuple[Any, ...], kwargs: dict) -> None:
         super().before_call(module, args, kwargs)
         self._kept.enter()  # the user's functions of replace: kept whole by Dynamo
