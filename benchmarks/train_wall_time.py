@@ -45,6 +45,23 @@ def _load() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
+def _threads(options: list[str]) -> int:
+    """The torch threads ``unitscale train`` runs with: ``--threads N`` if given, else what
+    it picks from the load average (one per free core), computed as it does at the start."""
+    for i, option in enumerate(options):
+        if option == "--threads" and i + 1 < len(options):
+            return int(options[i + 1])
+        if option.startswith("--threads="):
+            return int(option.split("=", 1)[1])
+    from unitscale.cli._threads import pick_threads
+
+    default = torch.get_num_threads()
+    try:
+        return pick_threads(None, lambda line: None)
+    finally:
+        torch.set_num_threads(default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -57,6 +74,7 @@ def main() -> None:
         out = Path(tmp) / "out"
         command = [sys.executable, "-m", "unitscale", "train", "--out", str(out)]
         command += [*args.train_options, "--no-progress"]
+        threads = _threads(args.train_options)
         before, start_iso = _load(), _now()
         peak = before[0]
         start = time.perf_counter()
@@ -88,7 +106,7 @@ def main() -> None:
         "load_average_1min_peak_during": peak,
         "load_average_after": after,
         "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,
         "torch": torch.__version__,
         "idle": before[0] < 1.0 and peak <= (os.cpu_count() or 1) + 0.5,  # train itself: ~2
     }

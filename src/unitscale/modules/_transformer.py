@@ -417,7 +417,7 @@ class TransformerDecoder(nn.Module):
       (paper, Appendix G; ``residual_mult``, ``residual_attn_ratio``): it weights the
       embedding, the attention branches and the MLP branches a third each in the final
       stream at the default mults (weights: at initialisation the attention branches hold
-      more of the stream's variance, 0.49-0.95 measured at 2-8 layers and 32-256 tokens,
+      more of the stream's variance, 0.52-0.95 measured at 2-8 layers and 32-256 tokens,
       see docs/guide/umup.rst);
     * attention logits ``attn_mult * q.k / d_head`` (μP's ``1/d_head``, :class:`MHSA`);
     * the u-μP readout (``LinearReadout(mup=True)``: output multiplier ``1/fan_in``);
