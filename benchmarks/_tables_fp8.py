@@ -194,6 +194,21 @@ def _every_seed(per_seed: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def seed_gaps(entry: dict[str, Any]) -> str:
+    """A multi-seed run's gaps to its FP32 run (``results.json``'s entry): held-out, per seed
+    and what holds on every seed, then the final training loss."""
+    stats = entry["stats"]
+    per_seed = ", ".join(
+        f"{100 * v['heldout_vs_fp32']:+.2f}%" if v["heldout_vs_fp32"] is not None
+        else "diverged" for v in entry["per_seed"].values()
+    )  # fmt: skip
+    return (
+        f"held-out {_spread(stats['heldout_vs_fp32'], percent=True)} (per seed "
+        f"{per_seed}; {_every_seed(entry['per_seed'])}), final training loss "
+        f"{_spread(stats['train_vs_fp32'], percent=True)}"
+    )
+
+
 def _seeds_claims(document: dict[str, Any]) -> list[str]:
     """The FP8 claim from the multi-seed result: each FP8 run's gap to its own FP32 run, on
     the held-out and on the final training loss, mean ± spread over the seeds."""
@@ -201,16 +216,7 @@ def _seeds_claims(document: dict[str, Any]) -> list[str]:
     seeds = document["seeds"]
 
     def gaps(run: str) -> str:
-        stats = runs[run]["stats"]
-        per_seed = ", ".join(
-            f"{100 * v['heldout_vs_fp32']:+.2f}%" if v["heldout_vs_fp32"] is not None
-            else "diverged" for v in runs[run]["per_seed"].values()
-        )  # fmt: skip
-        return (
-            f"held-out {_spread(stats['heldout_vs_fp32'], percent=True)} (per seed "
-            f"{per_seed}; {_every_seed(runs[run]['per_seed'])}), final training loss "
-            f"{_spread(stats['train_vs_fp32'], percent=True)}"
-        )
+        return seed_gaps(runs[run])
 
     scaled = [r for r in _SCALED_RUNS if r in runs]
     lines = [
@@ -241,23 +247,33 @@ def fp8_claims() -> str:
     else:
         folder = paths.TRAIN / "hardware-recipe-seed0"
         lines = _one_seed_claims(folder)
-    timing = folder / "run.json"
-    if timing.exists():
-        run = json.loads(timing.read_text())
-        if "load_average_1min_peak_during" in run:
-            machine = (
-                "an idle machine"
-                if run.get("idle")
-                else "a machine shared with other work: not an idle-machine time"
-            )
-            lines.append(
-                f"- `{run['command']}` took {run['wall_s']:.0f} s from start to report "
-                f"({run['cpus']} cores, {run['torch_threads']} threads, 1-minute load "
-                f"{run['load_average_before'][0]:.1f} before, at most "
-                f"{run['load_average_1min_peak_during']:.1f} during it, itself included: "
-                f"{machine}; `{timing.relative_to(paths.ROOT)}`)."
-            )
+    timing = timing_line(folder)
+    if timing:
+        lines.append(timing)
     return "\n".join(lines)
+
+
+def timing_line(folder: Path) -> str:
+    """How long the ``unitscale train`` run committed in ``folder`` took, with its cores,
+    threads and load (``run.json`` of ``benchmarks/train_wall_time.py``); "" without one."""
+    timing = folder / "run.json"
+    if not timing.exists():
+        return ""
+    run = json.loads(timing.read_text())
+    if "load_average_1min_peak_during" not in run:
+        return ""
+    machine = (
+        "an idle machine"
+        if run.get("idle")
+        else "a machine shared with other work: not an idle-machine time"
+    )
+    return (
+        f"- `{run['command']}` took {run['wall_s']:.0f} s from start to report "
+        f"({run['cpus']} cores, {run['torch_threads']} threads, 1-minute load "
+        f"{run['load_average_before'][0]:.1f} before, at most "
+        f"{run['load_average_1min_peak_during']:.1f} during it, itself included: "
+        f"{machine}; `{timing.relative_to(paths.ROOT)}`)."
+    )
 
 
 def _one_seed_claims(folder: Path) -> list[str]:

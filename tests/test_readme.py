@@ -239,3 +239,61 @@ def test_fp8_table_and_claim_come_from_the_multi_seed_result(
     assert "on every seed within 2.00% of FP32, worst seed 7 +2.00%, spread +1.00% to" in claims
     assert "`plain-fp8-tensorwise` held-out +4.00% ± 1.41% [+3.00%, +5.00%]" in claims
     assert "over seeds 0, 7" in claims and "linear ops of both models" in claims
+
+
+def test_block_format_table_and_claims_come_from_the_multi_seed_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's block-format table (issue 44, item 4): FP32 runs first, then per format
+    the plain and the unit-scaled run, each gap against its own family's FP32 run of the same
+    seed, the transform as ``unitscale train`` applies it, and the claim's worst seed."""
+    import json
+
+    from unitscale.experiments._train_config import BLOCK_RUNS
+    from unitscale.experiments.training import RunResult, TrainConfig, seeds_document
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert readme_tables.block_table().startswith(("| format |", "No block-format result"))
+    # (held-out, train) per seed, in unitscale train's run order
+    losses = {
+        "plain-fp32": [(2.0, 1.0), (2.0, 1.0)],
+        "unit-scaled-fp32": [(1.0, 1.0), (2.0, 2.0)],
+        "plain-mxfp8": [(2.02, 1.0), (2.0, 1.0)],
+        "unit-scaled-mxfp8": [(1.01, 1.0), (2.06, 2.0)],
+        "plain-nvfp4": [(2.2, 1.1), (2.1, 1.1)],
+        "unit-scaled-nvfp4": [(1.05, 1.1), (2.0, 2.2)],
+    }
+    by_seed = {
+        seed: {n: RunResult(n, 0.5, [], {}, v[i][1], v[i][0]) for n, v in losses.items()}
+        for i, seed in enumerate((0, 3))
+    }
+    folder = tmp_path / "train" / readme_tables.BLOCK_FOLDER
+    folder.mkdir(parents=True)
+    document = seeds_document(by_seed, TrainConfig(steps=7, runs=tuple(losses)))
+    (folder / "results.json").write_text(json.dumps(document))
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", tmp_path / "train")
+    monkeypatch.setattr(readme_tables.paths, "ROOT", tmp_path)
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in readme_tables.block_table().splitlines()[2:]
+    ]
+    assert [row[1] for row in rows] == [
+        "plain-fp32", "unit-scaled-fp32", "plain-mxfp8", "unit-scaled-mxfp8", "plain-nvfp4",
+        "unit-scaled-nvfp4",
+    ]  # fmt: skip
+    by_run = {row[1]: row for row in rows}
+    assert by_run["unit-scaled-mxfp8"][0] == "MXFP8" and by_run["plain-fp32"][0] == "(FP32)"
+    assert by_run["unit-scaled-mxfp8"][6] == "+2.00% ± 1.41% [+1.00%, +3.00%]"
+    assert by_run["plain-mxfp8"][6] == "+0.50% ± 0.71% [+0.00%, +1.00%]"  # vs plain-fp32
+    assert by_run["unit-scaled-nvfp4"][7] == "+10.00% ± 0.00% [+10.00%, +10.00%]"
+    assert by_run["plain-nvfp4"][8] == f"`{BLOCK_RUNS['nvfp4']!r}`"
+    assert by_run["plain-fp32"][6:9] == ["", "", ""]
+    claims = readme_tables.block_claims()
+    assert "- **MXFP8**: the u-μP model against its own FP32 run: held-out +2.00%" in claims
+    assert "on every seed within 3.00% of FP32, worst seed 3 +3.00%" in claims
+    assert "**MXFP4**" not in claims  # no MXFP4 runs in this result
+    assert "over seeds 0, 3" in claims and "7 steps" in claims

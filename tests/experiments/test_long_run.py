@@ -270,8 +270,44 @@ def test_the_script_at_a_tiny_size_resumes_and_reports(
     ) in summary
     ranges = json.loads((out / "results.json").read_text())["scale_ranges"]["ops"]
     assert ranges["layers.0.mlp.up"]["weight"]["overflow_e4m3"]["seed0"]["max"] == 0.375
+    _the_readme_states_what_the_summary_states(out, monkeypatch)
 
     _an_interrupted_job_runs_again_alone(long_run, out, results, monkeypatch)
+
+
+def _the_readme_states_what_the_summary_states(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's long-run section (benchmarks/readme_tables.py) has every job's losses, each
+    gap to its own FP32 run, and the summary's statements, the fabricated overflow included."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    train = out.parent / "train"
+    train.mkdir()
+    (train / readme_tables.LONG_RUN_FOLDER).symlink_to(out)
+    monkeypatch.setattr(readme_tables.paths, "TRAIN", train)
+    monkeypatch.setattr(readme_tables.paths, "ROOT", out.parent)
+    table = readme_tables.long_run_table()
+    original = (out / "results.json").read_bytes()
+    results = json.loads(original)
+    fp8 = results["jobs"]["seed0"]["unit-scaled-fp8"]
+    gap = results["gaps_to_fp32"]["seed0"]["unit-scaled-fp8"]["heldout"]
+    row = next(line for line in table.splitlines() if line.startswith("| unit-scaled-fp8 |"))
+    assert row == (
+        f"| unit-scaled-fp8 | {fp8['final_train_loss']:.4f} / "
+        f"{fp8['final_heldout_loss']:.4f} | {gap:+.2%} | {gap:+.2%} |"
+    )
+    assert "| unit-scaled-fp32 |" in table and "20 steps, width 32, depth 1, heads 2" in table
+    summary = (out / "summary.txt").read_text()
+    statements = [line.removeprefix("- ") for line in table.splitlines() if line[:2] == "- "]
+    assert statements and all(line in summary for line in statements)
+    assert any(line.startswith("static unit scales did not stay in range") for line in statements)
+    (out / "results.json").write_text(json.dumps({**results, "complete": False,
+                                                  "missing_jobs": ["seed1/x"]}))  # fmt: skip
+    assert readme_tables.long_run_table().startswith("Not committed yet (1 jobs missing)")
+    (out / "results.json").write_bytes(original)
+    (train / readme_tables.LONG_RUN_FOLDER).unlink()
 
 
 def _an_interrupted_job_runs_again_alone(

@@ -1,0 +1,76 @@
+"""The long run's table and statements (static scales over 10,000 steps, issue 44 item 6),
+from ``benchmarks/results/train/long-run-10k/results.json`` as ``benchmarks/long_run.py``
+writes it; the statements are ``summary.txt``'s, computed by ``_long_run_report``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import _tables_common as paths
+from _long_run_report import statements
+
+LONG_RUN_FOLDER = "long-run-10k"
+
+
+def _document() -> dict[str, Any] | None:
+    path = paths.TRAIN / LONG_RUN_FOLDER / "results.json"
+    if not path.exists():
+        return None
+    document: dict[str, Any] = json.loads(path.read_text())
+    return document
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2%}"
+
+
+def _loss(value: float | None) -> str:
+    return "diverged" if value is None else f"{value:.4f}"
+
+
+def long_run_table() -> str:
+    """Per run, per seed: the final training and held-out loss and each low-precision run's
+    gap to its own FP32 run; then whether the static unit scales stayed in range and what
+    drifted (``statements``). Says so where the experiment is not committed or not complete."""
+    document = _document()
+    folder = (paths.TRAIN / LONG_RUN_FOLDER).relative_to(paths.ROOT)
+    if document is None or not document.get("complete"):
+        missing = "" if document is None else f" ({len(document['missing_jobs'])} jobs missing)"
+        return (
+            f"Not committed yet{missing}: `python benchmarks/long_run.py --jobs 2` writes "
+            f"`{folder}/`."
+        )
+    settings = document["settings"]
+    seeds = [f"seed{seed}" for seed in settings["seeds"]]
+    header = " | ".join(f"{seed} train / held-out | {seed} held-out vs FP32" for seed in seeds)
+    lines = [
+        f"| run | {header} | held-out vs FP32, mean |",
+        "|---|" + "--:|--:|" * len(seeds) + "--:|",
+    ]
+    for kind in settings["kinds"]:
+        cells, gaps = [], []
+        for seed in seeds:
+            job = document["jobs"][seed][kind]
+            gap = document["gaps_to_fp32"].get(seed, {}).get(kind, {}).get("heldout")
+            gaps += [] if gap is None else [gap]
+            cells.append(
+                f"{_loss(job['final_train_loss'])} / {_loss(job['final_heldout_loss'])} "
+                f"| {_percent(gap) if kind in document['gaps_to_fp32'][seed] else ''}"
+            )
+        mean = _percent(sum(gaps) / len(gaps)) if len(gaps) == len(seeds) else ""
+        lines.append(f"| {kind} | {' | '.join(cells)} | {mean} |")
+    lines += [
+        "",
+        f"{settings['steps']} steps, width {settings['width']}, depth {settings['depth']}, "
+        f"heads {settings['heads']}, batch {settings['batch_size']} x {settings['seq_len']}, "
+        f"plain lr {settings['lr_plain']}, u-μP lr `unitscale train`'s default, hardware "
+        "recipe on the linear ops; "
+        f"`{folder}/results.json`, `overflow_underflow.png`, `loss_curves.png`. The "
+        f"`{document['scale_ranges']['run']}` run's linear ops, monitored every "
+        f"{settings['monitor_every']} steps (computed from those numbers by "
+        "`benchmarks/_long_run_report.py`):",
+        "",
+    ]
+    lines += [f"- {line}" for line in statements(document["scale_ranges"])]
+    return "\n".join(lines)
