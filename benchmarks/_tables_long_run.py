@@ -5,6 +5,7 @@ writes it; the statements are ``summary.txt``'s, computed by ``_long_run_report`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import _tables_common as paths
@@ -29,10 +30,24 @@ def _loss(value: float | None) -> str:
     return "diverged" if value is None else f"{value:.4f}"
 
 
+def _lowest_heldout(path: Path) -> str:
+    """The lowest held-out loss of a job's ``losses.csv`` and its step (where the run
+    started to overfit the bundled text, if before the end)."""
+    import csv
+
+    with path.open(newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row["heldout_loss"]]
+    if not rows:
+        return "n/a"
+    best = min(rows, key=lambda row: float(row["heldout_loss"]))
+    return f"{float(best['heldout_loss']):.4f} ({best['step']})"
+
+
 def long_run_table() -> str:
-    """Per run, per seed: the final training and held-out loss and each low-precision run's
-    gap to its own FP32 run; then whether the static unit scales stayed in range and what
-    drifted (``statements``). Says so where the experiment is not committed or not complete."""
+    """Per run, per seed: the final training and held-out loss, the lowest held-out loss and
+    its step, and each low-precision run's gaps to its own FP32 run; then whether the static
+    unit scales stayed in range and what drifted (``statements``). Says so where the
+    experiment is not committed or not complete."""
     document = _document()
     folder = (paths.TRAIN / LONG_RUN_FOLDER).relative_to(paths.ROOT)
     if document is None or not document.get("complete"):
@@ -43,22 +58,32 @@ def long_run_table() -> str:
         )
     settings = document["settings"]
     seeds = [f"seed{seed}" for seed in settings["seeds"]]
-    header = " | ".join(f"{seed} train / held-out | {seed} held-out vs FP32" for seed in seeds)
+    header = " | ".join(
+        f"{seed}: final train / held-out | lowest held-out (step) | vs FP32: held-out / train"
+        for seed in seeds
+    )
     lines = [
-        f"| run | {header} | held-out vs FP32, mean |",
-        "|---|" + "--:|--:|" * len(seeds) + "--:|",
+        f"| run | {header} | vs FP32, mean: held-out / train |",
+        "|---|" + "--:|--:|--:|" * len(seeds) + "--:|",
     ]
     for kind in settings["kinds"]:
-        cells, gaps = [], []
+        cells, gaps = [], {"heldout": [], "train": []}
         for seed in seeds:
             job = document["jobs"][seed][kind]
-            gap = document["gaps_to_fp32"].get(seed, {}).get(kind, {}).get("heldout")
-            gaps += [] if gap is None else [gap]
+            lowest = _lowest_heldout(paths.TRAIN / LONG_RUN_FOLDER / seed / kind / "losses.csv")
+            entry = document["gaps_to_fp32"].get(seed, {}).get(kind)
+            gap = ""
+            if entry is not None:
+                gap = f"{_percent(entry['heldout'])} / {_percent(entry['train'])}"
+                for which in gaps:
+                    gaps[which] += [] if entry[which] is None else [entry[which]]
             cells.append(
                 f"{_loss(job['final_train_loss'])} / {_loss(job['final_heldout_loss'])} "
-                f"| {_percent(gap) if kind in document['gaps_to_fp32'][seed] else ''}"
+                f"| {lowest} | {gap}"
             )
-        mean = _percent(sum(gaps) / len(gaps)) if len(gaps) == len(seeds) else ""
+        mean = ""
+        if all(len(values) == len(seeds) for values in gaps.values()):
+            mean = " / ".join(_percent(sum(v) / len(v)) for v in gaps.values())
         lines.append(f"| {kind} | {' | '.join(cells)} | {mean} |")
     lines += [
         "",

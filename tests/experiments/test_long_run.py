@@ -292,11 +292,17 @@ def _the_readme_states_what_the_summary_states(out: Path, monkeypatch: pytest.Mo
     original = (out / "results.json").read_bytes()
     results = json.loads(original)
     fp8 = results["jobs"]["seed0"]["unit-scaled-fp8"]
-    gap = results["gaps_to_fp32"]["seed0"]["unit-scaled-fp8"]["heldout"]
+    gap = results["gaps_to_fp32"]["seed0"]["unit-scaled-fp8"]
+    curve = pd.read_csv(out / "seed0" / "unit-scaled-fp8" / "losses.csv").dropna(
+        subset=["heldout_loss"]
+    )
+    lowest = curve.loc[curve["heldout_loss"].idxmin()]
+    gaps = f"{gap['heldout']:+.2%} / {gap['train']:+.2%}"
     row = next(line for line in table.splitlines() if line.startswith("| unit-scaled-fp8 |"))
     assert row == (
         f"| unit-scaled-fp8 | {fp8['final_train_loss']:.4f} / "
-        f"{fp8['final_heldout_loss']:.4f} | {gap:+.2%} | {gap:+.2%} |"
+        f"{fp8['final_heldout_loss']:.4f} | {lowest['heldout_loss']:.4f} "
+        f"({int(lowest['step'])}) | {gaps} | {gaps} |"
     )
     assert "| unit-scaled-fp32 |" in table and "20 steps, width 32, depth 1, heads 2" in table
     summary = (out / "summary.txt").read_text()
