@@ -1,5 +1,5 @@
 """The block-scaled formats table and its claims, from the multi-seed ``unitscale train`` run
-committed under ``benchmarks/results/train/block-formats-seeds`` (issue 44, item 4): the
+committed under ``benchmarks/results/train/block-formats-seeds``: the
 plain and the unit-scaled model in MXFP8, MXFP4 and NVFP4, each against its own FP32 run of
 the same seed, on both losses."""
 

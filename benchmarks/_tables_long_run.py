@@ -1,4 +1,4 @@
-"""The long run's table and statements (static scales over 10,000 steps, issue 44 item 6),
+"""The long run's table and statements (static scales over 10,000 steps),
 from ``benchmarks/results/train/long-run-10k/results.json`` as ``benchmarks/long_run.py``
 writes it; the statements are ``summary.txt``'s, computed by ``_long_run_report``."""
 

@@ -244,7 +244,7 @@ def test_fp8_table_and_claim_come_from_the_multi_seed_result(
 def test_block_format_table_and_claims_come_from_the_multi_seed_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's block-format table (issue 44, item 4): FP32 runs first, then per format
+    """The README's block-format table: FP32 runs first, then per format
     the plain and the unit-scaled run, each gap against its own family's FP32 run of the same
     seed, the transform as ``unitscale train`` applies it, and the claim's worst seed."""
     import json
