@@ -5,7 +5,6 @@ the same seed, on both losses."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import _tables_common as paths
@@ -21,11 +20,7 @@ FORMATS = ("mxfp8", "mxfp4", "nvfp4")
 
 
 def _document() -> dict[str, Any] | None:
-    path = paths.TRAIN / BLOCK_FOLDER / "results.json"
-    if not path.exists():
-        return None
-    document: dict[str, Any] = json.loads(path.read_text())
-    return document
+    return paths.train_results(BLOCK_FOLDER)
 
 
 def _recipes() -> dict[str, str]:

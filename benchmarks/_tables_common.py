@@ -6,6 +6,7 @@ point them at a folder of its own with one ``monkeypatch.setattr``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,15 @@ TRANSFER = RESULTS / "transfer" / "transfer.json"
 TRANSFER_DEPTH = RESULTS / "transfer-depth" / "transfer.json"
 TRANSFER_LLAMA = RESULTS / "transfer-llama" / "transfer.json"
 COORD_CHECK = RESULTS / "coord_check.json"
+
+
+def train_results(folder: str) -> dict[str, Any] | None:
+    """The ``results.json`` committed in ``TRAIN/folder`` (None until one is committed)."""
+    path = TRAIN / folder / "results.json"
+    if not path.exists():
+        return None
+    document: dict[str, Any] = json.loads(path.read_text())
+    return document
 
 
 def _load(run: dict[str, Any]) -> str:

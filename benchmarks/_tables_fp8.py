@@ -61,11 +61,7 @@ LEGACY_OPS = "all matmuls"
 
 def _seeds_document() -> dict[str, Any] | None:
     """The committed multi-seed ``results.json`` (None until one is committed)."""
-    path = paths.TRAIN / SEEDS_FOLDER / "results.json"
-    if not path.exists():
-        return None
-    document: dict[str, Any] = json.loads(path.read_text())
-    return document
+    return paths.train_results(SEEDS_FOLDER)
 
 
 def _gap(row: dict[str, Any], base: dict[str, Any], key: str) -> float:
@@ -215,16 +211,17 @@ def _seeds_claims(document: dict[str, Any]) -> list[str]:
     runs = document["runs"]
     seeds = document["seeds"]
 
-    def gaps(run: str) -> str:
-        return seed_gaps(runs[run])
-
     scaled = [r for r in _SCALED_RUNS if r in runs]
     lines = [
         f"- **The u-μP model in simulated FP8 with no per-tensor scales, against its own FP32 "
-        f"run: {gaps('unit-scaled-fp8')}**; the plain model under per-tensor scaling, each "
-        f"against the plain FP32 run of the same seed: "
-        + "; ".join(f"`{run}` {gaps(run)}" for run in scaled)
-        + (f"; with no scaling `plain-fp8` {gaps('plain-fp8')}" if "plain-fp8" in runs else "")
+        f"run: {seed_gaps(runs['unit-scaled-fp8'])}**; the plain model under per-tensor "
+        "scaling, each against the plain FP32 run of the same seed: "
+        + "; ".join(f"`{run}` {seed_gaps(runs[run])}" for run in scaled)
+        + (
+            f"; with no scaling `plain-fp8` {seed_gaps(runs['plain-fp8'])}"
+            if "plain-fp8" in runs
+            else ""
+        )
         + f" (mean ± sample standard deviation [min, max] over seeds "
         f"{', '.join(map(str, seeds))}; {document['fp8_recipe']} recipe on the "
         f"{document['fp8_ops']} ops of both models; one model size: evidence, not a "

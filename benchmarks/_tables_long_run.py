@@ -4,7 +4,6 @@ writes it; the statements are ``summary.txt``'s, computed by ``_long_run_report`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,7 @@ LONG_RUN_FOLDER = "long-run-10k"
 
 
 def _document() -> dict[str, Any] | None:
-    path = paths.TRAIN / LONG_RUN_FOLDER / "results.json"
-    if not path.exists():
-        return None
-    document: dict[str, Any] = json.loads(path.read_text())
-    return document
+    return paths.train_results(LONG_RUN_FOLDER)
 
 
 def _percent(value: float | None) -> str:
